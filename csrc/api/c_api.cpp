@@ -1,0 +1,209 @@
+// The C ABI: validation, then one dispatch table per op.
+#include <cmath>
+#include <cstring>
+#include <string>
+
+#include "common/error.h"
+#include "common/parallel.h"
+#include "common/problem.h"
+#include "cpu/cpu_backend.h"
+#include "cuda/cuda_ops.h"
+#include "reference/reference.h"
+
+#ifndef CULA_VERSION_STRING
+#define CULA_VERSION_STRING "0.0.0"
+#endif
+#ifndef CULA_CUDA_ARCHS
+#define CULA_CUDA_ARCHS ""
+#endif
+
+namespace cula {
+namespace {
+
+// One row of a dispatch table: which backend, on which device, runs what.
+template <typename Args>
+struct Kernel {
+  int32_t backend;
+  int32_t device_type;
+  const char* name;
+  void (*run)(const Recurrence&, const Args&);
+};
+
+// Tables are ordered best first; AUTO takes the first row for the tensors' device.
+const Kernel<cula_chunk_fwd_args> kChunkFwd[] = {
+    {CULA_BACKEND_CPU, CULA_CPU, "cpu", cpu_chunk_fwd},
+    {CULA_BACKEND_ORACLE, CULA_CPU, "reference", reference_chunk_fwd},
+};
+const Kernel<cula_decode_args> kDecode[] = {
+    {CULA_BACKEND_CPU, CULA_CPU, "cpu", cpu_decode},
+    {CULA_BACKEND_ORACLE, CULA_CPU, "reference", reference_decode},
+};
+const Kernel<cula_chunk_bwd_args> kChunkBwd[] = {
+    {CULA_BACKEND_ORACLE, CULA_CPU, "reference", reference_chunk_bwd},
+};
+
+const char* backend_name(int32_t b) {
+  switch (b) {
+    case CULA_BACKEND_ORACLE: return "ORACLE";
+    case CULA_BACKEND_CPU: return "CPU";
+    case CULA_BACKEND_CUDA: return "CUDA";
+    default: return "AUTO";
+  }
+}
+
+template <typename Args, size_t N>
+const Kernel<Args>* select(const Kernel<Args> (&table)[N], const char* op, const Recurrence& r, int32_t backend,
+                           int32_t device_type) {
+  for (const auto& k : table) {
+    if (backend == CULA_BACKEND_AUTO ? k.device_type == device_type : k.backend == backend) {
+      if (k.device_type != device_type)
+        throw_arg(op, "backend", std::string("a backend for ") + (device_type == CULA_CUDA ? "CUDA" : "host") + " tensors",
+                  std::string(backend_name(backend)) + ", which runs on " + (k.device_type == CULA_CUDA ? "CUDA" : "host") + " tensors");
+      return &k;
+    }
+  }
+  throw_unsupported(op, std::string("no ") + backend_name(backend) + " kernel in this build runs " + r.tr.name + " on " +
+                            (device_type == CULA_CUDA ? "CUDA tensors yet; use host tensors (the CPU backend)"
+                                                      : "host tensors"));
+}
+
+template <typename Args, size_t N>
+const char* first_name(const Kernel<Args> (&table)[N], int32_t device_type) {
+  for (const auto& k : table)
+    if (k.device_type == device_type) return k.name;
+  return "none";
+}
+
+}  // namespace
+}  // namespace cula
+
+using namespace cula;
+
+extern "C" {
+
+cula_status cula_chunk_fwd(const cula_chunk_fwd_args* args) {
+  return guarded([&] {
+    if (!args) throw_arg("chunk_fwd", "args", "a pointer to cula_chunk_fwd_args", "NULL");
+    const Recurrence r = validate_chunk_fwd(*args);
+    select(kChunkFwd, "chunk_fwd", r, args->opt.backend, args->q->device_type)->run(r, *args);
+  });
+}
+
+cula_status cula_decode(const cula_decode_args* args) {
+  return guarded([&] {
+    if (!args) throw_arg("decode", "args", "a pointer to cula_decode_args", "NULL");
+    const Recurrence r = validate_decode(*args);
+    select(kDecode, "decode", r, args->opt.backend, args->q->device_type)->run(r, *args);
+  });
+}
+
+cula_status cula_chunk_bwd(const cula_chunk_bwd_args* args) {
+  return guarded([&] {
+    if (!args) throw_arg("chunk_bwd", "args", "a pointer to cula_chunk_bwd_args", "NULL");
+    const Recurrence r = validate_chunk_bwd(*args);
+    select(kChunkBwd, "chunk_bwd", r, args->opt.backend, args->q->device_type)->run(r, *args);
+  });
+}
+
+cula_status cula_kda_gate(const cula_kda_gate_args* args) {
+  return guarded([&] {
+    const char* op = "kda_gate";
+    if (!args) throw_arg(op, "args", "a pointer to cula_kda_gate_args", "NULL");
+    const cula_kda_gate_args& a = *args;
+    if (a.struct_size < sizeof(cula_kda_gate_args))
+      throw_arg(op, "args.struct_size", ">= " + std::to_string(sizeof(cula_kda_gate_args)), std::to_string(a.struct_size));
+    if (!a.g) throw_arg(op, "g", "a tensor [B, T, HV, K]", "None");
+    if (a.g->ndim != 4 || !is_float_dtype(a.g->dtype)) throw_arg(op, "g", "a 4-D floating-point tensor [B, T, HV, K]", describe(a.g));
+    const int64_t HV = a.g->shape[2], K = a.g->shape[3];
+    const int32_t dev = a.g->device_type, dev_id = a.g->device_id;
+    auto same_device = [&](const cula_tensor* t, const char* name) {
+      if (t->device_type != dev || (dev == CULA_CUDA && t->device_id != dev_id))
+        throw_arg(op, name, "a tensor on the device of g (" + describe(a.g) + ")", describe(t));
+    };
+    auto fp32_vector = [&](const cula_tensor* t, const char* name) {
+      same_device(t, name);
+      if (t->dtype != CULA_FLOAT32 || !is_contiguous(*t)) throw_arg(op, name, "a contiguous float32 tensor", describe(t));
+    };
+    if (a.opt.has_lower_bound && !(std::isfinite(a.opt.lower_bound) && a.opt.lower_bound < 0))
+      throw_arg(op, "lower_bound", "a finite negative number", std::to_string(a.opt.lower_bound));
+    if (a.opt.safe_gate && !(a.opt.has_lower_bound && a.opt.lower_bound >= -5.0))
+      throw_arg(op, "lower_bound", "a value in [-5, 0) with safe_gate=True",
+                a.opt.has_lower_bound ? std::to_string(a.opt.lower_bound) : std::string("None"));
+    if (!a.A_log && !a.opt.has_lower_bound) throw_arg(op, "A_log", "a tensor [HV] when lower_bound is None", "None");
+    if (a.A_log) {
+      fp32_vector(a.A_log, "A_log");
+      if (a.A_log->ndim != 1 || a.A_log->shape[0] != HV)
+        throw_arg(op, "A_log", "shape [HV] = [" + std::to_string(HV) + "]", "shape " + shape_string(*a.A_log));
+    }
+    if (a.dt_bias) {
+      fp32_vector(a.dt_bias, "dt_bias");
+      const bool ok = (a.dt_bias->ndim == 1 && a.dt_bias->shape[0] == HV * K) ||
+                      (a.dt_bias->ndim == 2 && a.dt_bias->shape[0] == HV && a.dt_bias->shape[1] == K);
+      if (!ok)
+        throw_arg(op, "dt_bias", "shape [HV*K] = [" + std::to_string(HV * K) + "] or [HV, K]", "shape " + shape_string(*a.dt_bias));
+    }
+    if (!a.g_out) throw_arg(op, "g_out", "an output tensor shaped like g", "None");
+    same_device(a.g_out, "g_out");
+    bool same_shape = a.g_out->ndim == 4;
+    for (int i = 0; same_shape && i < 4; ++i) same_shape = a.g_out->shape[i] == a.g->shape[i];
+    if (!same_shape) throw_arg(op, "g_out", "the shape of g " + shape_string(*a.g), "shape " + shape_string(*a.g_out));
+    if (a.g_out->dtype != CULA_FLOAT32 && a.g_out->dtype != CULA_BFLOAT16)
+      throw_arg(op, "g_out", "a float32 or bfloat16 tensor", describe(a.g_out));
+    if (!is_contiguous(*a.g_out)) throw_arg(op, "g_out", "a contiguous output buffer", "a strided view");
+    const int32_t backend = a.opt.backend == CULA_BACKEND_AUTO ? (dev == CULA_CUDA ? CULA_BACKEND_CUDA : CULA_BACKEND_CPU)
+                                                               : a.opt.backend;
+    if (backend == CULA_BACKEND_CUDA) {
+      if (dev != CULA_CUDA) throw_arg(op, "backend", "a host backend for host tensors", "CUDA");
+      if (!is_contiguous(*a.g)) throw_arg(op, "g", "a contiguous tensor for the CUDA kernel", "a strided view");
+      cuda_kda_gate(a, HV, K);
+    } else {
+      if (dev != CULA_CPU) throw_arg(op, "backend", "CUDA (or AUTO) for CUDA tensors", backend_name(backend));
+      cpu_kda_gate(a, *a.g, HV, K);
+    }
+  });
+}
+
+const char* cula_last_error(void) { return last_error(); }
+const char* cula_version(void) { return CULA_VERSION_STRING; }
+int32_t cula_abi_version(void) { return CULA_ABI_VERSION; }
+
+const char* cula_build_info(void) {
+  static const std::string info = std::string("cula ") + CULA_VERSION_STRING + "; C++ " +
+#if defined(__clang__)
+                                  "clang " __clang_version__
+#elif defined(__GNUC__)
+                                  "gcc " __VERSION__
+#else
+                                  "unknown compiler"
+#endif
+                                  + "; CUDA architectures: " + CULA_CUDA_ARCHS;
+  return info.c_str();
+}
+
+int32_t cula_cuda_device_count(void) { return cuda_device_count(); }
+
+cula_status cula_cuda_device_info(int32_t device, char* buf, size_t buf_len) {
+  return guarded([&] {
+    std::string s;
+    if (device < 0 || device >= cuda_device_count() || !cuda_device_info(device, s))
+      throw_arg("cuda_device_info", "device", "an index below " + std::to_string(cuda_device_count()), std::to_string(device));
+    if (buf && buf_len) {
+      std::strncpy(buf, s.c_str(), buf_len - 1);
+      buf[buf_len - 1] = 0;
+    }
+  });
+}
+
+const char* cula_backend_for(const char* op, int32_t device_type, int32_t family) {
+  (void)family;
+  const std::string o = op ? op : "";
+  if (o == "chunk_fwd") return first_name(kChunkFwd, device_type);
+  if (o == "decode") return first_name(kDecode, device_type);
+  if (o == "chunk_bwd") return first_name(kChunkBwd, device_type);
+  if (o == "kda_gate") return device_type == CULA_CUDA ? "cuda" : "cpu";
+  return "none";
+}
+
+void cula_set_num_threads(int32_t n) { set_num_threads(n); }
+
+}  // extern "C"

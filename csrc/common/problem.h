@@ -1,0 +1,138 @@
+// The validated description of one recurrence call, shared by every backend.
+//
+// All five families are one recurrence (SPEC §2) with two switches: how the log-decay a_t is
+// shaped (per channel, scalar, or a constant per head) and whether the delta rule applies.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "common/tensor.h"
+#include "cula/cula.h"
+
+namespace cula {
+
+enum class GateKind { PerChannel, Scalar, Constant };
+
+struct FamilyTraits {
+  GateKind gate;
+  bool delta;
+  const char* name;
+};
+
+FamilyTraits family_traits(int32_t family);  // throws on an unknown family
+
+// Scalar formulas of SPEC §2, shared by the reference and the fast paths.
+template <typename R>
+inline R softplus(R x) {  // FLA's threshold: identity above 20
+  return x > R(20) ? x : std::log1p(std::exp(x));
+}
+template <typename R>
+inline R sigmoid(R x) {
+  return R(1) / (R(1) + std::exp(-x));
+}
+constexpr double kL2NormEps = 1e-6;
+
+struct Recurrence {
+  const char* entry = "";
+  int32_t family = CULA_KDA;
+  FamilyTraits tr{};
+  int64_t B = 0, T = 0, H = 0, HV = 0, K = 0, V = 0;
+  int64_t N = 0;                    // sequences
+  std::vector<int64_t> seq_start;   // N+1 offsets into the flattened B*T tokens
+  double scale = 1.0;
+  bool l2norm = false, gate_in_kernel = false, has_lb = false, beta_sigmoid = false, neg_eig = false;
+  double lb = 0.0;
+  int32_t state_layout = CULA_STATE_K_LAST;
+  View q, k, v, g, beta, decay, A_log, dt_bias;
+  int64_t decay_heads = 0;  // H or HV for Lightning
+  bool dt_bias_per_channel = false;  // [HV*K]/[HV,K] (KDA) or [HV] (GDN)
+
+  int64_t group() const { return HV / H; }
+  int64_t seq_len(int64_t n) const { return seq_start[n + 1] - seq_start[n]; }
+  // flattened token f -> (b, t)
+  int64_t tb(int64_t f) const { return f / T; }
+  int64_t tt(int64_t f) const { return f % T; }
+
+  // State element (i over K, j over V) offset inside one [HV, ...] state block.
+  int64_t state_off(const cula_tensor& s, int64_t slot, int64_t hv, int64_t i, int64_t j) const {
+    return state_layout == CULA_STATE_K_LAST
+               ? slot * s.strides[0] + hv * s.strides[1] + j * s.strides[2] + i * s.strides[3]
+               : slot * s.strides[0] + hv * s.strides[1] + i * s.strides[2] + j * s.strides[3];
+  }
+
+  // Preprocessed inputs of flattened token f for value head hv (SPEC §2):
+  //   qo = scale * (l2norm?)(q), ko = (l2norm?)(k), ao = log-decay (K entries; scalar
+  //   and constant gates are broadcast), returns beta (1 for non-delta families).
+  template <typename R>
+  R load_token(int64_t f, int64_t hv, R* qo, R* ko, R* ao) const {
+    const int64_t b = tb(f), t = tt(f), h = hv / group();
+    R qn = 0, kn = 0;
+    for (int64_t i = 0; i < K; ++i) {
+      qo[i] = static_cast<R>(q.at(b, t, h, i));
+      ko[i] = static_cast<R>(k.at(b, t, h, i));
+      qn += qo[i] * qo[i];
+      kn += ko[i] * ko[i];
+    }
+    R qs = static_cast<R>(scale), ks = 1;
+    if (l2norm) {
+      qs /= std::sqrt(qn + static_cast<R>(kL2NormEps));
+      ks /= std::sqrt(kn + static_cast<R>(kL2NormEps));
+    }
+    for (int64_t i = 0; i < K; ++i) {
+      qo[i] *= qs;
+      ko[i] *= ks;
+    }
+    load_gate(b, t, hv, ao);
+    return load_beta<R>(b, t, hv);
+  }
+
+  template <typename R>
+  void load_gate(int64_t b, int64_t t, int64_t hv, R* ao) const {
+    if (tr.gate == GateKind::Constant) {
+      const R a = -static_cast<R>(decay.at(decay_heads == HV ? hv : hv / group()));
+      for (int64_t i = 0; i < K; ++i) ao[i] = a;
+      return;
+    }
+    const bool per_channel = tr.gate == GateKind::PerChannel;
+    const int64_t n_raw = per_channel ? K : 1;
+    for (int64_t i = 0; i < n_raw; ++i) {
+      R x = static_cast<R>(per_channel ? g.at(b, t, hv, i) : g.at(b, t, hv));
+      if (gate_in_kernel) x = gate_activation<R>(x, hv, i);
+      ao[i] = x;
+    }
+    if (!per_channel)
+      for (int64_t i = 1; i < K; ++i) ao[i] = ao[0];
+  }
+
+  // a = -exp(A_log) softplus(x + dt_bias), or lb * sigmoid(exp(A_log) (x + dt_bias)) with a lower bound.
+  template <typename R>
+  R gate_activation(R x, int64_t hv, int64_t i) const {
+    if (dt_bias) x += static_cast<R>(dt_bias_per_channel ? dt_bias.at(hv * K + i) : dt_bias.at(hv));
+    if (has_lb) {
+      const R z = A_log ? std::exp(static_cast<R>(A_log.at(hv))) * x : x;
+      return static_cast<R>(lb) * sigmoid(z);
+    }
+    return -std::exp(static_cast<R>(A_log.at(hv))) * softplus(x);
+  }
+
+  template <typename R>
+  R load_beta(int64_t b, int64_t t, int64_t hv) const {
+    if (!tr.delta) return R(1);
+    R x = static_cast<R>(beta.at(b, t, hv));
+    if (beta_sigmoid) x = (neg_eig ? R(2) : R(1)) * sigmoid(x);
+    return x;
+  }
+};
+
+// Validates a cula_chunk_fwd / cula_decode / cula_chunk_bwd call and builds its description.
+// Tensors must be on `device_type` (the backend's device); index tensors cu_seqlens may be on
+// the host as well.
+Recurrence validate_chunk_fwd(const cula_chunk_fwd_args& a);
+Recurrence validate_decode(const cula_decode_args& a);
+Recurrence validate_chunk_bwd(const cula_chunk_bwd_args& a);
+
+int64_t chunk_count(const Recurrence& r, int64_t chunk);  // sum over sequences of ceil(len / chunk)
+
+}  // namespace cula

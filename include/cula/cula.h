@@ -1,0 +1,240 @@
+/*
+ * cula C ABI: the only door into the engine.
+ *
+ * Every entry takes an argument struct whose first field is its own size (so
+ * the struct can grow without breaking old callers), validates every tensor
+ * it is given, and returns a status. On failure, cula_last_error() returns a
+ * message that names the argument, what was expected and what was given; no
+ * output buffer is written unless the call returns CULA_OK.
+ *
+ * Tensors are views: pointer, dtype, shape, strides (in elements) and device.
+ * A NULL tensor pointer means "argument not given".
+ */
+#ifndef CULA_CULA_H_
+#define CULA_CULA_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define CULA_API __declspec(dllexport)
+#else
+#define CULA_API __attribute__((visibility("default")))
+#endif
+
+#define CULA_ABI_VERSION 1
+#define CULA_MAX_DIMS 6
+
+typedef enum cula_status {
+  CULA_OK = 0,
+  CULA_ERROR_INVALID_ARGUMENT = 1, /* a bad shape, dtype, device, stride, index or option */
+  CULA_ERROR_UNSUPPORTED = 2,      /* valid input that the chosen backend cannot run */
+  CULA_ERROR_CUDA = 3,             /* a CUDA runtime error */
+  CULA_ERROR_INTERNAL = 4
+} cula_status;
+
+/* Numeric codes follow DLPack's (type code << 8 | bits) so bindings can map them directly. */
+typedef enum cula_dtype {
+  CULA_INT32 = (0 << 8) | 32,
+  CULA_INT64 = (0 << 8) | 64,
+  CULA_FLOAT16 = (2 << 8) | 16,
+  CULA_FLOAT32 = (2 << 8) | 32,
+  CULA_FLOAT64 = (2 << 8) | 64,
+  CULA_BFLOAT16 = (4 << 8) | 16
+} cula_dtype;
+
+/* Device types follow DLPack: 1 = CPU, 2 = CUDA. */
+typedef enum cula_device_type { CULA_CPU = 1, CULA_CUDA = 2 } cula_device_type;
+
+typedef struct cula_tensor {
+  void* data;
+  int32_t dtype;       /* cula_dtype */
+  int32_t ndim;
+  int64_t shape[CULA_MAX_DIMS];
+  int64_t strides[CULA_MAX_DIMS]; /* in elements */
+  int32_t device_type; /* cula_device_type */
+  int32_t device_id;
+} cula_tensor;
+
+typedef enum cula_family {
+  CULA_KDA = 0,        /* per-channel gate, delta rule */
+  CULA_GDN = 1,        /* scalar gate, delta rule (Gated DeltaNet) */
+  CULA_GLA = 2,        /* per-channel gate, no delta */
+  CULA_SIMPLE_GLA = 3, /* scalar gate, no delta */
+  CULA_LIGHTNING = 4   /* constant per-head decay, no delta */
+} cula_family;
+
+/* Recurrent state layout per (sequence, value head). */
+typedef enum cula_state_layout {
+  CULA_STATE_K_LAST = 0, /* [.., HV, V, K]: the RFC's canonical layout (Level 1, decode pools) */
+  CULA_STATE_K_FIRST = 1 /* [.., HV, K, V]: FLA's default */
+} cula_state_layout;
+
+typedef enum cula_backend {
+  CULA_BACKEND_AUTO = 0,   /* best available for the tensors' device */
+  CULA_BACKEND_ORACLE = 1, /* float64 CPU recurrence, straight from the math (the test reference) */
+  CULA_BACKEND_CPU = 2,    /* fast CPU path (chunked, multi-threaded, float32) */
+  CULA_BACKEND_CUDA = 3    /* CUDA kernels */
+} cula_backend;
+
+/* Options shared by every recurrence entry. */
+typedef struct cula_recurrence_options {
+  int32_t family;          /* cula_family */
+  double scale;            /* applied to q; pass a NaN for the default K^-0.5 */
+  int32_t use_qk_l2norm;   /* q <- q/||q||, k <- k/||k|| (eps 1e-6 inside the sqrt) */
+  int32_t use_gate_in_kernel; /* gate from raw g with A_log/dt_bias (KDA, GDN) */
+  int32_t safe_gate;       /* requires lower_bound in [-5, 0) when the gate is computed in kernel */
+  int32_t has_lower_bound; /* lower_bound given: gate = lb * sigmoid(...) */
+  double lower_bound;
+  int32_t use_beta_sigmoid;   /* beta <- sigmoid(beta) */
+  int32_t allow_neg_eigval;   /* beta <- 2 sigmoid(beta); needs use_beta_sigmoid */
+  int32_t state_layout;    /* cula_state_layout for every state tensor of the call */
+  int32_t backend;         /* cula_backend */
+  void* stream;            /* cudaStream_t for CUDA backends; ignored on CPU */
+} cula_recurrence_options;
+
+/*
+ * Chunked (prefill/training) forward.
+ *   q, k: [B, T, H, K]; v: [B, T, HV, V]; HV % H == 0.
+ *   g: [B, T, HV, K] (KDA, GLA) or [B, T, HV] (GDN, simple GLA); NULL for Lightning.
+ *   beta: [B, T, HV] (KDA, GDN); NULL otherwise.
+ *   decay: [H] or [HV] (Lightning): the per-step log-decay is -decay[h] (MiniMax slope convention).
+ *   A_log: [HV]; dt_bias: [HV*K] or [HV, K] (KDA) / [HV] (GDN), with use_gate_in_kernel.
+ *   cu_seqlens: [N+1] int32/int64 on the CPU or the compute device; requires B == 1.
+ *   initial_state: [N, HV, V, K] (K-last) or [N, HV, K, V] (K-first), fp32 or bf16.
+ *   state_pool + state_indices ([N] int32): read the initial state from pool[idx[n]] and write
+ *     the final state back there; a negative index starts from zero and leaves the pool alone.
+ *   out: [B, T, HV, V] (caller allocated); final_state like initial_state;
+ *   intermediate_states: [NT_total, HV, K|V, V|K]: the state before each chunk of chunk_size tokens.
+ */
+typedef struct cula_chunk_fwd_args {
+  size_t struct_size;
+  cula_recurrence_options opt;
+  const cula_tensor* q;
+  const cula_tensor* k;
+  const cula_tensor* v;
+  const cula_tensor* g;
+  const cula_tensor* beta;
+  const cula_tensor* decay;
+  const cula_tensor* A_log;
+  const cula_tensor* dt_bias;
+  const cula_tensor* cu_seqlens;
+  const cula_tensor* initial_state;
+  cula_tensor* state_pool;
+  const cula_tensor* state_indices;
+  cula_tensor* out;
+  cula_tensor* final_state;
+  cula_tensor* intermediate_states;
+  int32_t chunk_size; /* 0 = 64 */
+} cula_chunk_fwd_args;
+
+CULA_API cula_status cula_chunk_fwd(const cula_chunk_fwd_args* args);
+
+/*
+ * Decode: a few tokens per sequence against states held in a pool, updated in place.
+ *   q, k: [N, T, H, K]; v: [N, T, HV, V]; g, beta, decay, A_log, dt_bias as in cula_chunk_fwd.
+ *   state_pool: [P, HV, V, K] (K-last) or [P, HV, K, V]; fp32 or bf16.
+ *   state_indices: [N] int32 (the state is read from and written back to one slot), or [N, T]
+ *     int32 (speculative decoding: the state after token t goes to slot idx[n, t]). NULL means
+ *     slot n. A negative index is a padding slot: nothing is read or written there; a sequence
+ *     whose read slot is negative gets zeros in out and leaves the pool alone.
+ *   num_accepted_tokens: [N] int32 with [N, T] indices: the initial state is read from slot
+ *     idx[n, a - 1] (FLA's fused_recurrent_kda convention), with a clamped to [1, T] so that
+ *     a = 0 (every draft rejected) continues from the committed token's slot idx[n, 0].
+ *   out: [N, T, HV, V].
+ */
+typedef struct cula_decode_args {
+  size_t struct_size;
+  cula_recurrence_options opt;
+  const cula_tensor* q;
+  const cula_tensor* k;
+  const cula_tensor* v;
+  const cula_tensor* g;
+  const cula_tensor* beta;
+  const cula_tensor* decay;
+  const cula_tensor* A_log;
+  const cula_tensor* dt_bias;
+  cula_tensor* state_pool;
+  const cula_tensor* state_indices;
+  const cula_tensor* num_accepted_tokens;
+  cula_tensor* out;
+} cula_decode_args;
+
+CULA_API cula_status cula_decode(const cula_decode_args* args);
+
+/*
+ * Backward of the delta families (KDA, GDN): reverse-time recurrence.
+ *   Inputs as in cula_chunk_fwd plus d_out ([B, T, HV, V]) and optional d_final_state.
+ *   Gradients (each optional; written when given): dq, dk, dv, dg (of the raw g when the gate
+ *   is computed in kernel), dbeta (of the raw beta when the sigmoid is applied in kernel),
+ *   dA_log, ddt_bias, d_initial_state.
+ */
+typedef struct cula_chunk_bwd_args {
+  size_t struct_size;
+  cula_recurrence_options opt;
+  const cula_tensor* q;
+  const cula_tensor* k;
+  const cula_tensor* v;
+  const cula_tensor* g;
+  const cula_tensor* beta;
+  const cula_tensor* A_log;
+  const cula_tensor* dt_bias;
+  const cula_tensor* cu_seqlens;
+  const cula_tensor* initial_state;
+  const cula_tensor* d_out;
+  const cula_tensor* d_final_state;
+  cula_tensor* dq;
+  cula_tensor* dk;
+  cula_tensor* dv;
+  cula_tensor* dg;
+  cula_tensor* dbeta;
+  cula_tensor* dA_log;
+  cula_tensor* ddt_bias;
+  cula_tensor* d_initial_state;
+} cula_chunk_bwd_args;
+
+CULA_API cula_status cula_chunk_bwd(const cula_chunk_bwd_args* args);
+
+/*
+ * KDA gate activation (FLA's fused_kda_gate), also the pre-pass of the fused kernels:
+ *   g_out = -exp(A_log[h]) * softplus(g + dt_bias[h])            without lower_bound
+ *   g_out = lb * sigmoid(exp(A_log[h]) * (g + dt_bias[h]))       with lower_bound (A_log may be NULL)
+ *   g: [B, T, HV, K]; A_log: [HV]; dt_bias: [HV*K] or [HV, K] (optional); g_out: like g, fp32 or bf16.
+ * Uses opt.has_lower_bound, opt.lower_bound, opt.backend, opt.stream.
+ */
+typedef struct cula_kda_gate_args {
+  size_t struct_size;
+  cula_recurrence_options opt;
+  const cula_tensor* g;
+  const cula_tensor* A_log;
+  const cula_tensor* dt_bias;
+  cula_tensor* g_out;
+} cula_kda_gate_args;
+
+CULA_API cula_status cula_kda_gate(const cula_kda_gate_args* args);
+
+/* The last error message of the calling thread ("" after a success). */
+CULA_API const char* cula_last_error(void);
+/* Library version string, e.g. "0.1.0". */
+CULA_API const char* cula_version(void);
+CULA_API int32_t cula_abi_version(void);
+/* Build description: compiler, CUDA toolkit, architectures compiled in. */
+CULA_API const char* cula_build_info(void);
+/* Number of CUDA devices usable by this build (0 when built without CUDA or no driver/GPU). */
+CULA_API int32_t cula_cuda_device_count(void);
+/* Writes "name (sm_XY, N SMs, M MiB)" for a device; returns CULA_OK or an error. */
+CULA_API cula_status cula_cuda_device_info(int32_t device, char* buf, size_t buf_len);
+/* Which backend AUTO resolves to for an op ("chunk_fwd", "decode", "chunk_bwd", "kda_gate")
+ * on a device type; returns a static string such as "cpu" or "cuda", or "none". */
+CULA_API const char* cula_backend_for(const char* op, int32_t device_type, int32_t family);
+/* Threads used by the CPU backend (0 = hardware concurrency). */
+CULA_API void cula_set_num_threads(int32_t n);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* CULA_CULA_H_ */

@@ -1,0 +1,290 @@
+// SPEC §4: every bad input is refused with a message naming the argument, what was expected
+// and what was given, and no output is touched.
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <string>
+
+#include "helpers.h"
+
+using namespace cula_test;
+
+namespace {
+
+Problem base(int32_t family = CULA_KDA) {
+  Problem p;
+  p.family = family;
+  p.K = 8;
+  p.V = 4;
+  p.make(fresh_seed());
+  return p;
+}
+
+bool untouched(const HostTensor& t) {
+  for (int64_t i = 0; i < t.numel(); ++i)
+    if (!std::isnan(t.get(i))) return false;
+  return true;
+}
+
+// Calls chunk_fwd after `mutate`, expects `status` and every fragment in the message.
+void expect_fwd_error(Problem& p, const std::function<void(cula_chunk_fwd_args&)>& mutate,
+                      std::vector<std::string> fragments, cula_status status = CULA_ERROR_INVALID_ARGUMENT) {
+  auto a = p.fwd_args(CULA_BACKEND_AUTO);
+  mutate(a);
+  EXPECT_EQ(cula_chunk_fwd(&a), status);
+  const std::string msg = cula_last_error();
+  for (const auto& f : fragments) EXPECT_NE(msg.find(f), std::string::npos) << "message: " << msg << "\nmissing: " << f;
+  EXPECT_TRUE(untouched(p.out)) << "out written on failure";
+  EXPECT_TRUE(untouched(p.ht)) << "final_state written on failure";
+}
+
+}  // namespace
+
+TEST(Validation, SuccessClearsTheLastError) {
+  Problem p = base();
+  auto a = p.fwd_args(CULA_BACKEND_AUTO);
+  ASSERT_EQ(cula_chunk_fwd(&a), CULA_OK);
+  EXPECT_STREQ(cula_last_error(), "");
+}
+
+TEST(Validation, QMustBeFourDimensional) {
+  Problem p = base();
+  HostTensor bad({2, 3, 4}, CULA_FLOAT32);
+  expect_fwd_error(p, [&](auto& a) { a.q = bad.cptr(); }, {"argument 'q'", "4-D", "[2, 3, 4]"});
+}
+
+TEST(Validation, KMustMatchQ) {
+  Problem p = base();
+  HostTensor bad({p.B, p.T, p.H, p.K + 1}, CULA_FLOAT32);
+  expect_fwd_error(p, [&](auto& a) { a.k = bad.cptr(); }, {"argument 'k'", "expected shape", "got shape"});
+}
+
+TEST(Validation, QMustBeFloatingPoint) {
+  Problem p = base();
+  HostTensor bad({p.B, p.T, p.H, p.K}, CULA_INT32);
+  expect_fwd_error(p, [&](auto& a) { a.q = bad.cptr(); }, {"argument 'q'", "floating-point", "int32"});
+}
+
+TEST(Validation, TensorsMustShareTheDeviceOfQ) {
+  Problem p = base();
+  HostTensor other = p.v;
+  other.t.device_type = CULA_CUDA;
+  expect_fwd_error(p, [&](auto& a) { a.v = other.cptr(); }, {"argument 'v'", "on cpu", "cuda:0"});
+}
+
+TEST(Validation, OutputMustBeContiguous) {
+  Problem p = base();
+  HostTensor strided = p.out;
+  std::swap(strided.t.strides[2], strided.t.strides[3]);
+  expect_fwd_error(p, [&](auto& a) { a.out = strided.ptr(); }, {"argument 'out'", "contiguous", "strides"});
+}
+
+TEST(Validation, HeadRatioMustDivide) {
+  Problem p = base();
+  p.H = 2;
+  HostTensor v3({p.B, p.T, 3, p.V}, CULA_FLOAT32);
+  expect_fwd_error(p, [&](auto& a) { a.v = v3.cptr(); }, {"argument 'v'", "divisible", "HV = 3"});
+}
+
+TEST(Validation, GateShapeFollowsTheFamily) {
+  Problem p = base(CULA_GDN);
+  HostTensor per_channel({p.B, p.T, p.HV, p.K}, CULA_FLOAT32);
+  expect_fwd_error(p, [&](auto& a) { a.g = per_channel.cptr(); }, {"argument 'g'", "[B, T, HV]"});
+}
+
+TEST(Validation, DeltaFamiliesNeedBeta) {
+  Problem p = base(CULA_KDA);
+  expect_fwd_error(p, [&](auto& a) { a.beta = nullptr; }, {"argument 'beta'", "None"});
+}
+
+TEST(Validation, NonDeltaFamiliesRefuseBeta) {
+  Problem p = base(CULA_GLA);
+  HostTensor beta({p.B, p.T, p.HV}, CULA_FLOAT32);
+  expect_fwd_error(p, [&](auto& a) { a.beta = beta.cptr(); }, {"argument 'beta'", "no delta rule"});
+}
+
+TEST(Validation, LightningNeedsDecayOfHeadLength) {
+  Problem p = base(CULA_LIGHTNING);
+  HostTensor bad({p.H + 5}, CULA_FLOAT32);
+  expect_fwd_error(p, [&](auto& a) { a.decay = bad.cptr(); }, {"argument 'decay'", "[H]"});
+}
+
+TEST(Validation, CuSeqlensMustStartAtZero) {
+  Problem p;
+  p.seqlens = {3, 4};
+  p.make(fresh_seed());
+  p.cu.set(0, 1);
+  expect_fwd_error(p, [](auto&) {}, {"argument 'cu_seqlens'", "cu_seqlens[0] == 0", "= 1"});
+}
+
+TEST(Validation, CuSeqlensMustBeMonotone) {
+  Problem p;
+  p.seqlens = {3, 4, 2};
+  p.make(fresh_seed());
+  p.cu.set(2, 1);
+  expect_fwd_error(p, [](auto&) {}, {"argument 'cu_seqlens'", "non-decreasing"});
+}
+
+TEST(Validation, CuSeqlensMustEndAtT) {
+  Problem p;
+  p.seqlens = {3, 4};
+  p.make(fresh_seed());
+  p.cu.set(2, 6);
+  expect_fwd_error(p, [](auto&) {}, {"argument 'cu_seqlens'", "== T = 7", "= 6"});
+}
+
+TEST(Validation, CuSeqlensNeedsBatchOne) {
+  Problem p = base();  // B = 2
+  HostTensor cu({3}, CULA_INT32);
+  cu.set(0, 0);
+  cu.set(1, 10);
+  cu.set(2, p.T);
+  expect_fwd_error(p, [&](auto& a) { a.cu_seqlens = cu.cptr(); }, {"argument 'q'", "batch size 1", "batch size 2"});
+}
+
+TEST(Validation, CuSeqlensMustBeIntegerOnTheRightDevice) {
+  Problem p;
+  p.seqlens = {3, 4};
+  p.make(fresh_seed());
+  HostTensor f({3}, CULA_FLOAT32);
+  expect_fwd_error(p, [&](auto& a) { a.cu_seqlens = f.cptr(); }, {"argument 'cu_seqlens'", "int32 or int64", "float32"});
+  HostTensor elsewhere = p.cu;
+  elsewhere.t.device_type = 7;
+  expect_fwd_error(p, [&](auto& a) { a.cu_seqlens = elsewhere.cptr(); }, {"argument 'cu_seqlens'", "host or on the device of q"});
+}
+
+TEST(Validation, StateShapeFollowsTheLayout) {
+  Problem p = base();
+  HostTensor kfirst({p.N, p.HV, p.K, p.V}, CULA_FLOAT32);
+  expect_fwd_error(p, [&](auto& a) { a.initial_state = kfirst.cptr(); }, {"argument 'initial_state'", "K-last"});
+}
+
+TEST(Validation, StateDtypeIsFloat32OrBfloat16) {
+  Problem p = base();
+  HostTensor half(p.state_shape(p.N), CULA_FLOAT16);
+  expect_fwd_error(p, [&](auto& a) { a.initial_state = half.cptr(); }, {"argument 'initial_state'", "float32 or bfloat16", "float16"});
+}
+
+TEST(Validation, PoolIndicesMustBeBelowPoolSize) {
+  Problem p = base();
+  p.initial_state = p.final_state = false;
+  HostTensor pool(p.state_shape(3), CULA_FLOAT32), idx({p.N}, CULA_INT32);
+  pool.fill(1.0);
+  idx.set(0, 1);
+  idx.set(1, 3);
+  expect_fwd_error(p, [&](auto& a) {
+    a.initial_state = nullptr;
+    a.final_state = nullptr;
+    a.state_pool = pool.ptr();
+    a.state_indices = idx.cptr();
+  }, {"argument 'state_indices'", "< pool size P = 3", "state_indices[1] = 3"});
+  for (int64_t i = 0; i < pool.numel(); ++i) ASSERT_EQ(pool.get(i), 1.0);
+}
+
+TEST(Validation, PoolIndicesMustBeInt32) {
+  Problem p = base();
+  HostTensor pool(p.state_shape(3), CULA_FLOAT32), idx({p.N}, CULA_INT64);
+  expect_fwd_error(p, [&](auto& a) {
+    a.initial_state = nullptr;
+    a.final_state = nullptr;
+    a.state_pool = pool.ptr();
+    a.state_indices = idx.cptr();
+  }, {"argument 'state_indices'", "int32", "int64"});
+}
+
+TEST(Validation, LowerBoundRangeWithSafeGate) {
+  Problem p;
+  p.gate_in_kernel = true;
+  p.has_lb = true;
+  p.safe_gate = true;
+  p.lb = -6.0;
+  p.make(fresh_seed());
+  expect_fwd_error(p, [](auto&) {}, {"argument 'lower_bound'", "[-5, 0)", "-6"});
+  expect_fwd_error(p, [](auto& a) { a.opt.lower_bound = 0.5; }, {"argument 'lower_bound'", "0.5"});
+  expect_fwd_error(p, [](auto& a) { a.opt.has_lower_bound = 0; }, {"argument 'lower_bound'", "None"});
+}
+
+TEST(Validation, GateInKernelNeedsALogWithoutLowerBound) {
+  Problem p;
+  p.gate_in_kernel = true;
+  p.use_A_log = false;
+  p.make(fresh_seed());
+  expect_fwd_error(p, [](auto&) {}, {"argument 'A_log'", "lower_bound is None"});
+}
+
+TEST(Validation, DtBiasShape) {
+  Problem p;
+  p.gate_in_kernel = true;
+  p.make(fresh_seed());
+  HostTensor bad({p.HV * p.K + 1}, CULA_FLOAT32);
+  expect_fwd_error(p, [&](auto& a) { a.dt_bias = bad.cptr(); }, {"argument 'dt_bias'", "[HV*K]"});
+}
+
+TEST(Validation, NegativeEigenvaluesNeedTheSigmoid) {
+  Problem p = base();
+  expect_fwd_error(p, [](auto& a) { a.opt.allow_neg_eigval = 1; }, {"argument 'allow_neg_eigval'"});
+}
+
+TEST(Validation, GateInKernelOnlyForKdaAndGdn) {
+  Problem p = base(CULA_GLA);
+  expect_fwd_error(p, [](auto& a) { a.opt.use_gate_in_kernel = 1; }, {"argument 'use_gate_in_kernel'", "GLA"});
+}
+
+TEST(Validation, IntermediateStatesShape) {
+  Problem p = base();
+  HostTensor bad({p.B, 1, p.HV, p.V, p.K}, CULA_FLOAT32);
+  expect_fwd_error(p, [&](auto& a) { a.intermediate_states = bad.ptr(); }, {"argument 'intermediate_states'", "NT"});
+}
+
+TEST(Validation, UnknownFamilyAndLayout) {
+  Problem p = base();
+  expect_fwd_error(p, [](auto& a) { a.opt.family = 9; }, {"argument 'family'", "9"});
+  expect_fwd_error(p, [](auto& a) { a.opt.state_layout = 5; }, {"argument 'state_layout'", "5"});
+}
+
+TEST(Validation, BackendWithoutKernelForDeviceIsUnsupported) {
+  Problem p = base();
+  HostTensor cq = p.q, ck = p.k, cv = p.v, cg = p.g, cb = p.beta, co = p.out, ch0 = p.h0, cht = p.ht;
+  for (HostTensor* t : {&cq, &ck, &cv, &cg, &cb, &co, &ch0, &cht}) t->t.device_type = CULA_CUDA;
+  cula_chunk_fwd_args a = p.fwd_args(CULA_BACKEND_AUTO);
+  a.q = cq.cptr(); a.k = ck.cptr(); a.v = cv.cptr(); a.g = cg.cptr(); a.beta = cb.cptr();
+  a.out = co.ptr(); a.initial_state = ch0.cptr(); a.final_state = cht.ptr();
+  EXPECT_EQ(cula_chunk_fwd(&a), CULA_ERROR_UNSUPPORTED);
+  EXPECT_NE(std::string(cula_last_error()).find("CUDA tensors"), std::string::npos) << cula_last_error();
+  a = p.fwd_args(CULA_BACKEND_CUDA);
+  EXPECT_NE(cula_chunk_fwd(&a), CULA_OK);
+  EXPECT_NE(std::string(cula_last_error()).find("no CUDA kernel"), std::string::npos) << cula_last_error();
+}
+
+TEST(Validation, DecodeSpeculativeIndicesNeedTwoDimensions) {
+  Problem p = base();
+  HostTensor pool(p.state_shape(4), CULA_FLOAT32), idx({p.B}, CULA_INT32), acc({p.B}, CULA_INT32);
+  cula_decode_args d{};
+  d.struct_size = sizeof(d);
+  d.opt = p.options(CULA_BACKEND_AUTO);
+  d.q = p.q.cptr(); d.k = p.k.cptr(); d.v = p.v.cptr(); d.g = p.g.cptr(); d.beta = p.beta.cptr();
+  d.state_pool = pool.ptr();
+  d.state_indices = idx.cptr();
+  d.num_accepted_tokens = acc.cptr();
+  d.out = p.out.ptr();
+  EXPECT_EQ(cula_decode(&d), CULA_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(cula_last_error()).find("argument 'num_accepted_tokens'"), std::string::npos) << cula_last_error();
+}
+
+TEST(Validation, KdaGateChecksItsArguments) {
+  HostTensor g({1, 4, 2, 8}, CULA_FLOAT32), out({1, 4, 2, 8}, CULA_FLOAT32), A({3}, CULA_FLOAT32);
+  cula_kda_gate_args a{};
+  a.struct_size = sizeof(a);
+  a.opt = default_options(CULA_KDA, CULA_BACKEND_AUTO);
+  a.g = g.cptr();
+  a.A_log = A.cptr();
+  a.g_out = out.ptr();
+  EXPECT_EQ(cula_kda_gate(&a), CULA_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(cula_last_error()).find("argument 'A_log'"), std::string::npos) << cula_last_error();
+}
+
+TEST(Validation, NullArgsPointer) {
+  EXPECT_EQ(cula_chunk_fwd(nullptr), CULA_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(cula_decode(nullptr), CULA_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(cula_chunk_bwd(nullptr), CULA_ERROR_INVALID_ARGUMENT);
+}
