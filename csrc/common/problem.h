@@ -67,11 +67,18 @@ struct Recurrence {
   //   and constant gates are broadcast), returns beta (1 for non-delta families).
   template <typename R>
   R load_token(int64_t f, int64_t hv, R* qo, R* ko, R* ao) const {
+    load_qk(f, hv, qo, ko);
+    load_gate(tb(f), tt(f), hv, ao);
+    return load_beta<R>(tb(f), tt(f), hv);
+  }
+
+  template <typename R>
+  void load_qk(int64_t f, int64_t hv, R* qo, R* ko) const {
     const int64_t b = tb(f), t = tt(f), h = hv / group();
     R qn = 0, kn = 0;
+    q.row(q.off(b, t, h, 0), K, q.t->strides[3], qo);
+    k.row(k.off(b, t, h, 0), K, k.t->strides[3], ko);
     for (int64_t i = 0; i < K; ++i) {
-      qo[i] = static_cast<R>(q.at(b, t, h, i));
-      ko[i] = static_cast<R>(k.at(b, t, h, i));
       qn += qo[i] * qo[i];
       kn += ko[i] * ko[i];
     }
@@ -84,8 +91,6 @@ struct Recurrence {
       qo[i] *= qs;
       ko[i] *= ks;
     }
-    load_gate(b, t, hv, ao);
-    return load_beta<R>(b, t, hv);
   }
 
   template <typename R>
@@ -97,11 +102,12 @@ struct Recurrence {
     }
     const bool per_channel = tr.gate == GateKind::PerChannel;
     const int64_t n_raw = per_channel ? K : 1;
-    for (int64_t i = 0; i < n_raw; ++i) {
-      R x = static_cast<R>(per_channel ? g.at(b, t, hv, i) : g.at(b, t, hv));
-      if (gate_in_kernel) x = gate_activation<R>(x, hv, i);
-      ao[i] = x;
-    }
+    if (per_channel)
+      g.row(g.off(b, t, hv, 0), K, g.t->strides[3], ao);
+    else
+      ao[0] = static_cast<R>(g.at(b, t, hv));
+    if (gate_in_kernel)
+      for (int64_t i = 0; i < n_raw; ++i) ao[i] = gate_activation<R>(ao[i], hv, i);
     if (!per_channel)
       for (int64_t i = 1; i < K; ++i) ao[i] = ao[0];
   }

@@ -83,6 +83,24 @@ struct View {
   double at(I... idx) const {
     return load_as_double(t->data, t->dtype, off(static_cast<int64_t>(idx)...));
   }
+  // n elements starting at offset `base`, `stride` apart, converted to R (dtype switch hoisted).
+  template <typename R>
+  void row(int64_t base, int64_t n, int64_t stride, R* dst) const {
+    const void* p = t->data;
+    switch (t->dtype) {
+      case CULA_FLOAT32:
+        for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<R>(static_cast<const float*>(p)[base + i * stride]);
+        break;
+      case CULA_BFLOAT16:
+        for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<R>(bf16_to_float(static_cast<const uint16_t*>(p)[base + i * stride]));
+        break;
+      case CULA_FLOAT64:
+        for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<R>(static_cast<const double*>(p)[base + i * stride]);
+        break;
+      default:
+        for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<R>(load_as_double(p, t->dtype, base + i * stride));
+    }
+  }
   template <typename... I>
   void set(double v, I... idx) const {
     store_from_double(t->data, t->dtype, off(static_cast<int64_t>(idx)...), v);

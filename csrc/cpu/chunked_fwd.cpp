@@ -121,6 +121,13 @@ void pair_products_channel(int64_t L, int64_t K, bool delta, Workspace& w) {
   }
 }
 
+// a = lb * sigmoid(eA * (x + bias)), in place.
+CULA_MULTIVERSION
+void activate_lower_bound_gate(float* x, const float* bias, float eA, float lb, int64_t K) {
+#pragma omp simd
+  for (int64_t d = 0; d < K; ++d) x[d] = lb / (1.0f + fast_exp(-eA * (x[d] + bias[d])));
+}
+
 // Scalar gates: one exponential per pair.
 CULA_MULTIVERSION
 void pair_products_scalar(int64_t L, int64_t K, Workspace& w) {
@@ -152,18 +159,32 @@ void chunk_step(int64_t L, int64_t K, int64_t Vs, bool delta, Workspace& w) {
   // W = v (then the delta correction), O = 0
   std::memcpy(W, w.v.data(), sizeof(float) * L * Vs);
   std::fill(O, O + L * Vs, 0.0f);
+  // O = (e^G . q) S0 and W -= (e^G . k) S0, four rows at a time so each row of S0 is read once per four.
+  float* cq = w.rowf.data();  // [L][K] decayed q
+  float* ck = w.colf.data();  // [L][K] decayed k
   for (int64_t i = 0; i < L; ++i) {
     const float *gi = G + i * K, *qi = &w.q[i * K], *ki = &w.k[i * K];
-    float* Wi = W + i * Vs;
-    float* Oi = O + i * Vs;
+#pragma omp simd
     for (int64_t d = 0; d < K; ++d) {
       const float e = fast_exp(gi[d]);
-      const float cq = qi[d] * e, ck = delta ? ki[d] * e : 0.0f;
+      cq[i * K + d] = qi[d] * e;
+      ck[i * K + d] = delta ? ki[d] * e : 0.0f;
+    }
+  }
+  for (int64_t i0 = 0; i0 < L; i0 += 4) {
+    const int64_t nr = std::min<int64_t>(4, L - i0);
+    for (int64_t d = 0; d < K; ++d) {
       const float* Sd = S + d * Vs;
+      for (int64_t r = 0; r < nr; ++r) {
+        const int64_t i = i0 + r;
+        const float a = cq[i * K + d], b = ck[i * K + d];
+        float* Oi = O + i * Vs;
+        float* Wi = W + i * Vs;
 #pragma omp simd
-      for (int64_t j = 0; j < Vs; ++j) {
-        Oi[j] += cq * Sd[j];
-        Wi[j] -= ck * Sd[j];
+        for (int64_t j = 0; j < Vs; ++j) {
+          Oi[j] += a * Sd[j];
+          Wi[j] -= b * Sd[j];
+        }
       }
     }
   }
@@ -198,15 +219,18 @@ void chunk_step(int64_t L, int64_t K, int64_t Vs, bool delta, Workspace& w) {
 #pragma omp simd
     for (int64_t j = 0; j < Vs; ++j) Sd[j] *= e;
   }
+  // S += sum_i (e^{G_L - G_i} . k_i) w_i^T, row d of S held while the rows of W stream past.
+  float* kd = w.rowf.data();  // [L][K]
   for (int64_t i = 0; i < L; ++i) {
     const float *gi = G + i * K, *ki = &w.k[i * K];
-    float* c = w.tmp.data();
 #pragma omp simd
-    for (int64_t d = 0; d < K; ++d) c[d] = ki[d] * fast_exp(gl[d] - gi[d]);
-    const float* Wi = W + i * Vs;
-    for (int64_t d = 0; d < K; ++d) {
-      float* Sd = S + d * Vs;
-      const float cd = c[d];
+    for (int64_t d = 0; d < K; ++d) kd[i * K + d] = ki[d] * fast_exp(gl[d] - gi[d]);
+  }
+  for (int64_t d = 0; d < K; ++d) {
+    float* Sd = S + d * Vs;
+    for (int64_t i = 0; i < L; ++i) {
+      const float cd = kd[i * K + d];
+      const float* Wi = W + i * Vs;
 #pragma omp simd
       for (int64_t j = 0; j < Vs; ++j) Sd[j] += cd * Wi[j];
     }
@@ -252,7 +276,14 @@ void cpu_chunk_fwd(const Recurrence& r, const cula_chunk_fwd_args& a) {
     if (a.state_pool) slot = a.state_indices ? load_index(*a.state_indices, n * a.state_indices->strides[0]) : n;
     if (a.state_pool && slot >= 0) read_state_slice(r, *a.state_pool, slot, hv, j0, Vs, w.S.data());
     if (a.initial_state) read_state_slice(r, *a.initial_state, n, hv, j0, Vs, w.S.data());
-    std::vector<float> af(K);
+    std::vector<float> af(K), bias(K, 0.0f);
+    // The bounded per-channel gate (the safe-gate path) is computed here, vectorized.
+    const bool fast_gate = r.gate_in_kernel && r.has_lb && r.tr.gate == GateKind::PerChannel;
+    float eA = 1.0f;
+    if (fast_gate) {
+      if (r.A_log) eA = std::exp(static_cast<float>(r.A_log.at(hv)));
+      if (r.dt_bias) r.dt_bias.row(hv * K, K, 1, bias.data());
+    }
     const int64_t len = r.seq_len(n), start = r.seq_start[n];
     for (int64_t c0 = 0; c0 < len; c0 += C) {
       const int64_t L = std::min(C, len - c0);
@@ -270,9 +301,16 @@ void cpu_chunk_fwd(const Recurrence& r, const cula_chunk_fwd_args& a) {
       }
       for (int64_t i = 0; i < L; ++i) {
         const int64_t f = start + c0 + i;
-        w.beta[i] = r.load_token<float>(f, hv, &w.q[i * K], &w.k[i * K], af.data());
+        r.load_qk<float>(f, hv, &w.q[i * K], &w.k[i * K]);
+        w.beta[i] = r.load_beta<float>(r.tb(f), r.tt(f), hv);
+        if (fast_gate) {
+          r.g.row(r.g.off(r.tb(f), r.tt(f), hv, 0), K, r.g.t->strides[3], af.data());
+          activate_lower_bound_gate(af.data(), bias.data(), eA, static_cast<float>(r.lb), K);
+        } else {
+          r.load_gate<float>(r.tb(f), r.tt(f), hv, af.data());
+        }
         for (int64_t d = 0; d < K; ++d) w.G[i * K + d] = af[d] + (i ? w.G[(i - 1) * K + d] : 0.0f);
-        for (int64_t j = 0; j < Vs; ++j) w.v[i * Vs + j] = static_cast<float>(r.v.at(r.tb(f), r.tt(f), hv, j0 + j));
+        r.v.row(r.v.off(r.tb(f), r.tt(f), hv, j0), Vs, r.v.t->strides[3], &w.v[i * Vs]);
       }
       if (r.tr.gate == GateKind::PerChannel)
         pair_products_channel(L, K, r.tr.delta, w);
@@ -281,7 +319,12 @@ void cpu_chunk_fwd(const Recurrence& r, const cula_chunk_fwd_args& a) {
       chunk_step(L, K, Vs, r.tr.delta, w);
       for (int64_t i = 0; i < L; ++i) {
         const int64_t f = start + c0 + i;
-        for (int64_t j = 0; j < Vs; ++j) out.set(w.O[i * Vs + j], r.tb(f), r.tt(f), hv, j0 + j);
+        const int64_t base = out.off(r.tb(f), r.tt(f), hv, j0);
+        if (a.out->dtype == CULA_FLOAT32) {
+          std::memcpy(static_cast<float*>(a.out->data) + base, &w.O[i * Vs], sizeof(float) * Vs);
+        } else {
+          for (int64_t j = 0; j < Vs; ++j) store_from_double(a.out->data, a.out->dtype, base + j, w.O[i * Vs + j]);
+        }
       }
     }
     if (a.final_state) write_state_slice(r, *a.final_state, n, hv, j0, Vs, w.S.data());

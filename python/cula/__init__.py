@@ -1,0 +1,29 @@
+"""cula: linear-attention kernels (KDA, Gated DeltaNet, GLA, Lightning) behind one C ABI.
+
+Level 0 (explicit raw ops) lives in :mod:`cula.ops`; its functions are re-exported here.
+"""
+
+from ._lib import CulaError, CulaRuntimeError, CulaUnsupportedError
+from ._lib import LIB as _LIB
+from .ops import (
+    backend_for,
+    chunk_bwd,
+    chunk_fwd,
+    chunk_gated_delta_rule,
+    chunk_gdn,
+    chunk_gla,
+    chunk_kda,
+    chunk_lightning,
+    chunk_simple_gla,
+    decode,
+    kda_gate,
+    set_num_threads,
+)
+
+__version__ = _LIB.cula_version().decode()
+
+__all__ = [
+    "CulaError", "CulaRuntimeError", "CulaUnsupportedError", "backend_for", "chunk_bwd", "chunk_fwd",
+    "chunk_gated_delta_rule", "chunk_gdn", "chunk_gla", "chunk_kda", "chunk_lightning", "chunk_simple_gla", "decode",
+    "kda_gate", "set_num_threads", "__version__",
+]

@@ -1,0 +1,188 @@
+"""ctypes binding of the C ABI (include/cula/cula.h).
+
+The library is plain C ABI, loaded with ctypes: nothing is compiled against Python or torch, so
+one build serves every Python >= 3.10 and every torch version.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import pathlib
+
+MAX_DIMS = 6
+
+# dtype codes: DLPack's (type code << 8 | bits)
+INT32, INT64 = 32, 64
+FLOAT16, FLOAT32, FLOAT64 = (2 << 8) | 16, (2 << 8) | 32, (2 << 8) | 64
+BFLOAT16 = (4 << 8) | 16
+CPU, CUDA = 1, 2
+
+OK, INVALID_ARGUMENT, UNSUPPORTED, CUDA_ERROR, INTERNAL = 0, 1, 2, 3, 4
+FAMILIES = {"kda": 0, "gdn": 1, "gla": 2, "simple_gla": 3, "lightning": 4}
+BACKENDS = {"auto": 0, "reference": 1, "oracle": 1, "cpu": 2, "cuda": 3}
+LAYOUTS = {"k_last": 0, "k_first": 1}
+
+
+class Tensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("dtype", ctypes.c_int32),
+        ("ndim", ctypes.c_int32),
+        ("shape", ctypes.c_int64 * MAX_DIMS),
+        ("strides", ctypes.c_int64 * MAX_DIMS),
+        ("device_type", ctypes.c_int32),
+        ("device_id", ctypes.c_int32),
+    ]
+
+
+TP = ctypes.POINTER(Tensor)
+
+
+class Options(ctypes.Structure):
+    _fields_ = [
+        ("family", ctypes.c_int32),
+        ("scale", ctypes.c_double),
+        ("use_qk_l2norm", ctypes.c_int32),
+        ("use_gate_in_kernel", ctypes.c_int32),
+        ("safe_gate", ctypes.c_int32),
+        ("has_lower_bound", ctypes.c_int32),
+        ("lower_bound", ctypes.c_double),
+        ("use_beta_sigmoid", ctypes.c_int32),
+        ("allow_neg_eigval", ctypes.c_int32),
+        ("state_layout", ctypes.c_int32),
+        ("backend", ctypes.c_int32),
+        ("stream", ctypes.c_void_p),
+    ]
+
+
+def _args_struct(name, tensor_fields, extra=()):
+    fields = [("struct_size", ctypes.c_size_t), ("opt", Options)]
+    fields += [(f, TP) for f in tensor_fields]
+    fields += list(extra)
+    return type(name, (ctypes.Structure,), {"_fields_": fields})
+
+
+ChunkFwdArgs = _args_struct(
+    "ChunkFwdArgs",
+    ["q", "k", "v", "g", "beta", "decay", "A_log", "dt_bias", "cu_seqlens", "initial_state", "state_pool",
+     "state_indices", "out", "final_state", "intermediate_states"],
+    [("chunk_size", ctypes.c_int32)],
+)
+DecodeArgs = _args_struct(
+    "DecodeArgs",
+    ["q", "k", "v", "g", "beta", "decay", "A_log", "dt_bias", "state_pool", "state_indices", "num_accepted_tokens",
+     "out"],
+)
+ChunkBwdArgs = _args_struct(
+    "ChunkBwdArgs",
+    ["q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu_seqlens", "initial_state", "d_out", "d_final_state", "dq",
+     "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "d_initial_state"],
+)
+KdaGateArgs = _args_struct("KdaGateArgs", ["g", "A_log", "dt_bias", "g_out"])
+
+
+def _candidates():
+    env = os.environ.get("CULA_LIBRARY")
+    if env:
+        yield pathlib.Path(env)
+    here = pathlib.Path(__file__).resolve().parent
+    yield here / "lib" / "libcula.so"
+    # a source checkout: python/cula -> repository root -> build/
+    root = here.parent.parent
+    for build in sorted(root.glob("build*/libcula.so")):
+        yield build
+
+
+def _load():
+    tried = []
+    for path in _candidates():
+        tried.append(str(path))
+        if path.exists():
+            lib = ctypes.CDLL(str(path))
+            break
+    else:
+        raise ImportError(
+            "cula: the native library libcula.so was not found (looked in: " + ", ".join(tried) + "). "
+            "Install the package with `pip install .` or build it with CMake (see README)."
+        )
+    for fn, argtype in [
+        ("cula_chunk_fwd", ChunkFwdArgs),
+        ("cula_decode", DecodeArgs),
+        ("cula_chunk_bwd", ChunkBwdArgs),
+        ("cula_kda_gate", KdaGateArgs),
+    ]:
+        f = getattr(lib, fn)
+        f.argtypes = [ctypes.POINTER(argtype)]
+        f.restype = ctypes.c_int
+    for fn in ("cula_last_error", "cula_version", "cula_build_info"):
+        getattr(lib, fn).restype = ctypes.c_char_p
+        getattr(lib, fn).argtypes = []
+    lib.cula_abi_version.restype = ctypes.c_int32
+    lib.cula_cuda_device_count.restype = ctypes.c_int32
+    lib.cula_cuda_device_info.argtypes = [ctypes.c_int32, ctypes.c_char_p, ctypes.c_size_t]
+    lib.cula_cuda_device_info.restype = ctypes.c_int
+    lib.cula_backend_for.argtypes = [ctypes.c_char_p, ctypes.c_int32, ctypes.c_int32]
+    lib.cula_backend_for.restype = ctypes.c_char_p
+    lib.cula_set_num_threads.argtypes = [ctypes.c_int32]
+    lib.cula_set_num_threads.restype = None
+    lib.path = path
+    return lib
+
+
+LIB = _load()
+ABI_VERSION = 1
+if LIB.cula_abi_version() != ABI_VERSION:
+    raise ImportError(f"cula: native library ABI {LIB.cula_abi_version()} does not match the Python package's {ABI_VERSION}")
+
+
+class CulaError(ValueError):
+    """A bad argument: the message names the argument, what was expected and what was given."""
+
+
+class CulaUnsupportedError(NotImplementedError):
+    """Valid input that no kernel of this build can run (e.g. a CUDA kernel not yet written)."""
+
+
+class CulaRuntimeError(RuntimeError):
+    """A CUDA or internal failure."""
+
+
+def check(status: int) -> None:
+    if status == OK:
+        return
+    msg = LIB.cula_last_error().decode()
+    if status == INVALID_ARGUMENT:
+        raise CulaError(msg)
+    if status == UNSUPPORTED:
+        raise CulaUnsupportedError(msg)
+    raise CulaRuntimeError(msg)
+
+
+def options(family, *, scale=None, l2norm=False, gate_in_kernel=False, safe_gate=False, lower_bound=None,
+            beta_sigmoid=False, allow_neg_eigval=False, state_layout="k_last", backend="auto", stream=None):
+    if family not in FAMILIES:
+        raise CulaError(f"argument 'family': expected one of {sorted(FAMILIES)}, got {family!r}")
+    if state_layout not in LAYOUTS:
+        raise CulaError(f"argument 'state_layout': expected 'k_last' or 'k_first', got {state_layout!r}")
+    if backend not in BACKENDS:
+        raise CulaError(f"argument 'backend': expected one of {sorted(BACKENDS)}, got {backend!r}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise CulaError(f"argument 'scale': expected a float or None, got {type(scale).__name__}")
+    if lower_bound is not None and (isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float))):
+        raise CulaError(f"argument 'lower_bound': expected a float or None, got {type(lower_bound).__name__}")
+    o = Options()
+    o.family = FAMILIES[family]
+    o.scale = math.nan if scale is None else float(scale)
+    o.use_qk_l2norm = int(bool(l2norm))
+    o.use_gate_in_kernel = int(bool(gate_in_kernel))
+    o.safe_gate = int(bool(safe_gate))
+    o.has_lower_bound = int(lower_bound is not None)
+    o.lower_bound = float(lower_bound) if lower_bound is not None else 0.0
+    o.use_beta_sigmoid = int(bool(beta_sigmoid))
+    o.allow_neg_eigval = int(bool(allow_neg_eigval))
+    o.state_layout = LAYOUTS[state_layout]
+    o.backend = BACKENDS[backend]
+    o.stream = stream
+    return o

@@ -1,0 +1,55 @@
+"""Command line: ``cula info``, ``cula demo`` (the main job), ``cula bench cpu``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _info() -> int:
+    from . import _lib, ops
+
+    lib = _lib.LIB
+    print(f"cula {lib.cula_version().decode()} (C ABI {lib.cula_abi_version()})")
+    print(f"library : {lib.path}")
+    print(f"build   : {lib.cula_build_info().decode()}")
+    n = lib.cula_cuda_device_count()
+    print(f"GPUs    : {n}")
+    buf = _lib.ctypes.create_string_buffer(256)
+    for i in range(n):
+        if lib.cula_cuda_device_info(i, buf, 256) == 0:
+            print(f"  cuda:{i} {buf.value.decode()}")
+    print("backends (what AUTO runs):")
+    for op in ("chunk_fwd", "decode", "chunk_bwd", "kda_gate"):
+        cuda = ops.backend_for(op, "cuda") if n else "-"
+        print(f"  {op:10s} host: {ops.backend_for(op, 'cpu'):10s} cuda: {cuda}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="cula", description="cula: linear-attention kernels")
+    sub = parser.add_subparsers(dest="cmd")
+    sub.add_parser("info", help="build, backends and GPUs found")
+    demo = sub.add_parser("demo", help="run every family on the best backend, check it, show linear vs softmax cost")
+    demo.add_argument("--quick", action="store_true", help="smaller sizes (for tests)")
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench.add_argument("suite", choices=["cpu"], help="cpu: fast CPU path vs the float64 reference")
+    bench.add_argument("--out", default="bench/results/cpu", help="directory for the JSON and Markdown results")
+    bench.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args(argv)
+    if args.cmd == "info":
+        return _info()
+    if args.cmd == "demo":
+        from .demo import run_demo
+
+        return run_demo(quick=args.quick)
+    if args.cmd == "bench":
+        from .bench import bench_cpu
+
+        return bench_cpu(args.out, reps=args.reps)
+    parser.print_help()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""Level 0: the raw ops, explicit about every option (SPEC §3).
+
+Every function accepts torch tensors or numpy arrays and returns results of the same kind on
+the same device. State layout is explicit: ``state_layout="k_last"`` ([.., HV, V, K], the RFC's
+canonical layout) or ``"k_first"`` ([.., HV, K, V], FLA's default).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from . import _lib
+from ._lib import CulaError, check
+from ._tensor import as_array, dtype_name, empty_like_family, is_torch, ptr, stream_of, view
+
+__all__ = [
+    "chunk_fwd", "chunk_kda", "chunk_gdn", "chunk_gated_delta_rule", "chunk_gla", "chunk_simple_gla",
+    "chunk_lightning", "decode", "chunk_bwd", "kda_gate", "backend_for", "set_num_threads",
+]
+
+
+def _host_offsets(cu_seqlens):
+    if cu_seqlens is None:
+        return None
+    if is_torch(cu_seqlens):
+        if cu_seqlens.device.type != "cpu":
+            return None
+        return [int(x) for x in cu_seqlens.tolist()]
+    return [int(x) for x in np.asarray(cu_seqlens).reshape(-1)]
+
+
+def _state_shape(n, hv, k, v, layout):
+    return (n, hv, v, k) if layout == "k_last" else (n, hv, k, v)
+
+
+def _shape(x, name, ndim):
+    if x is None:
+        raise CulaError(f"argument '{name}': expected a tensor, got None")
+    if len(x.shape) != ndim:
+        raise CulaError(f"argument '{name}': expected a {ndim}-D tensor, got shape {list(x.shape)}")
+    return tuple(int(s) for s in x.shape)
+
+
+def chunk_fwd(family, q, k, v, g=None, beta=None, decay=None, *, scale=None, initial_state=None,
+              output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+              use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False, lower_bound=None,
+              A_log=None, dt_bias=None, cu_seqlens=None, state_pool=None, state_indices=None,
+              return_intermediate_states=False, chunk_size=64, state_layout="k_last", state_dtype=None,
+              intermediate_dtype=None, out=None, backend="auto"):
+    """Chunked forward of any family ("kda", "gdn", "gla", "simple_gla", "lightning").
+
+    Returns ``(o, final_state)`` or ``(o, final_state, intermediate_states)`` when
+    ``return_intermediate_states``; final_state is None unless ``output_final_state``.
+    With ``state_pool`` the initial states are read from ``state_pool[state_indices[n]]`` and the
+    final states written back there in place (negative index: zero state, pool untouched).
+    """
+    names = ("q", "k", "v", "g", "beta", "decay", "initial_state", "A_log", "dt_bias", "cu_seqlens",
+             "state_pool", "state_indices", "out")
+    arrays = dict(zip(names, (as_array(x, n) for x, n in zip(
+        (q, k, v, g, beta, decay, initial_state, A_log, dt_bias, cu_seqlens, state_pool, state_indices, out), names))))
+    q, k, v = arrays["q"], arrays["k"], arrays["v"]
+    B, T, H, K = _shape(q, "q", 4)
+    _, _, HV, V = _shape(v, "v", 4)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise CulaError(f"argument 'chunk_size': expected a positive int, got {chunk_size!r}")
+    offsets = _host_offsets(arrays["cu_seqlens"])
+    N = (len(offsets) - 1 if offsets is not None else int(arrays["cu_seqlens"].shape[0]) - 1) if arrays["cu_seqlens"] is not None else B
+    if out is None:
+        o = empty_like_family(q, (B, T, HV, V))
+    else:
+        o = arrays["out"]
+    final = None
+    if output_final_state and arrays["state_pool"] is None:
+        sd = state_dtype or ("float32" if arrays["initial_state"] is None else dtype_name(arrays["initial_state"]))
+        final = empty_like_family(q, _state_shape(max(N, 0), HV, K, V, state_layout), sd)
+    inter = None
+    if return_intermediate_states:
+        if offsets is None and arrays["cu_seqlens"] is not None:
+            raise CulaError("argument 'cu_seqlens': expected a host tensor with return_intermediate_states=True, got a device tensor")
+        nt = sum((offsets[i + 1] - offsets[i] + chunk_size - 1) // chunk_size for i in range(N)) if offsets is not None \
+            else (T + chunk_size - 1) // chunk_size
+        b = 1 if offsets is not None else B
+        idt = intermediate_dtype or ("bfloat16" if is_torch(q) else "float32")
+        shape = (b, nt, HV, V, K) if state_layout == "k_last" else (b, nt, HV, K, V)
+        inter = empty_like_family(q, shape, idt)
+    opt = _lib.options(family, scale=scale, l2norm=use_qk_l2norm_in_kernel, gate_in_kernel=use_gate_in_kernel,
+                       safe_gate=safe_gate, lower_bound=lower_bound, beta_sigmoid=use_beta_sigmoid_in_kernel,
+                       allow_neg_eigval=allow_neg_eigval, state_layout=state_layout, backend=backend,
+                       stream=stream_of(q))
+    views = {n: view(arrays[n], n) for n in names if n != "out"}
+    views["out"] = view(o, "out")
+    views["final_state"] = view(final, "final_state")
+    views["intermediate_states"] = view(inter, "intermediate_states")
+    a = _lib.ChunkFwdArgs()
+    a.struct_size = ctypes.sizeof(a)
+    a.opt = opt
+    for n, t in views.items():
+        setattr(a, n, ptr(t))
+    a.chunk_size = chunk_size
+    check(_lib.LIB.cula_chunk_fwd(ctypes.byref(a)))
+    if return_intermediate_states:
+        return o, final, inter
+    return o, final
+
+
+def chunk_kda(q, k, v, g, beta, **kw):
+    """KDA: per-channel gate g [B,T,HV,K], delta rule with beta [B,T,HV]. See chunk_fwd."""
+    return chunk_fwd("kda", q, k, v, g, beta, **kw)
+
+
+def chunk_gdn(q, k, v, g, beta, **kw):
+    """Gated DeltaNet: scalar gate g [B,T,HV], delta rule with beta [B,T,HV]. See chunk_fwd."""
+    return chunk_fwd("gdn", q, k, v, g, beta, **kw)
+
+
+chunk_gated_delta_rule = chunk_gdn
+
+
+def chunk_gla(q, k, v, g, **kw):
+    """GLA: per-channel gate g [B,T,HV,K], no delta rule. See chunk_fwd."""
+    return chunk_fwd("gla", q, k, v, g, **kw)
+
+
+def chunk_simple_gla(q, k, v, g, **kw):
+    """Simple GLA: scalar gate g [B,T,HV], no delta rule. See chunk_fwd."""
+    return chunk_fwd("simple_gla", q, k, v, g, **kw)
+
+
+def chunk_lightning(q, k, v, decay, **kw):
+    """Lightning attention: constant per-head decay rate decay [H] or [HV] >= 0; the per-step
+    log-decay is -decay[h] (MiniMax slope convention; FLA's g_gamma = -decay). See chunk_fwd."""
+    return chunk_fwd("lightning", q, k, v, decay=decay, **kw)
+
+
+def decode(q, k, v, state_pool, *, mode="kda", g=None, beta=None, decay=None, state_indices=None,
+           num_accepted_tokens=None, scale=None, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+           use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None, A_log=None, dt_bias=None,
+           state_layout="k_last", out=None, backend="auto"):
+    """Decode T tokens per sequence (q [N,T,H,K]) against ``state_pool`` [P,HV,V,K], in place.
+
+    ``state_indices`` [N] int32 maps sequence -> slot (negative = padding: output zeros, pool
+    untouched); [N, T] int32 gives one slot per draft token for speculative decoding, with
+    ``num_accepted_tokens`` [N] choosing the slot to start from (FLA fused_recurrent_kda).
+    Returns ``(o, state_pool)``.
+    """
+    names = ("q", "k", "v", "state_pool", "g", "beta", "decay", "state_indices", "num_accepted_tokens", "A_log",
+             "dt_bias", "out")
+    arrays = dict(zip(names, (as_array(x, n) for x, n in zip(
+        (q, k, v, state_pool, g, beta, decay, state_indices, num_accepted_tokens, A_log, dt_bias, out), names))))
+    q = arrays["q"]
+    N, T, H, K = _shape(q, "q", 4)
+    _, _, HV, V = _shape(arrays["v"], "v", 4)
+    o = arrays["out"] if out is not None else empty_like_family(q, (N, T, HV, V))
+    opt = _lib.options(mode, scale=scale, l2norm=use_qk_l2norm_in_kernel, gate_in_kernel=use_gate_in_kernel,
+                       lower_bound=lower_bound, beta_sigmoid=use_beta_sigmoid_in_kernel,
+                       allow_neg_eigval=allow_neg_eigval, state_layout=state_layout, backend=backend,
+                       stream=stream_of(q))
+    views = {n: view(arrays[n], n) for n in names if n != "out"}
+    views["out"] = view(o, "out")
+    a = _lib.DecodeArgs()
+    a.struct_size = ctypes.sizeof(a)
+    a.opt = opt
+    for n, t in views.items():
+        setattr(a, n, ptr(t))
+    check(_lib.LIB.cula_decode(ctypes.byref(a)))
+    return o, arrays["state_pool"]
+
+
+def chunk_bwd(family, q, k, v, g, beta, d_out, *, d_final_state=None, scale=None, initial_state=None,
+              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+              allow_neg_eigval=False, safe_gate=False, lower_bound=None, A_log=None, dt_bias=None, cu_seqlens=None,
+              state_layout="k_last", backend="auto"):
+    """Backward of KDA/GDN/GLA/simple GLA: returns a dict with dq, dk, dv, dg, dbeta (delta
+    families), dA_log and ddt_bias (gate in kernel, when given) and d_initial_state."""
+    names = ("q", "k", "v", "g", "beta", "d_out", "d_final_state", "initial_state", "A_log", "dt_bias", "cu_seqlens")
+    arrays = dict(zip(names, (as_array(x, n) for x, n in zip(
+        (q, k, v, g, beta, d_out, d_final_state, initial_state, A_log, dt_bias, cu_seqlens), names))))
+
+    def like(x):
+        if x is None:
+            return None
+        return empty_like_family(x, tuple(x.shape), "float32" if dtype_name(x) == "bfloat16" else None)
+
+    grads = {
+        "dq": like(arrays["q"]), "dk": like(arrays["k"]), "dv": like(arrays["v"]), "dg": like(arrays["g"]),
+        "dbeta": like(arrays["beta"]), "dA_log": like(arrays["A_log"]), "ddt_bias": like(arrays["dt_bias"]),
+        "d_initial_state": like(arrays["initial_state"]),
+    }
+    opt = _lib.options(family, scale=scale, l2norm=use_qk_l2norm_in_kernel, gate_in_kernel=use_gate_in_kernel,
+                       safe_gate=safe_gate, lower_bound=lower_bound, beta_sigmoid=use_beta_sigmoid_in_kernel,
+                       allow_neg_eigval=allow_neg_eigval, state_layout=state_layout, backend=backend,
+                       stream=stream_of(arrays["q"]))
+    views = {n: view(arrays[n], n) for n in names}
+    views.update({n: view(x, n) for n, x in grads.items()})
+    a = _lib.ChunkBwdArgs()
+    a.struct_size = ctypes.sizeof(a)
+    a.opt = opt
+    for n, t in views.items():
+        setattr(a, n, ptr(t))
+    check(_lib.LIB.cula_chunk_bwd(ctypes.byref(a)))
+    return {n: x for n, x in grads.items() if x is not None}
+
+
+def kda_gate(g, A_log=None, dt_bias=None, lower_bound=None, safe_gate=False, output_dtype="float32", backend="auto"):
+    """KDA gate activation (FLA fused_kda_gate): -exp(A_log) softplus(g + dt_bias), or with a lower
+    bound lb * sigmoid(exp(A_log) (g + dt_bias)). g [B,T,HV,K]; returns an array shaped like g."""
+    g, A_log, dt_bias = as_array(g, "g"), as_array(A_log, "A_log"), as_array(dt_bias, "dt_bias")
+    _shape(g, "g", 4)
+    if output_dtype not in ("float32", "bfloat16"):
+        raise CulaError(f"argument 'output_dtype': expected 'float32' or 'bfloat16', got {output_dtype!r}")
+    out = empty_like_family(g, tuple(g.shape), output_dtype)
+    a = _lib.KdaGateArgs()
+    a.struct_size = ctypes.sizeof(a)
+    a.opt = _lib.options("kda", lower_bound=lower_bound, safe_gate=safe_gate, backend=backend, stream=stream_of(g))
+    views = {"g": view(g, "g"), "A_log": view(A_log, "A_log"), "dt_bias": view(dt_bias, "dt_bias"),
+             "g_out": view(out, "g_out")}
+    for n, t in views.items():
+        setattr(a, n, ptr(t))
+    check(_lib.LIB.cula_kda_gate(ctypes.byref(a)))
+    return out
+
+
+def backend_for(op="chunk_fwd", device="cpu"):
+    """Which kernel AUTO picks for an op on a device ("cpu" or "cuda[:i]"): e.g. "cpu", "cuda", "none"."""
+    dev = str(device)
+    dt = _lib.CUDA if dev.startswith("cuda") else _lib.CPU
+    return _lib.LIB.cula_backend_for(op.encode(), dt, 0).decode()
+
+
+def set_num_threads(n: int) -> None:
+    """Threads used by the CPU backend (0 = all cores)."""
+    _lib.LIB.cula_set_num_threads(int(n))

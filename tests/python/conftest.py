@@ -1,0 +1,19 @@
+import os
+import secrets
+
+import numpy as np
+import pytest
+
+
+@pytest.fixture
+def rng(request):
+    """A fresh seed per test, printed on failure (set CULA_TEST_SEED to replay)."""
+    seed = int(os.environ.get("CULA_TEST_SEED", secrets.randbits(32)))
+    request.node.user_properties.append(("seed", seed))
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)
+
+
+def rel(a, b):
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
