@@ -1,0 +1,117 @@
+"""Level 0 behaviour: array kinds, decode semantics, backward, gate, CLI."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import rel
+
+import cula
+
+
+def test_version_and_backends():
+    assert cula.__version__.count(".") == 2
+    assert cula.backend_for("chunk_fwd", "cpu") == "cpu"
+    assert cula.backend_for("chunk_bwd", "cpu") == "reference"
+
+
+def test_intermediate_states_are_states_before_each_chunk(rng):
+    B, T, H, K, V = 1, 40, 1, 8, 4
+    q, k = (rng.standard_normal((B, T, H, K)).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((B, T, H, V)).astype(np.float32)
+    g = -rng.uniform(0.01, 0.3, (B, T, H, K)).astype(np.float32)
+    beta = rng.uniform(0.1, 0.9, (B, T, H)).astype(np.float32)
+    o, s, h = cula.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, output_final_state=True,
+                             return_intermediate_states=True, chunk_size=16, state_layout="k_first")
+    assert h.shape == (1, 3, H, K, V)
+    for c in range(3):
+        t = 16 * c
+        if t == 0:
+            assert np.abs(h[0, 0]).max() == 0
+            continue
+        _, s_prefix = cula.chunk_kda(q[:, :t], k[:, :t], v[:, :t], g[:, :t], beta[:, :t], use_qk_l2norm_in_kernel=True,
+                                     output_final_state=True, state_layout="k_first")
+        assert rel(h[0, c], s_prefix[0]) < 1e-5
+
+
+def test_decode_speculative_matches_sequential_tokens(rng):
+    N, T, H, K, V, P = 3, 3, 2, 8, 4, 12
+    q, k = (rng.standard_normal((N, T, H, K)).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((N, T, H, V)).astype(np.float32)
+    g = -rng.uniform(0.01, 0.3, (N, T, H, K)).astype(np.float32)
+    beta = rng.uniform(0.1, 0.9, (N, T, H)).astype(np.float32)
+    pool = rng.standard_normal((P, H, V, K)).astype(np.float32)
+    idx = rng.permutation(P)[: N * T].reshape(N, T).astype(np.int32)
+    acc = np.array([0, 2, 3], np.int32)
+    p1 = pool.copy()
+    o, _ = cula.decode(q, k, v, p1, g=g, beta=beta, state_indices=idx, num_accepted_tokens=acc,
+                       use_qk_l2norm_in_kernel=True)
+    for n in range(N):
+        start = idx[n, max(acc[n], 1) - 1]
+        ref_pool = pool.copy()
+        slot = np.array([start], np.int32)
+        for t in range(T):
+            ot, _ = cula.decode(q[n:n + 1, t:t + 1], k[n:n + 1, t:t + 1], v[n:n + 1, t:t + 1], ref_pool,
+                                g=g[n:n + 1, t:t + 1], beta=beta[n:n + 1, t:t + 1], state_indices=slot,
+                                use_qk_l2norm_in_kernel=True, backend="reference")
+            assert rel(o[n, t], ot[0, 0]) < 1e-5
+            assert rel(p1[idx[n, t]], ref_pool[slot[0]]) < 1e-5
+
+
+def test_backward_shapes_and_finite(rng):
+    B, T, H, K, V = 1, 12, 2, 8, 4
+    q, k = (rng.standard_normal((B, T, H, K)) for _ in range(2))
+    v, do = (rng.standard_normal((B, T, H, V)) for _ in range(2))
+    g = rng.standard_normal((B, T, H))
+    beta = rng.standard_normal((B, T, H))
+    grads = cula.chunk_bwd("gdn", q, k, v, g, beta, do, use_gate_in_kernel=True, A_log=np.zeros(H),
+                           dt_bias=np.zeros(H), use_beta_sigmoid_in_kernel=True, use_qk_l2norm_in_kernel=True)
+    assert set(grads) == {"dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias"}
+    for name, x in grads.items():
+        assert np.isfinite(x).all(), name
+
+
+def test_kda_gate_formula(rng):
+    g = rng.standard_normal((1, 5, 2, 8)).astype(np.float32)
+    A = rng.uniform(-1, 0.5, 2).astype(np.float32)
+    bias = rng.standard_normal(16).astype(np.float32)
+    x = g.astype(np.float64) + bias.reshape(2, 8)
+    out = cula.kda_gate(g, A, bias)
+    ref = -np.exp(A.astype(np.float64))[:, None] * np.log1p(np.exp(x))
+    assert rel(out, ref) < 1e-6
+    out = cula.kda_gate(g, A, bias, lower_bound=-5.0)
+    ref = -5.0 / (1 + np.exp(-np.exp(A.astype(np.float64))[:, None] * x))
+    assert rel(out, ref) < 1e-6
+
+
+def test_torch_tensors_round_trip(rng):
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    q, k = (torch.randn(1, 20, 2, 8, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(1, 20, 2, 8, dtype=torch.bfloat16)
+    g = -torch.rand(1, 20, 2, 8) * 0.3
+    beta = torch.rand(1, 20, 2)
+    o, s = cula.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, output_final_state=True)
+    assert isinstance(o, torch.Tensor) and o.dtype == torch.bfloat16 and s.dtype == torch.float32
+    o2, s2 = cula.chunk_kda(q.float().numpy(), k.float().numpy(), v.float().numpy(), g.numpy(), beta.numpy(),
+                            use_qk_l2norm_in_kernel=True, output_final_state=True)
+    assert rel(o.float().numpy(), o2) < 5e-3 and rel(s.numpy(), s2) < 1e-5
+
+
+def _run_cli(*args):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "cula", *args], capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_cli_info():
+    r = _run_cli("info")
+    assert r.returncode == 0, r.stderr
+    assert "backends" in r.stdout and "chunk_fwd" in r.stdout
+
+
+def test_cli_demo_quick():
+    r = _run_cli("demo", "--quick")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "all families match the float64 reference" in r.stdout
+    assert "softmax" in r.stdout

@@ -1,0 +1,92 @@
+"""SPEC §4 through Python: each bad input raises CulaError naming the argument, what was
+expected and what was given; outputs given by the caller stay untouched."""
+
+import numpy as np
+import pytest
+
+import cula
+
+
+def base(rng, family="kda", B=2, T=9, H=2, K=8, V=4):
+    f = np.float32
+    d = dict(q=rng.standard_normal((B, T, H, K)).astype(f), k=rng.standard_normal((B, T, H, K)).astype(f),
+             v=rng.standard_normal((B, T, H, V)).astype(f))
+    if family == "kda":
+        d["g"] = -rng.uniform(0.01, 0.5, (B, T, H, K)).astype(f)
+        d["beta"] = rng.uniform(0.1, 0.9, (B, T, H)).astype(f)
+    return d
+
+
+def call(d, **kw):
+    d = dict(d)
+    return cula.chunk_kda(d.pop("q"), d.pop("k"), d.pop("v"), d.pop("g"), d.pop("beta"), **d, **kw)
+
+
+RULES = [
+    ("q_ndim", lambda d, r: d.update(q=d["q"][0]), {}, ["'q'", "4-D"]),
+    ("k_shape", lambda d, r: d.update(k=d["k"][:, :, :, :4].copy()), {}, ["'k'", "expected shape"]),
+    ("q_dtype", lambda d, r: d.update(q=d["q"].astype(np.int32)), {}, ["'q'", "floating-point", "int32"]),
+    ("v_heads", lambda d, r: d.update(v=np.ones((2, 9, 3, 4), np.float32)), {}, ["'v'", "divisible", "HV = 3"]),
+    ("g_shape", lambda d, r: d.update(g=d["g"][..., 0].copy()), {}, ["'g'", "[B, T, HV, K]"]),
+    ("beta_shape", lambda d, r: d.update(beta=d["beta"][:, :3].copy()), {}, ["'beta'", "[B, T, HV]"]),
+    ("cu_batch", lambda d, r: d.update(cu_seqlens=np.array([0, 4, 9], np.int32)), {}, ["'q'", "batch size 1"]),
+    ("state_shape", lambda d, r: d.update(initial_state=np.zeros((2, 2, 8, 4), np.float32)), {}, ["'initial_state'", "K-last"]),
+    ("state_dtype", lambda d, r: d.update(initial_state=np.zeros((2, 2, 4, 8), np.float16)), {}, ["'initial_state'", "float16"]),
+    ("lower_bound", lambda d, r: d.update(A_log=np.zeros(2, np.float32)),
+     dict(use_gate_in_kernel=True, safe_gate=True, lower_bound=-7.0), ["'lower_bound'", "[-5, 0)", "-7"]),
+    ("A_log_missing", lambda d, r: None, dict(use_gate_in_kernel=True), ["'A_log'", "lower_bound is None"]),
+    ("neg_eig", lambda d, r: None, dict(allow_neg_eigval=True), ["'allow_neg_eigval'"]),
+    ("scale_type", lambda d, r: None, dict(scale="big"), ["'scale'", "str"]),
+    ("list_input", lambda d, r: d.update(q=[[1.0]]), {}, ["'q'", "list"]),
+    ("layout", lambda d, r: None, dict(state_layout="v_first"), ["'state_layout'", "v_first"]),
+    ("chunk_size", lambda d, r: None, dict(chunk_size=0), ["'chunk_size'", "0"]),
+]
+
+
+@pytest.mark.parametrize("name,mutate,kw,fragments", RULES, ids=[r[0] for r in RULES])
+def test_bad_input_is_named(rng, name, mutate, kw, fragments):
+    d = base(rng)
+    mutate(d, rng)
+    with pytest.raises(cula.CulaError) as e:
+        call(d, **kw)
+    for f in fragments:
+        assert f in str(e.value), str(e.value)
+
+
+def test_cu_seqlens_rules(rng):
+    d = base(rng, B=1)
+    for cu, frag in [([1, 4, 9], "cu_seqlens[0] == 0"), ([0, 5, 4, 9], "non-decreasing"), ([0, 4, 8], "== T = 9")]:
+        with pytest.raises(cula.CulaError, match="cu_seqlens") as e:
+            call(d, cu_seqlens=np.array(cu, np.int64))
+        assert frag in str(e.value)
+
+
+def test_pool_index_out_of_range_leaves_pool_and_out_untouched(rng):
+    d = base(rng)
+    pool = rng.standard_normal((3, 2, 4, 8)).astype(np.float32)
+    before = pool.copy()
+    out = np.full((2, 9, 2, 4), np.nan, np.float32)
+    with pytest.raises(cula.CulaError, match="state_indices") as e:
+        call(d, state_pool=pool, state_indices=np.array([0, 3], np.int32), out=out)
+    assert "< pool size P = 3" in str(e.value)
+    assert np.array_equal(pool, before)
+    assert np.isnan(out).all()
+
+
+def test_decode_rules(rng):
+    d = base(rng, B=3, T=1)
+    pool = np.zeros((4, 2, 4, 8), np.float32)
+    with pytest.raises(cula.CulaError, match="num_accepted_tokens"):
+        cula.decode(d["q"], d["k"], d["v"], pool, g=d["g"], beta=d["beta"], state_indices=np.array([0, 1, 2], np.int32),
+                    num_accepted_tokens=np.ones(3, np.int32))
+    with pytest.raises(cula.CulaError, match="state_pool"):
+        cula.decode(d["q"], d["k"], d["v"], np.zeros((2, 2, 4, 8), np.float32), g=d["g"], beta=d["beta"])
+
+
+def test_unsupported_device_path_is_a_clear_error():
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: the CUDA dispatch error can only be seen on a GPU machine")
+    x = torch.randn(1, 4, 1, 8, device="cuda")
+    with pytest.raises(cula.CulaUnsupportedError, match="no .*kernel"):
+        cula.chunk_gla(x, x, torch.randn(1, 4, 1, 8, device="cuda"), -torch.rand(1, 4, 1, 8, device="cuda"))

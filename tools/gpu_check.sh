@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Runs on a GPU machine over a copy of the built tree (build/ carried, no rebuild there):
+# installs the wheels that travel in .whl/ (fla-core), runs the C++ tests, the whole pytest
+# suite (GPU tests and the FLA convention checks included) and compute-sanitizer memcheck and
+# racecheck on small shapes of the CUDA kernels. Logs go to the directory given (default: logs/).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+LOG=${1:-logs}
+mkdir -p "$LOG"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/cula_site .whl/*.whl
+  export PYTHONPATH=/tmp/cula_site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD/python:${PYTHONPATH:-}
+export CULA_LIBRARY=$PWD/build/libcula.so
+export FLA_FLASH_KDA=0 PYTHONUNBUFFERED=1
+status=0
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$LOG/gpu.txt"
+python3 -m cula info | tee "$LOG/info.txt" || status=1
+build/cula_tests --gtest_brief=1 2>&1 | tee "$LOG/ctest.txt" | tail -3 || status=1
+python3 -m pytest -q -rs -s -p no:cacheprovider tests/python 2>&1 | tee "$LOG/pytest.txt" | tail -25 || status=1
+for tool in memcheck racecheck; do
+  compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider tests/python/test_gpu.py \
+    -k "1-1-1-64 or 2-333-8-128 or written or rejects" 2>&1 | tee "$LOG/sanitizer_$tool.txt" | tail -4
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+done
+echo "gpu_check status: $status" | tee "$LOG/status.txt"
+exit $status
