@@ -122,7 +122,10 @@ cula_status cula_kda_gate(const cula_kda_gate_args* args) {
     };
     auto fp32_vector = [&](const cula_tensor* t, const char* name) {
       same_device(t, name);
-      if (t->dtype != CULA_FLOAT32 || !is_contiguous(*t)) throw_arg(op, name, "a contiguous float32 tensor", describe(t));
+      if (!is_float_dtype(t->dtype)) throw_arg(op, name, "a floating-point tensor", describe(t));
+      // The CUDA kernel reads the parameters as contiguous float32.
+      if (dev == CULA_CUDA && (t->dtype != CULA_FLOAT32 || !is_contiguous(*t)))
+        throw_arg(op, name, "a contiguous float32 tensor for the CUDA kernel", describe(t));
     };
     if (a.opt.has_lower_bound && !(std::isfinite(a.opt.lower_bound) && a.opt.lower_bound < 0))
       throw_arg(op, "lower_bound", "a finite negative number", std::to_string(a.opt.lower_bound));
@@ -176,7 +179,7 @@ const char* cula_build_info(void) {
 #else
                                   "unknown compiler"
 #endif
-                                  + "; CUDA architectures: " + CULA_CUDA_ARCHS;
+                                  + "; CUDA architectures: " + CULA_CUDA_ARCHS + "; CPU kernels: " + cpu_isa();
   return info.c_str();
 }
 

@@ -20,20 +20,24 @@
 #include "common/parallel.h"
 #include "cpu/cpu_backend.h"
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define CULA_MULTIVERSION __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define CULA_MULTIVERSION
+// This file is compiled once per instruction set (CULA_CPU_ISA = baseline, avx2); cpu/isa.cpp
+// picks the build that the processor runs.
+#ifndef CULA_CPU_ISA
+#define CULA_CPU_ISA baseline
 #endif
+#define CULA_CAT2(a, b) a##_##b
+#define CULA_CAT(a, b) CULA_CAT2(a, b)
 
 namespace cula {
+namespace CULA_CAT(isa, CULA_CPU_ISA) {
 namespace {
 
 constexpr int64_t kSub = 16;
 
 // exp for x <= ~88 with relative error ~2e-7; vectorizes (no libm call).
 inline float fast_exp(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
+  x = x < -87.0f ? -87.0f : x;  // ternaries (not std::min/max) keep the loops branch-free
+  x = x > 88.0f ? 88.0f : x;
   const float t = x * 1.44269504088896341f;
   const float r = (t + 12582912.0f) - 12582912.0f;  // round to nearest
   const float f = x - r * 0.693145751953125f - r * 1.428606765330187e-06f;
@@ -70,7 +74,6 @@ struct Workspace {
 };
 
 // Pairwise decayed dot products for one chunk (per-channel gates).
-CULA_MULTIVERSION
 void pair_products_channel(int64_t L, int64_t K, bool delta, Workspace& w) {
   const float* G = w.G.data();
   for (int64_t s = 0; s < L; s += kSub) {
@@ -122,14 +125,12 @@ void pair_products_channel(int64_t L, int64_t K, bool delta, Workspace& w) {
 }
 
 // a = lb * sigmoid(eA * (x + bias)), in place.
-CULA_MULTIVERSION
 void activate_lower_bound_gate(float* x, const float* bias, float eA, float lb, int64_t K) {
 #pragma omp simd
   for (int64_t d = 0; d < K; ++d) x[d] = lb / (1.0f + fast_exp(-eA * (x[d] + bias[d])));
 }
 
 // Scalar gates: one exponential per pair.
-CULA_MULTIVERSION
 void pair_products_scalar(int64_t L, int64_t K, Workspace& w) {
   for (int64_t i = 0; i < L; ++i) {
     const float *qi = &w.q[i * K], *ki = &w.k[i * K];
@@ -149,69 +150,109 @@ void pair_products_scalar(int64_t L, int64_t K, Workspace& w) {
   }
 }
 
+typedef float v8 __attribute__((vector_size(32)));
+
+// C[M x N] += alpha * A[M x Kd] B[Kd x N] (row-major), in 4 x 16 register blocks.
+void gemm_acc(int64_t M, int64_t N, int64_t Kd, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
+              int64_t ldc, float alpha) {
+  constexpr int MR = 4, NR = 16;
+  int64_t n0 = 0;
+  for (; n0 + NR <= N; n0 += NR) {
+    int64_t m0 = 0;
+    for (; m0 + MR <= M; m0 += MR) {
+      // GCC vector types keep the 4 x 16 accumulators in registers (8 ymm on AVX2).
+      v8 acc[MR][2] = {};
+      for (int64_t d = 0; d < Kd; ++d) {
+        v8 b0, b1;
+        std::memcpy(&b0, B + d * ldb + n0, sizeof(v8));
+        std::memcpy(&b1, B + d * ldb + n0 + 8, sizeof(v8));
+        for (int r = 0; r < MR; ++r) {
+          const float a = A[(m0 + r) * lda + d];
+          const v8 av = {a, a, a, a, a, a, a, a};
+          acc[r][0] += av * b0;
+          acc[r][1] += av * b1;
+        }
+      }
+      for (int r = 0; r < MR; ++r)
+        for (int j = 0; j < NR; ++j) C[(m0 + r) * ldc + n0 + j] += alpha * acc[r][j / 8][j % 8];
+    }
+    for (; m0 < M; ++m0) {
+      float acc[NR] = {};
+      for (int64_t d = 0; d < Kd; ++d) {
+        const float a = A[m0 * lda + d];
+        const float* b = B + d * ldb + n0;
+#pragma omp simd
+        for (int j = 0; j < NR; ++j) acc[j] += a * b[j];
+      }
+#pragma omp simd
+      for (int j = 0; j < NR; ++j) C[m0 * ldc + n0 + j] += alpha * acc[j];
+    }
+  }
+  if (n0 < N) {
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t d = 0; d < Kd; ++d) {
+        const float a = alpha * A[m * lda + d];
+        for (int64_t j = n0; j < N; ++j) C[m * ldc + j] += a * B[d * ldb + j];
+      }
+  }
+}
+
+// w_i = b_i (r_i - sum_{l<i} P[i][l] w_l), row by row, 16 columns held in registers.
+void forward_substitution(int64_t L, int64_t Vs, const float* P, const float* beta, float* W) {
+  constexpr int NR = 16;
+  for (int64_t i = 0; i < L; ++i) {
+    float* Wi = W + i * Vs;
+    int64_t j0 = 0;
+    for (; j0 + NR <= Vs; j0 += NR) {
+      float acc[NR];
+#pragma omp simd
+      for (int j = 0; j < NR; ++j) acc[j] = Wi[j0 + j];
+      for (int64_t l = 0; l < i; ++l) {
+        const float c = P[i * L + l];
+        const float* Wl = W + l * Vs + j0;
+#pragma omp simd
+        for (int j = 0; j < NR; ++j) acc[j] -= c * Wl[j];
+      }
+#pragma omp simd
+      for (int j = 0; j < NR; ++j) Wi[j0 + j] = acc[j] * beta[i];
+    }
+    for (int64_t j = j0; j < Vs; ++j) {
+      float acc = Wi[j];
+      for (int64_t l = 0; l < i; ++l) acc -= P[i * L + l] * W[l * Vs + j];
+      Wi[j] = acc * beta[i];
+    }
+  }
+}
+
 // One chunk on columns [0, Vs) of the slice: reads S (K x Vs), writes O and the new S.
-CULA_MULTIVERSION
 void chunk_step(int64_t L, int64_t K, int64_t Vs, bool delta, Workspace& w) {
   float* S = w.S.data();
   float* W = w.W.data();
   float* O = w.O.data();
   const float* G = w.G.data();
-  // W = v (then the delta correction), O = 0
-  std::memcpy(W, w.v.data(), sizeof(float) * L * Vs);
-  std::fill(O, O + L * Vs, 0.0f);
-  // O = (e^G . q) S0 and W -= (e^G . k) S0, four rows at a time so each row of S0 is read once per four.
-  float* cq = w.rowf.data();  // [L][K] decayed q
-  float* ck = w.colf.data();  // [L][K] decayed k
+  float* cq = w.rowf.data();  // [L][K] e^{G_i} q_i
+  float* ck = w.colf.data();  // [L][K] e^{G_i} k_i
   for (int64_t i = 0; i < L; ++i) {
     const float *gi = G + i * K, *qi = &w.q[i * K], *ki = &w.k[i * K];
 #pragma omp simd
     for (int64_t d = 0; d < K; ++d) {
       const float e = fast_exp(gi[d]);
       cq[i * K + d] = qi[d] * e;
-      ck[i * K + d] = delta ? ki[d] * e : 0.0f;
+      ck[i * K + d] = ki[d] * e;
     }
   }
-  for (int64_t i0 = 0; i0 < L; i0 += 4) {
-    const int64_t nr = std::min<int64_t>(4, L - i0);
-    for (int64_t d = 0; d < K; ++d) {
-      const float* Sd = S + d * Vs;
-      for (int64_t r = 0; r < nr; ++r) {
-        const int64_t i = i0 + r;
-        const float a = cq[i * K + d], b = ck[i * K + d];
-        float* Oi = O + i * Vs;
-        float* Wi = W + i * Vs;
-#pragma omp simd
-        for (int64_t j = 0; j < Vs; ++j) {
-          Oi[j] += a * Sd[j];
-          Wi[j] -= b * Sd[j];
-        }
-      }
-    }
-  }
+  std::memcpy(W, w.v.data(), sizeof(float) * L * Vs);
+  std::fill(O, O + L * Vs, 0.0f);
+  gemm_acc(L, Vs, K, cq, K, S, Vs, O, Vs, 1.0f);
   if (delta) {
-    for (int64_t i = 0; i < L; ++i) {
-      float* Wi = W + i * Vs;
-      for (int64_t l = 0; l < i; ++l) {
-        const float c = w.Pkk[i * L + l];
-        const float* Wl = W + l * Vs;
-#pragma omp simd
-        for (int64_t j = 0; j < Vs; ++j) Wi[j] -= c * Wl[j];
-      }
-      const float b = w.beta[i];
-#pragma omp simd
-      for (int64_t j = 0; j < Vs; ++j) Wi[j] *= b;
-    }
-    // The b_j factor multiplies the whole row including the correction: w_j = b_j (r_j - sum P w).
+    gemm_acc(L, Vs, K, ck, K, S, Vs, W, Vs, -1.0f);
+    forward_substitution(L, Vs, w.Pkk.data(), w.beta.data(), W);
   }
-  for (int64_t i = 0; i < L; ++i) {
-    float* Oi = O + i * Vs;
-    for (int64_t j = 0; j <= i; ++j) {
-      const float c = w.Pqk[i * L + j];
-      const float* Wj = W + j * Vs;
-#pragma omp simd
-      for (int64_t x = 0; x < Vs; ++x) Oi[x] += c * Wj[x];
-    }
-  }
+  // O += P_qk W with P_qk lower triangular (its upper part is zero).
+  for (int64_t i = 0; i < L; ++i)
+    for (int64_t j = i + 1; j < L; ++j) w.Pqk[i * L + j] = 0.0f;
+  gemm_acc(L, Vs, L, w.Pqk.data(), L, W, Vs, O, Vs, 1.0f);
+  // S = diag(e^{G_L}) S + sum_i (e^{G_L - G_i} k_i) w_i^T
   const float* gl = G + (L - 1) * K;
   for (int64_t d = 0; d < K; ++d) {
     float* Sd = S + d * Vs;
@@ -219,22 +260,12 @@ void chunk_step(int64_t L, int64_t K, int64_t Vs, bool delta, Workspace& w) {
 #pragma omp simd
     for (int64_t j = 0; j < Vs; ++j) Sd[j] *= e;
   }
-  // S += sum_i (e^{G_L - G_i} . k_i) w_i^T, row d of S held while the rows of W stream past.
-  float* kd = w.rowf.data();  // [L][K]
+  float* kdT = w.rowf.data();  // [K][L]
   for (int64_t i = 0; i < L; ++i) {
     const float *gi = G + i * K, *ki = &w.k[i * K];
-#pragma omp simd
-    for (int64_t d = 0; d < K; ++d) kd[i * K + d] = ki[d] * fast_exp(gl[d] - gi[d]);
+    for (int64_t d = 0; d < K; ++d) kdT[d * L + i] = ki[d] * fast_exp(gl[d] - gi[d]);
   }
-  for (int64_t d = 0; d < K; ++d) {
-    float* Sd = S + d * Vs;
-    for (int64_t i = 0; i < L; ++i) {
-      const float cd = kd[i * K + d];
-      const float* Wi = W + i * Vs;
-#pragma omp simd
-      for (int64_t j = 0; j < Vs; ++j) Sd[j] += cd * Wi[j];
-    }
-  }
+  gemm_acc(K, Vs, L, kdT, L, W, Vs, S, Vs, 1.0f);
 }
 
 void write_state_slice(const Recurrence& r, const cula_tensor& s, int64_t slot, int64_t hv, int64_t j0, int64_t Vs,
@@ -332,4 +363,5 @@ void cpu_chunk_fwd(const Recurrence& r, const cula_chunk_fwd_args& a) {
   });
 }
 
+}  // namespace isa_*
 }  // namespace cula
