@@ -2,7 +2,8 @@
 # Runs on a GPU machine over a copy of the built tree (build/ carried, no rebuild there):
 # installs the wheels that travel in .whl/ (fla-core), runs the C++ tests, the whole pytest
 # suite (GPU tests and the FLA convention checks included) and compute-sanitizer memcheck and
-# racecheck on small shapes of the CUDA kernels. Logs go to the directory given (default: logs/).
+# racecheck on small shapes of the CUDA kernels; with a second argument "bench", the GPU
+# benchmarks as well. Logs and results go to the directory given (default: logs/).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG=${1:-logs}
@@ -20,9 +21,12 @@ python3 -m cula info | tee "$LOG/info.txt" || status=1
 build/cula_tests --gtest_brief=1 2>&1 | tee "$LOG/ctest.txt" | tail -3 || status=1
 python3 -m pytest -q -rs -s -p no:cacheprovider tests/python 2>&1 | tee "$LOG/pytest.txt" | tail -25 || status=1
 for tool in memcheck racecheck; do
-  compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider tests/python/test_gpu.py \
-    -k "shape0 or shape1 or written or rejects" 2>&1 | tee "$LOG/sanitizer_$tool.txt" | tail -4
+  compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
+    tests/python/test_gpu.py tests/python/test_gpu_decode.py -k "shape0 or shape1 or written or rejects or reference" 2>&1 | tee "$LOG/sanitizer_$tool.txt" | tail -4
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done
+if [ "${2:-}" = "bench" ]; then
+  python3 -m cula bench decode --out "$LOG/results" 2>&1 | tee "$LOG/bench_decode.txt" | tail -25 || status=1
+fi
 echo "gpu_check status: $status" | tee "$LOG/status.txt"
 exit $status

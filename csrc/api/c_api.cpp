@@ -8,6 +8,7 @@
 #include "common/problem.h"
 #include "cpu/cpu_backend.h"
 #include "cuda/cuda_ops.h"
+#include "decode/cuda/decode_cuda.h"
 #include "reference/reference.h"
 
 #ifndef CULA_VERSION_STRING
@@ -35,6 +36,7 @@ const Kernel<cula_chunk_fwd_args> kChunkFwd[] = {
     {CULA_BACKEND_ORACLE, CULA_CPU, "reference", reference_chunk_fwd},
 };
 const Kernel<cula_decode_args> kDecode[] = {
+    {CULA_BACKEND_CUDA, CULA_CUDA, "cuda", cuda_decode},
     {CULA_BACKEND_CPU, CULA_CPU, "cpu", cpu_decode},
     {CULA_BACKEND_ORACLE, CULA_CPU, "reference", reference_decode},
 };

@@ -33,8 +33,10 @@ def main(argv=None) -> int:
     demo = sub.add_parser("demo", help="run every family on the best backend, check it, show linear vs softmax cost")
     demo.add_argument("--quick", action="store_true", help="smaller sizes (for tests)")
     bench = sub.add_parser("bench", help="benchmarks")
-    bench.add_argument("suite", choices=["cpu"], help="cpu: fast CPU path vs the float64 reference")
-    bench.add_argument("--out", default="bench/results/cpu", help="directory for the JSON and Markdown results")
+    bench.add_argument("suite", choices=["cpu", "decode"],
+                       help="cpu: fast CPU path vs the float64 reference; decode: CUDA decode vs FLA (needs torch + a GPU)")
+    bench.add_argument("--out", default=None, help="directory for the JSON and Markdown results "
+                       "(default bench/results/cpu, or bench/results/<gpu> for GPU suites)")
     bench.add_argument("--reps", type=int, default=5)
     args = parser.parse_args(argv)
     if args.cmd == "info":
@@ -44,9 +46,13 @@ def main(argv=None) -> int:
 
         return run_demo(quick=args.quick)
     if args.cmd == "bench":
-        from .bench import bench_cpu
+        if args.suite == "cpu":
+            from .bench import bench_cpu
 
-        return bench_cpu(args.out, reps=args.reps)
+            return bench_cpu(args.out or "bench/results/cpu", reps=args.reps)
+        from .bench_decode import bench_decode
+
+        return bench_decode(args.out or "bench/results/gpu")
     parser.print_help()
     return 0
 

@@ -1,0 +1,432 @@
+// Recurrent decode on CUDA for every family: a few tokens per sequence against a state pool,
+// updated in place.
+//
+// Design. The work is memory-bound (each step reads and writes the K x V state), so the kernel
+// is built to keep many state bytes in flight without holding them in registers:
+//  - grid: one CTA per (sequence n, value head hv, tile of R state rows along V), R chosen so a
+//    tile is 16 KB; block: 4 warps.
+//  - phase 1: the CTA starts the tile's copy into shared memory with cp.async (K-last: the rows
+//    are one contiguous run; 16-byte chunks, coalesced). Nothing waits on it yet.
+//  - phase 2, overlapping the copy: warp w preprocesses tokens w, w+4, ... (q/k L2 norm by warp
+//    reductions, scale, gate activation, exp of the log-decay, beta) into shared memory.
+//  - cp.async.wait_all + one __syncthreads, then phase 3: warp w runs rows w, w+4, ...; lane l
+//    holds elements [l*EPL, (l+1)*EPL) of the row (EPL = K/32) in registers through the T
+//    tokens: S' = S*exp(a), the delta rule's S'^T k and the output S^T q are warp reductions;
+//    the row goes straight back to the pool from registers (16-byte stores for fp32, K = 128).
+//  - speculative decoding: after token t the row also goes to slot idx[n, t].
+//  - padding (slot < 0, or >= P for device-side indices, which cannot be range-checked on the
+//    host without a synchronisation): outputs are zeros, the pool is not touched.
+// With ~16 KB of shared memory and few registers per CTA, about a dozen CTAs share an SM.
+// K-first pools use the same kernel with plain (strided) loads and stores: correct, not tuned.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+#include <string>
+
+#include "common/error.h"
+#include "decode/cuda/decode_cuda.h"
+
+namespace cula {
+namespace {
+
+constexpr int kWarps = 4;
+
+struct DecodeParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* g;
+  const void* beta;
+  const float* decay;
+  const float* A_log;
+  const float* dt_bias;
+  void* pool;
+  const int32_t* idx;
+  const int32_t* acc;
+  void* out;
+  int q_dtype, v_dtype, g_dtype, beta_dtype, out_dtype;
+  int N, T, H, HV, K, V, P;
+  int per_token_slots;  // idx is [N, T]
+  int gate_kind;        // 0 per channel, 1 scalar, 2 constant
+  int delta, l2norm, gate_in_kernel, has_lb, beta_sigmoid, decay_heads, dt_bias_per_channel;
+  float lb, beta_mult, scale;
+};
+
+__device__ __forceinline__ float ld(const void* p, int dtype, int64_t i) {
+  switch (dtype) {
+    case CULA_BFLOAT16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+    case CULA_FLOAT16: return __half2float(static_cast<const __half*>(p)[i]);
+    default: return static_cast<const float*>(p)[i];
+  }
+}
+
+__device__ __forceinline__ void st(void* p, int dtype, int64_t i, float x) {
+  switch (dtype) {
+    case CULA_BFLOAT16: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(x); break;
+    case CULA_FLOAT16: static_cast<__half*>(p)[i] = __float2half_rn(x); break;
+    default: static_cast<float*>(p)[i] = x;
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+// EPL consecutive state elements starting at p (K-last) as floats.
+template <int EPL, typename S>
+__device__ __forceinline__ void load_row(const S* p, float* x) {
+  if constexpr (sizeof(S) == 4 && EPL == 4) {
+    const float4 a = *reinterpret_cast<const float4*>(p);
+    x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w;
+  } else if constexpr (sizeof(S) == 2 && EPL == 4) {
+    const uint2 a = *reinterpret_cast<const uint2*>(p);
+    const __nv_bfloat162 lo = *reinterpret_cast<const __nv_bfloat162*>(&a.x);
+    const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&a.y);
+    x[0] = __low2float(lo), x[1] = __high2float(lo), x[2] = __low2float(hi), x[3] = __high2float(hi);
+  } else {
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) x[e] = static_cast<float>(p[e]);
+  }
+}
+
+template <int EPL, typename S>
+__device__ __forceinline__ void store_row(S* p, const float* x) {
+  if constexpr (sizeof(S) == 4 && EPL == 4) {
+    *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1], x[2], x[3]);
+  } else if constexpr (sizeof(S) == 2 && EPL == 4) {
+    uint2 a;
+    *reinterpret_cast<__nv_bfloat162*>(&a.x) = __floats2bfloat162_rn(x[0], x[1]);
+    *reinterpret_cast<__nv_bfloat162*>(&a.y) = __floats2bfloat162_rn(x[2], x[3]);
+    *reinterpret_cast<uint2*>(p) = a;
+  } else {
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) p[e] = static_cast<S>(x[e]);
+  }
+}
+
+__device__ __forceinline__ int read_slot(const DecodeParams& p, int n) {
+  if (!p.idx) return n;
+  if (!p.per_token_slots) return p.idx[n];
+  int a = p.acc ? p.acc[n] : 1;
+  a = min(max(a, 1), max(p.T, 1));
+  return p.idx[static_cast<int64_t>(n) * p.T + a - 1];
+}
+
+__device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem_src));
+}
+
+// Shared memory: the CTA's state tile, then per token the preprocessed q, k and exp(a) (K each)
+// and beta.
+template <typename S>
+__host__ __device__ inline size_t smem_bytes(int R, int K, int T, bool k_last) {
+  const size_t tile = k_last ? static_cast<size_t>(R) * K * sizeof(S) : static_cast<size_t>(K) * (R + 4) * sizeof(S);
+  return ((tile + 15) / 16) * 16 + static_cast<size_t>(T) * (3 * K + 1 + R) * sizeof(float);
+}
+
+template <int EPL, typename S, bool KLAST>
+__global__ void __launch_bounds__(kWarps * 32) decode_kernel(const DecodeParams p, const int R) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  constexpr int K = EPL * 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, tid = threadIdx.x;
+  const int tiles = (p.V + R - 1) / R;
+  const int64_t bid = blockIdx.x;
+  const int tile_id = static_cast<int>(bid % tiles);
+  const int hv = static_cast<int>((bid / tiles) % p.HV);
+  const int n = static_cast<int>(bid / (static_cast<int64_t>(tiles) * p.HV));
+  const int h = hv / (p.HV / p.H);
+  const int j0 = tile_id * R;
+  const int rows = min(R, p.V - j0);
+  const int k0 = lane * EPL;
+  const int rs = read_slot(p, n);
+  S* pool = static_cast<S*>(p.pool);
+  const int64_t slot_elems = static_cast<int64_t>(p.HV) * p.V * K;
+  const int64_t head_off = static_cast<int64_t>(hv) * p.V * K;
+
+  if (rs < 0 || rs >= p.P) {  // padding: zeros out, pool untouched
+    for (int i = tid; i < rows * p.T; i += blockDim.x) {
+      const int t = i / rows, j = j0 + i % rows;
+      st(p.out, p.out_dtype, (static_cast<int64_t>(n * p.T + t) * p.HV + hv) * p.V + j, 0.0f);
+    }
+    return;
+  }
+
+  S* tile = reinterpret_cast<S*>(smem);
+  const size_t tile_bytes = KLAST ? static_cast<size_t>(R) * K * sizeof(S) : static_cast<size_t>(K) * (R + 4) * sizeof(S);
+  float* tok = reinterpret_cast<float*>(smem + ((tile_bytes + 15) / 16) * 16);  // [T][3][K], then [T] beta
+  float* tok_beta = tok + static_cast<size_t>(p.T) * 3 * K;
+  float* tok_v = tok_beta + p.T;  // [T][R]: this tile's v values, off the rows' critical path
+
+  // 1. Start the state tile on its way: K-last rows j0.. are one contiguous run.
+  const S* src = pool + static_cast<int64_t>(rs) * slot_elems + head_off;
+  if constexpr (KLAST) {
+    const int chunks = rows * K * static_cast<int>(sizeof(S)) / 16;
+    const char* g = reinterpret_cast<const char*>(src + static_cast<int64_t>(j0) * K);
+    for (int c = tid; c < chunks; c += blockDim.x) cp_async16(reinterpret_cast<char*>(tile) + c * 16, g + c * 16);
+    asm volatile("cp.async.commit_group;\n" ::);
+  } else {
+    for (int i = tid; i < K * rows; i += blockDim.x) {
+      const int kk = i / rows, j = i % rows;
+      tile[kk * (R + 4) + j] = src[static_cast<int64_t>(kk) * p.V + j0 + j];
+    }
+  }
+
+  // 2. Meanwhile, stage v and preprocess the tokens: warp w takes tokens w, w + 4, ...
+  for (int i = tid; i < rows * p.T; i += blockDim.x) {
+    const int t = i / rows, r = i % rows;
+    tok_v[t * R + r] = ld(p.v, p.v_dtype, ((static_cast<int64_t>(n) * p.T + t) * p.HV + hv) * p.V + j0 + r);
+  }
+  float eA = 1.0f;
+  if (p.gate_in_kernel && p.A_log) eA = __expf(p.A_log[hv]);
+  for (int t = warp; t < p.T; t += kWarps) {
+    const int64_t f = static_cast<int64_t>(n) * p.T + t;
+    float q[EPL], k[EPL];
+    const int64_t qk_off = (f * p.H + h) * K + k0;
+    float qq = 0, kk = 0;
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) {
+      q[e] = ld(p.q, p.q_dtype, qk_off + e);
+      k[e] = ld(p.k, p.q_dtype, qk_off + e);
+      qq += q[e] * q[e];
+      kk += k[e] * k[e];
+    }
+    float qs = p.scale, ks = 1.0f;
+    if (p.l2norm) {
+      qs *= rsqrtf(warp_sum(qq) + 1e-6f);
+      ks = rsqrtf(warp_sum(kk) + 1e-6f);
+    }
+    float* tq = tok + static_cast<size_t>(t) * 3 * K;
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) {
+      float a;
+      if (p.gate_kind == 2) {
+        a = -p.decay[p.decay_heads == p.HV ? hv : h];
+      } else {
+        a = p.gate_kind == 0 ? ld(p.g, p.g_dtype, (f * p.HV + hv) * K + k0 + e) : ld(p.g, p.g_dtype, f * p.HV + hv);
+        if (p.gate_in_kernel) {
+          if (p.dt_bias) a += p.dt_bias_per_channel ? p.dt_bias[hv * K + k0 + e] : p.dt_bias[hv];
+          a = p.has_lb ? p.lb / (1.0f + __expf(-eA * a)) : -eA * (a > 20.0f ? a : log1pf(__expf(a)));
+        }
+      }
+      tq[k0 + e] = q[e] * qs;
+      tq[K + k0 + e] = k[e] * ks;
+      tq[2 * K + k0 + e] = __expf(a);
+    }
+    if (lane == 0) {
+      float b = 1.0f;
+      if (p.delta) {
+        b = ld(p.beta, p.beta_dtype, f * p.HV + hv);
+        if (p.beta_sigmoid) b = p.beta_mult / (1.0f + __expf(-b));
+      }
+      tok_beta[t] = b;
+    }
+  }
+  if constexpr (KLAST) asm volatile("cp.async.wait_all;\n" ::);
+  __syncthreads();
+
+  // 3. Rows: warp w takes rows w, w + 4, ..., kBatch of them at a time so that their warp
+  //    reductions interleave instead of running back to back.
+  constexpr int kBatch = 4;  // 8 for bf16 measured slower (registers, occupancy)
+  for (int r0 = warp; r0 < rows; r0 += kWarps * kBatch) {
+    float s[kBatch][EPL];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int r = min(r0 + b * kWarps, rows - 1);  // clamped rows are computed, never stored
+      if constexpr (KLAST) {
+        load_row<EPL, S>(tile + r * K + k0, s[b]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) s[b][e] = static_cast<float>(tile[(k0 + e) * (R + 4) + r]);
+      }
+    }
+    auto store_to = [&](int slot) {
+      S* dst = pool + static_cast<int64_t>(slot) * slot_elems + head_off;
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int r = r0 + b * kWarps;
+        if (r >= rows) continue;
+        if constexpr (KLAST) {
+          store_row<EPL, S>(dst + static_cast<int64_t>(j0 + r) * K + k0, s[b]);
+        } else {
+#pragma unroll
+          for (int e = 0; e < EPL; ++e) dst[static_cast<int64_t>(k0 + e) * p.V + j0 + r] = static_cast<S>(s[b][e]);
+        }
+      }
+    };
+    for (int t = 0; t < p.T; ++t) {
+      const int64_t f = static_cast<int64_t>(n) * p.T + t;
+      const float* tq = tok + static_cast<size_t>(t) * 3 * K;
+      float qv[EPL], kv[EPL], av[EPL];
+#pragma unroll
+      for (int e = 0; e < EPL; ++e) qv[e] = tq[k0 + e], kv[e] = tq[K + k0 + e], av[e] = tq[2 * K + k0 + e];
+      float u[kBatch], dot[kBatch], o[kBatch];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        u[b] = tok_v[t * R + min(r0 + b * kWarps, rows - 1)];
+        dot[b] = 0;
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) {
+          s[b][e] *= av[e];
+          dot[b] += s[b][e] * kv[e];
+        }
+      }
+      if (p.delta) {
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1)
+#pragma unroll
+          for (int b = 0; b < kBatch; ++b) dot[b] += __shfl_xor_sync(0xffffffffu, dot[b], off);
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) u[b] = (u[b] - dot[b]) * tok_beta[t];
+      }
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        o[b] = 0;
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) {
+          s[b][e] += kv[e] * u[b];
+          o[b] += s[b][e] * qv[e];
+        }
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1)
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) o[b] += __shfl_xor_sync(0xffffffffu, o[b], off);
+      if (lane < kBatch && r0 + lane * kWarps < rows) {
+        float mine = o[0];
+#pragma unroll
+        for (int b = 1; b < kBatch; ++b)
+          if (lane == b) mine = o[b];
+        st(p.out, p.out_dtype, (f * p.HV + hv) * p.V + j0 + r0 + lane * kWarps, mine);
+      }
+      if (p.per_token_slots) {
+        const int ws = p.idx[f];
+        if (ws >= 0 && ws < p.P) store_to(ws);
+      }
+    }
+    if (!p.per_token_slots) store_to(rs);
+  }
+}
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw Error(CULA_ERROR_CUDA, std::string("decode: ") + what + ": " + cudaGetErrorString(e));
+}
+
+// Tile rows: 16 KB of state per CTA, so that a dozen CTAs per SM keep ~200 KB of loads in flight.
+template <int EPL, typename S, bool KLAST>
+void launch_tile(const DecodeParams& p, cudaStream_t stream) {
+  constexpr int K = EPL * 32;
+  int R = static_cast<int>(16384 / (K * sizeof(S)));
+  R = std::max(4, std::min(R, p.V));
+  const int64_t blocks = static_cast<int64_t>(p.N) * p.HV * ((p.V + R - 1) / R);
+  if (blocks >= (int64_t{1} << 31)) throw_unsupported("decode", "too many sequences x heads for one launch");
+  const size_t smem = smem_bytes<S>(R, K, p.T, KLAST);
+  if (smem > 48 * 1024) {
+    if (smem > 200 * 1024) throw_unsupported("decode", "too many draft tokens per sequence for the CUDA decode kernel");
+    check(cudaFuncSetAttribute(decode_kernel<EPL, S, KLAST>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(smem)),
+          "cudaFuncSetAttribute");
+  }
+  decode_kernel<EPL, S, KLAST><<<static_cast<unsigned>(blocks), kWarps * 32, smem, stream>>>(p, R);
+}
+
+template <int EPL, typename S>
+void launch_layout(const DecodeParams& p, bool k_last, cudaStream_t stream) {
+  if (k_last)
+    launch_tile<EPL, S, true>(p, stream);
+  else
+    launch_tile<EPL, S, false>(p, stream);
+}
+
+template <int EPL>
+void launch_state(const DecodeParams& p, int state_dtype, bool k_last, cudaStream_t stream) {
+  if (state_dtype == CULA_FLOAT32)
+    launch_layout<EPL, float>(p, k_last, stream);
+  else
+    launch_layout<EPL, __nv_bfloat16>(p, k_last, stream);
+}
+
+}  // namespace
+
+void cuda_decode(const Recurrence& r, const cula_decode_args& a) {
+  const char* op = "decode";
+  auto need_contiguous = [&](const cula_tensor* t, const char* name) {
+    if (t && !is_contiguous(*t)) throw_arg(op, name, "a contiguous tensor for the CUDA kernel", "a strided view");
+  };
+  for (auto [t, name] : {std::pair<const cula_tensor*, const char*>{a.q, "q"}, {a.k, "k"}, {a.v, "v"}, {a.g, "g"},
+                         {a.beta, "beta"}, {a.out, "out"}, {a.state_pool, "state_pool"},
+                         {a.state_indices, "state_indices"}, {a.num_accepted_tokens, "num_accepted_tokens"},
+                         {a.decay, "decay"}, {a.A_log, "A_log"}, {a.dt_bias, "dt_bias"}})
+    need_contiguous(t, name);
+  if (a.k->dtype != a.q->dtype) throw_arg(op, "k", std::string("the dtype of q (") + dtype_name(a.q->dtype) + ")", dtype_name(a.k->dtype));
+  for (auto [t, name] : {std::pair<const cula_tensor*, const char*>{a.state_indices, "state_indices"},
+                         {a.num_accepted_tokens, "num_accepted_tokens"}})
+    if (t && t->device_type != CULA_CUDA)
+      throw_arg(op, name, "a tensor on the device of q for the CUDA kernel (no host synchronisation)", describe(t));
+  for (auto [t, name] : {std::pair<const cula_tensor*, const char*>{a.decay, "decay"}, {a.A_log, "A_log"}, {a.dt_bias, "dt_bias"}})
+    if (t && t->dtype != CULA_FLOAT32) throw_arg(op, name, "a float32 tensor for the CUDA kernel", describe(t));
+  if (a.state_pool->dtype != CULA_FLOAT32 && a.state_pool->dtype != CULA_BFLOAT16)
+    throw_arg(op, "state_pool", "a float32 or bfloat16 pool for the CUDA kernel", describe(a.state_pool));
+  if (r.K != 64 && r.K != 128 && r.K != 256)
+    throw_unsupported(op, "the CUDA decode kernel takes K in {64, 128, 256}, got K = " + std::to_string(r.K) +
+                              "; use host tensors (the CPU backend) for other head sizes");
+  if (reinterpret_cast<uintptr_t>(a.state_pool->data) % 16 != 0)
+    throw_arg(op, "state_pool", "a 16-byte aligned buffer for the CUDA kernel", "a misaligned view");
+  if (r.N * r.T * r.HV * r.V >= (int64_t{1} << 31) || r.N >= (1 << 30))
+    throw_unsupported(op, "problem too large for the CUDA decode kernel's 32-bit token indices");
+  DecodeParams p{};
+  p.q = a.q->data;
+  p.k = a.k->data;
+  p.v = a.v->data;
+  p.g = a.g ? a.g->data : nullptr;
+  p.beta = a.beta ? a.beta->data : nullptr;
+  p.decay = a.decay ? static_cast<const float*>(a.decay->data) : nullptr;
+  p.A_log = a.A_log ? static_cast<const float*>(a.A_log->data) : nullptr;
+  p.dt_bias = a.dt_bias ? static_cast<const float*>(a.dt_bias->data) : nullptr;
+  p.pool = a.state_pool->data;
+  p.idx = a.state_indices ? static_cast<const int32_t*>(a.state_indices->data) : nullptr;
+  p.acc = a.num_accepted_tokens ? static_cast<const int32_t*>(a.num_accepted_tokens->data) : nullptr;
+  p.out = a.out->data;
+  p.q_dtype = a.q->dtype;
+  p.v_dtype = a.v->dtype;
+  p.g_dtype = a.g ? a.g->dtype : CULA_FLOAT32;
+  p.beta_dtype = a.beta ? a.beta->dtype : CULA_FLOAT32;
+  p.out_dtype = a.out->dtype;
+  p.N = static_cast<int>(r.N);
+  p.T = static_cast<int>(r.T);
+  p.H = static_cast<int>(r.H);
+  p.HV = static_cast<int>(r.HV);
+  p.K = static_cast<int>(r.K);
+  p.V = static_cast<int>(r.V);
+  p.P = static_cast<int>(a.state_pool->shape[0]);
+  p.per_token_slots = a.state_indices && a.state_indices->ndim == 2;
+  p.gate_kind = r.tr.gate == GateKind::PerChannel ? 0 : r.tr.gate == GateKind::Scalar ? 1 : 2;
+  p.delta = r.tr.delta;
+  p.l2norm = r.l2norm;
+  p.gate_in_kernel = r.gate_in_kernel;
+  p.has_lb = r.has_lb;
+  p.lb = static_cast<float>(r.lb);
+  p.beta_sigmoid = r.beta_sigmoid;
+  p.beta_mult = r.neg_eig ? 2.0f : 1.0f;
+  p.scale = static_cast<float>(r.scale);
+  p.decay_heads = static_cast<int>(r.decay_heads);
+  p.dt_bias_per_channel = r.dt_bias_per_channel;
+  if (r.N == 0 || r.T == 0) return;
+  check(cudaSetDevice(a.q->device_id), "cudaSetDevice");
+  const cudaStream_t stream = static_cast<cudaStream_t>(a.opt.stream);
+  const bool k_last = r.state_layout == CULA_STATE_K_LAST;
+  switch (r.K) {
+    case 64: launch_state<2>(p, a.state_pool->dtype, k_last, stream); break;
+    case 128: launch_state<4>(p, a.state_pool->dtype, k_last, stream); break;
+    default: launch_state<8>(p, a.state_pool->dtype, k_last, stream); break;
+  }
+  check(cudaGetLastError(), "kernel launch");
+}
+
+}  // namespace cula

@@ -1,0 +1,139 @@
+"""CUDA decode against the float64 reference and FLA: random inputs, fresh seeds, poisoned outputs
+and a poisoned pool whose unnamed slots must stay bit-identical. Skipped without a CUDA device."""
+
+import numpy as np
+import pytest
+from conftest import rel
+
+import cula
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+if not torch.cuda.is_available() or cula._lib.LIB.cula_cuda_device_count() == 0:
+    pytest.skip("no CUDA device visible to torch and cula", allow_module_level=True)
+
+
+def make(rng, mode, N, T, H, HV, K, V, gate_in_kernel, dtype=torch.bfloat16):
+    t = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32))  # noqa: E731
+    d = dict(q=t(N, T, H, K).to(dtype), k=t(N, T, H, K).to(dtype), v=t(N, T, HV, V).to(dtype))
+    kw = dict(use_qk_l2norm_in_kernel=True)
+    if mode == "kda":
+        d["g"] = t(N, T, HV, K) if gate_in_kernel else -torch.from_numpy(rng.uniform(0.01, 0.5, (N, T, HV, K)).astype(np.float32))
+    elif mode == "gdn":
+        d["g"] = t(N, T, HV) if gate_in_kernel else -torch.from_numpy(rng.uniform(0.01, 0.5, (N, T, HV)).astype(np.float32))
+    else:
+        d["decay"] = torch.from_numpy(rng.uniform(0.01, 0.5, H).astype(np.float32))
+    if mode in ("kda", "gdn"):
+        d["beta"] = t(N, T, HV)
+        kw["use_beta_sigmoid_in_kernel"] = True
+        if gate_in_kernel:
+            d["A_log"] = torch.from_numpy(rng.uniform(-1, 0.5, HV).astype(np.float32))
+            d["dt_bias"] = t(HV * K) * 0.5 if mode == "kda" else t(HV) * 0.5
+            kw.update(use_gate_in_kernel=True, lower_bound=-5.0 if mode == "kda" else None)
+    return d, kw
+
+
+CASES = [
+    # mode, T (draft tokens), K, V, GVA, gate in kernel, state dtype, layout
+    ("kda", 1, 128, 128, False, True, torch.float32, "k_last"),
+    ("kda", 1, 128, 128, True, True, torch.bfloat16, "k_last"),
+    ("kda", 3, 128, 64, False, False, torch.float32, "k_last"),
+    ("kda", 2, 64, 128, True, True, torch.bfloat16, "k_first"),
+    ("gdn", 1, 128, 128, False, True, torch.float32, "k_last"),
+    ("gdn", 4, 64, 64, True, True, torch.bfloat16, "k_last"),
+    ("gdn", 1, 128, 128, False, False, torch.float32, "k_first"),
+    ("lightning", 1, 128, 128, False, False, torch.float32, "k_last"),
+    ("lightning", 2, 64, 128, True, False, torch.bfloat16, "k_last"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-T{c[1]}-K{c[2]}V{c[3]}-{'gva' if c[4] else 'mha'}-"
+                                            f"{'gate' if c[5] else 'g'}-{str(c[6])[6:]}-{c[7]}" for c in CASES])
+def test_cuda_decode_matches_reference(rng, case):
+    mode, T, K, V, gva, gate, sdt, layout = case
+    N, H = 7, 2
+    HV = 2 * H if gva else H
+    P = 3 * N * T + 5
+    d, kw = make(rng, mode, N, T, H, HV, K, V, gate)
+    shape = (P, HV, V, K) if layout == "k_last" else (P, HV, K, V)
+    pool = (torch.from_numpy(rng.standard_normal(shape).astype(np.float32)) * 0.5).to(sdt)
+    perm = torch.from_numpy(rng.permutation(P)[: N * T].astype(np.int32))
+    if T == 1:
+        idx = perm.clone()
+        idx[2] = -1  # a padding sequence
+        acc = None
+    else:
+        idx = perm.view(N, T).clone()
+        idx[2] = -1
+        idx[4, T - 1] = -1  # a draft token whose state is not kept
+        acc = torch.from_numpy((np.arange(N) % (T + 1)).astype(np.int32))  # every count, 0 included
+    # reference on the host
+    pool_ref = pool.clone()
+    o_ref, _ = cula.decode(**{n: (x.float() if x.dtype == torch.bfloat16 and n in ("q", "k", "v") else x) for n, x in d.items()},
+                           state_pool=pool_ref, mode=mode, state_indices=idx, num_accepted_tokens=acc,
+                           state_layout=layout, backend="reference", **kw)
+    # CUDA
+    dev = {n: x.cuda() for n, x in d.items()}
+    pool_gpu = pool.cuda()
+    out = torch.full((N, T, HV, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+    cula.decode(**dev, state_pool=pool_gpu, mode=mode, state_indices=idx.cuda(),
+                num_accepted_tokens=acc.cuda() if acc is not None else None, state_layout=layout, out=out, **kw)
+    torch.cuda.synchronize()
+    o = out.float().cpu()
+    assert torch.isfinite(o).all(), "unwritten or non-finite output"
+    assert rel(o.numpy(), o_ref.float().numpy()) < 5e-3
+    assert (o[2] == 0).all(), "padding sequence must output zeros"
+    pg = pool_gpu.cpu()
+    named = set(int(x) for x in idx.flatten().tolist() if x >= 0)
+    untouched = [s for s in range(P) if s not in named]
+    assert torch.equal(pg[untouched], pool[untouched]), "slots not named by state_indices changed"
+    tol = 5e-3 if sdt == torch.bfloat16 else 1e-4
+    assert rel(pg.float().numpy(), pool_ref.float().numpy()) < tol
+
+
+def test_cuda_decode_matches_fla_fused_recurrent_kda(rng):
+    pytest.importorskip("fla", reason="fla-core is not installed")
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    N, H, K, V = 33, 4, 128, 128
+    d, kw = make(rng, "kda", N, 1, H, H, K, V, True)
+    dev = {n: x.cuda() for n, x in d.items()}
+    pool = (torch.randn(2 * N, H, V, K, device="cuda") * 0.5)
+    idx = torch.randperm(2 * N, device="cuda")[:N].to(torch.int32)
+    p1, p2 = pool.clone(), pool.clone()
+    o, _ = cula.decode(**dev, state_pool=p1, mode="kda", state_indices=idx, **kw)
+    o_fla, _ = fused_recurrent_kda_fwd(
+        q=dev["q"].view(1, N, H, K), k=dev["k"].view(1, N, H, K), v=dev["v"].view(1, N, H, V), g=dev["g"].view(1, N, H, K),
+        beta=dev["beta"].view(1, N, H), A_log=dev["A_log"], dt_bias=dev["dt_bias"], initial_state=p2,
+        inplace_final_state=True, ssm_state_indices=idx, cu_seqlens=torch.arange(N + 1, device="cuda", dtype=torch.int32),
+        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=-5.0,
+        state_v_first=True)
+    torch.cuda.synchronize()
+    e = (rel(o.float().cpu().numpy(), o_fla.view(N, 1, H, V).float().cpu().numpy()), rel(p1.cpu().numpy(), p2.cpu().numpy()))
+    print("cula decode vs FLA fused_recurrent_kda (o, pool):", e)
+    assert max(e) < 5e-3
+
+
+def test_cuda_decode_in_a_cuda_graph(rng):
+    N, H, K, V = 16, 2, 128, 128
+    d, kw = make(rng, "kda", N, 1, H, H, K, V, True)
+    dev = {n: x.cuda() for n, x in d.items()}
+    pool = torch.randn(N, H, V, K, device="cuda")
+    idx = torch.randperm(N, device="cuda").to(torch.int32)
+    out = torch.empty(N, 1, H, V, dtype=torch.bfloat16, device="cuda")
+    eager_pool = pool.clone()
+    o_eager, _ = cula.decode(**dev, state_pool=eager_pool, state_indices=idx, **kw)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        warm = pool.clone()
+        cula.decode(**dev, state_pool=warm, state_indices=idx, out=out, **kw)
+    torch.cuda.current_stream().wait_stream(s)
+    graph_pool = pool.clone()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        cula.decode(**dev, state_pool=graph_pool, state_indices=idx, out=out, **kw)
+    graph_pool.copy_(pool)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, o_eager) and torch.equal(graph_pool, eager_pool)
