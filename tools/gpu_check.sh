@@ -16,17 +16,17 @@ export PYTHONPATH=$PWD/python:${PYTHONPATH:-}
 export CULA_LIBRARY=$PWD/build/libcula.so
 export FLA_FLASH_KDA=0 PYTHONUNBUFFERED=1
 status=0
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$LOG/gpu.txt"
-python3 -m cula info | tee "$LOG/info.txt" || status=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$LOG/summary.txt"
+python3 -m cula info | tee -a "$LOG/summary.txt" || status=1
 build/cula_tests --gtest_brief=1 2>&1 | tee "$LOG/ctest.txt" | tail -3 || status=1
 python3 -m pytest -q -rs -s -p no:cacheprovider tests/python 2>&1 | tee "$LOG/pytest.txt" | tail -25 || status=1
 for tool in memcheck racecheck; do
   compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
-    tests/python/test_gpu.py tests/python/test_gpu_decode.py -k "shape0 or shape1 or written or rejects or reference" 2>&1 | tee "$LOG/sanitizer_$tool.txt" | tail -4
+    tests/python/test_gpu.py tests/python/test_gpu_decode.py -k "shape0 or shape1 or written or rejects or reference" 2>&1 | tee -a "$LOG/sanitizer.txt" | tail -4
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done
 if [ "${2:-}" = "bench" ]; then
   python3 -m cula bench decode --out "$LOG/results" 2>&1 | tee "$LOG/bench_decode.txt" | tail -25 || status=1
 fi
-echo "gpu_check status: $status" | tee "$LOG/status.txt"
+echo "gpu_check status: $status" | tee -a "$LOG/summary.txt"
 exit $status
