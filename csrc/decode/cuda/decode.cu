@@ -28,6 +28,7 @@
 #include <string>
 
 #include "common/error.h"
+#include "cuda/cuda_ops.h"
 #include "decode/cuda/decode_cuda.h"
 
 namespace cula {
@@ -54,6 +55,7 @@ struct DecodeParams {
   int gate_kind;        // 0 per channel, 1 scalar, 2 constant
   int delta, l2norm, gate_in_kernel, has_lb, beta_sigmoid, decay_heads, dt_bias_per_channel;
   float lb, beta_mult, scale;
+  int sm_count;  // host-side launch heuristic only
 };
 
 __device__ __forceinline__ float ld(const void* p, int dtype, int64_t i) {
@@ -132,7 +134,7 @@ __host__ __device__ inline size_t smem_bytes(int R, int K, int T, bool k_last) {
 }
 
 template <int EPL, typename S, bool KLAST>
-__global__ void __launch_bounds__(kWarps * 32) decode_kernel(const DecodeParams p, const int R) {
+__global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodeParams p, const int R) {
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int K = EPL * 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, tid = threadIdx.x;
@@ -145,10 +147,41 @@ __global__ void __launch_bounds__(kWarps * 32) decode_kernel(const DecodeParams 
   const int j0 = tile_id * R;
   const int rows = min(R, p.V - j0);
   const int k0 = lane * EPL;
-  const int rs = read_slot(p, n);
   S* pool = static_cast<S*>(p.pool);
   const int64_t slot_elems = static_cast<int64_t>(p.HV) * p.V * K;
   const int64_t head_off = static_cast<int64_t>(hv) * p.V * K;
+
+  // 0. Issue every load that does not depend on the slot first, so that the slot index, the
+  //    token inputs and v all arrive within one memory latency. Warp w loads token w (the
+  //    common case T <= 4 needs no more); lane 0 also loads beta.
+  const int rs = read_slot(p, n);
+  const int my_t = warp;
+  const bool has_tok = my_t < p.T;
+  float rq[EPL], rk[EPL], rg[EPL], rbias[EPL], rbeta = 1.0f, eA = 1.0f;
+  if (p.gate_in_kernel && p.A_log) eA = p.A_log[hv];
+#pragma unroll
+  for (int e = 0; e < EPL; ++e) rbias[e] = 0.0f;
+  if (p.gate_in_kernel && p.dt_bias) {
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) rbias[e] = p.dt_bias_per_channel ? p.dt_bias[hv * K + k0 + e] : p.dt_bias[hv];
+  }
+  auto load_token = [&](int t) {
+    const int64_t f = static_cast<int64_t>(n) * p.T + t;
+    const int64_t qk_off = (f * p.H + h) * K + k0;
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) {
+      rq[e] = ld(p.q, p.q_dtype, qk_off + e);
+      rk[e] = ld(p.k, p.q_dtype, qk_off + e);
+      rg[e] = p.gate_kind == 0 ? ld(p.g, p.g_dtype, (f * p.HV + hv) * K + k0 + e)
+              : p.gate_kind == 1 ? ld(p.g, p.g_dtype, f * p.HV + hv)
+                                 : -p.decay[p.decay_heads == p.HV ? hv : h];
+    }
+    if (p.delta && lane == 0) rbeta = ld(p.beta, p.beta_dtype, f * p.HV + hv);
+  };
+  if (has_tok) load_token(my_t);
+  const bool has_v = tid < rows * p.T;
+  const float rv = has_v ? ld(p.v, p.v_dtype, ((static_cast<int64_t>(n) * p.T + tid / rows) * p.HV + hv) * p.V + j0 + tid % rows)
+                         : 0.0f;
 
   if (rs < 0 || rs >= p.P) {  // padding: zeros out, pool untouched
     for (int i = tid; i < rows * p.T; i += blockDim.x) {
@@ -168,8 +201,8 @@ __global__ void __launch_bounds__(kWarps * 32) decode_kernel(const DecodeParams 
   const S* src = pool + static_cast<int64_t>(rs) * slot_elems + head_off;
   if constexpr (KLAST) {
     const int chunks = rows * K * static_cast<int>(sizeof(S)) / 16;
-    const char* g = reinterpret_cast<const char*>(src + static_cast<int64_t>(j0) * K);
-    for (int c = tid; c < chunks; c += blockDim.x) cp_async16(reinterpret_cast<char*>(tile) + c * 16, g + c * 16);
+    const char* gsrc = reinterpret_cast<const char*>(src + static_cast<int64_t>(j0) * K);
+    for (int c = tid; c < chunks; c += blockDim.x) cp_async16(reinterpret_cast<char*>(tile) + c * 16, gsrc + c * 16);
     asm volatile("cp.async.commit_group;\n" ::);
   } else {
     for (int i = tid; i < K * rows; i += blockDim.x) {
@@ -178,25 +211,17 @@ __global__ void __launch_bounds__(kWarps * 32) decode_kernel(const DecodeParams 
     }
   }
 
-  // 2. Meanwhile, stage v and preprocess the tokens: warp w takes tokens w, w + 4, ...
-  for (int i = tid; i < rows * p.T; i += blockDim.x) {
-    const int t = i / rows, r = i % rows;
-    tok_v[t * R + r] = ld(p.v, p.v_dtype, ((static_cast<int64_t>(n) * p.T + t) * p.HV + hv) * p.V + j0 + r);
-  }
-  float eA = 1.0f;
-  if (p.gate_in_kernel && p.A_log) eA = __expf(p.A_log[hv]);
-  for (int t = warp; t < p.T; t += kWarps) {
-    const int64_t f = static_cast<int64_t>(n) * p.T + t;
-    float q[EPL], k[EPL];
-    const int64_t qk_off = (f * p.H + h) * K + k0;
+  // 2. Meanwhile, preprocess the tokens into shared memory (q/k L2 norm by warp reductions,
+  //    scale, gate activation, exp of the log-decay, beta) and stage v.
+  if (has_v) tok_v[(tid / rows) * R + tid % rows] = rv;
+  for (int i = tid + blockDim.x; i < rows * p.T; i += blockDim.x)
+    tok_v[(i / rows) * R + i % rows] = ld(p.v, p.v_dtype, ((static_cast<int64_t>(n) * p.T + i / rows) * p.HV + hv) * p.V + j0 + i % rows);
+  if (p.gate_in_kernel && p.A_log) eA = __expf(eA);
+  for (int t = my_t; t < p.T; t += kWarps) {
+    if (t != my_t) load_token(t);
     float qq = 0, kk = 0;
 #pragma unroll
-    for (int e = 0; e < EPL; ++e) {
-      q[e] = ld(p.q, p.q_dtype, qk_off + e);
-      k[e] = ld(p.k, p.q_dtype, qk_off + e);
-      qq += q[e] * q[e];
-      kk += k[e] * k[e];
-    }
+    for (int e = 0; e < EPL; ++e) qq += rq[e] * rq[e], kk += rk[e] * rk[e];
     float qs = p.scale, ks = 1.0f;
     if (p.l2norm) {
       qs *= rsqrtf(warp_sum(qq) + 1e-6f);
@@ -205,28 +230,16 @@ __global__ void __launch_bounds__(kWarps * 32) decode_kernel(const DecodeParams 
     float* tq = tok + static_cast<size_t>(t) * 3 * K;
 #pragma unroll
     for (int e = 0; e < EPL; ++e) {
-      float a;
-      if (p.gate_kind == 2) {
-        a = -p.decay[p.decay_heads == p.HV ? hv : h];
-      } else {
-        a = p.gate_kind == 0 ? ld(p.g, p.g_dtype, (f * p.HV + hv) * K + k0 + e) : ld(p.g, p.g_dtype, f * p.HV + hv);
-        if (p.gate_in_kernel) {
-          if (p.dt_bias) a += p.dt_bias_per_channel ? p.dt_bias[hv * K + k0 + e] : p.dt_bias[hv];
-          a = p.has_lb ? p.lb / (1.0f + __expf(-eA * a)) : -eA * (a > 20.0f ? a : log1pf(__expf(a)));
-        }
+      float a = rg[e];
+      if (p.gate_in_kernel) {
+        a += rbias[e];
+        a = p.has_lb ? p.lb / (1.0f + __expf(-eA * a)) : -eA * (a > 20.0f ? a : log1pf(__expf(a)));
       }
-      tq[k0 + e] = q[e] * qs;
-      tq[K + k0 + e] = k[e] * ks;
+      tq[k0 + e] = rq[e] * qs;
+      tq[K + k0 + e] = rk[e] * ks;
       tq[2 * K + k0 + e] = __expf(a);
     }
-    if (lane == 0) {
-      float b = 1.0f;
-      if (p.delta) {
-        b = ld(p.beta, p.beta_dtype, f * p.HV + hv);
-        if (p.beta_sigmoid) b = p.beta_mult / (1.0f + __expf(-b));
-      }
-      tok_beta[t] = b;
-    }
+    if (lane == 0) tok_beta[t] = (p.delta && p.beta_sigmoid) ? p.beta_mult / (1.0f + __expf(-rbeta)) : rbeta;
   }
   if constexpr (KLAST) asm volatile("cp.async.wait_all;\n" ::);
   __syncthreads();
@@ -324,6 +337,10 @@ void launch_tile(const DecodeParams& p, cudaStream_t stream) {
   constexpr int K = EPL * 32;
   int R = static_cast<int>(16384 / (K * sizeof(S)));
   R = std::max(4, std::min(R, p.V));
+  // Few sequences (small N x HV) leave SMs idle and expose each CTA's latency chain: shrink the
+  // tile until there are about eight CTAs per SM.
+  const int64_t want = 8 * static_cast<int64_t>(p.sm_count);
+  while (R > 8 && static_cast<int64_t>(p.N) * p.HV * ((p.V + R - 1) / R) < want) R /= 2;
   const int64_t blocks = static_cast<int64_t>(p.N) * p.HV * ((p.V + R - 1) / R);
   if (blocks >= (int64_t{1} << 31)) throw_unsupported("decode", "too many sequences x heads for one launch");
   const size_t smem = smem_bytes<S>(R, K, p.T, KLAST);
@@ -419,6 +436,7 @@ void cuda_decode(const Recurrence& r, const cula_decode_args& a) {
   p.dt_bias_per_channel = r.dt_bias_per_channel;
   if (r.N == 0 || r.T == 0) return;
   check(cudaSetDevice(a.q->device_id), "cudaSetDevice");
+  p.sm_count = cuda_sm_count(a.q->device_id);
   const cudaStream_t stream = static_cast<cudaStream_t>(a.opt.stream);
   const bool k_last = r.state_layout == CULA_STATE_K_LAST;
   switch (r.K) {
