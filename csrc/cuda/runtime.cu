@@ -40,18 +40,4 @@ int cuda_device_arch(int device) {
   return major * 10 + minor;
 }
 
-int cuda_sm_count(int device) {
-  static int cache[64] = {0};
-  if (device < 0 || device >= 64) return 132;
-  if (!cache[device]) {
-    int n = 0;
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n <= 0) {
-      cudaGetLastError();
-      n = 132;
-    }
-    cache[device] = n;
-  }
-  return cache[device];
-}
-
 }  // namespace cula

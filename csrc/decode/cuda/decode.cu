@@ -28,7 +28,6 @@
 #include <string>
 
 #include "common/error.h"
-#include "cuda/cuda_ops.h"
 #include "decode/cuda/decode_cuda.h"
 
 namespace cula {
@@ -55,7 +54,6 @@ struct DecodeParams {
   int gate_kind;        // 0 per channel, 1 scalar, 2 constant
   int delta, l2norm, gate_in_kernel, has_lb, beta_sigmoid, decay_heads, dt_bias_per_channel;
   float lb, beta_mult, scale;
-  int sm_count;  // host-side launch heuristic only
 };
 
 __device__ __forceinline__ float ld(const void* p, int dtype, int64_t i) {
@@ -337,10 +335,6 @@ void launch_tile(const DecodeParams& p, cudaStream_t stream) {
   constexpr int K = EPL * 32;
   int R = static_cast<int>(16384 / (K * sizeof(S)));
   R = std::max(4, std::min(R, p.V));
-  // Few sequences (small N x HV) leave SMs idle and expose each CTA's latency chain: shrink the
-  // tile until there are about eight CTAs per SM.
-  const int64_t want = 8 * static_cast<int64_t>(p.sm_count);
-  while (R > 8 && static_cast<int64_t>(p.N) * p.HV * ((p.V + R - 1) / R) < want) R /= 2;
   const int64_t blocks = static_cast<int64_t>(p.N) * p.HV * ((p.V + R - 1) / R);
   if (blocks >= (int64_t{1} << 31)) throw_unsupported("decode", "too many sequences x heads for one launch");
   const size_t smem = smem_bytes<S>(R, K, p.T, KLAST);
@@ -436,7 +430,6 @@ void cuda_decode(const Recurrence& r, const cula_decode_args& a) {
   p.dt_bias_per_channel = r.dt_bias_per_channel;
   if (r.N == 0 || r.T == 0) return;
   check(cudaSetDevice(a.q->device_id), "cudaSetDevice");
-  p.sm_count = cuda_sm_count(a.q->device_id);
   const cudaStream_t stream = static_cast<cudaStream_t>(a.opt.stream);
   const bool k_last = r.state_layout == CULA_STATE_K_LAST;
   switch (r.K) {
