@@ -48,11 +48,12 @@ def chunk_fwd(family, q, k, v, g=None, beta=None, decay=None, *, scale=None, ini
               use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False, lower_bound=None,
               A_log=None, dt_bias=None, cu_seqlens=None, state_pool=None, state_indices=None,
               return_intermediate_states=False, chunk_size=64, state_layout="k_last", state_dtype=None,
-              intermediate_dtype=None, out=None, backend="auto"):
+              intermediate_dtype=None, out=None, final_state_out=None, backend="auto"):
     """Chunked forward of any family ("kda", "gdn", "gla", "simple_gla", "lightning").
 
     Returns ``(o, final_state)`` or ``(o, final_state, intermediate_states)`` when
-    ``return_intermediate_states``; final_state is None unless ``output_final_state``.
+    ``return_intermediate_states``; final_state is None unless ``output_final_state`` (or a
+    caller buffer ``final_state_out`` is given). ``out`` is an optional caller output buffer.
     With ``state_pool`` the initial states are read from ``state_pool[state_indices[n]]`` and the
     final states written back there in place (negative index: zero state, pool untouched).
     """
@@ -71,8 +72,8 @@ def chunk_fwd(family, q, k, v, g=None, beta=None, decay=None, *, scale=None, ini
         o = empty_like_family(q, (B, T, HV, V))
     else:
         o = arrays["out"]
-    final = None
-    if output_final_state and arrays["state_pool"] is None:
+    final = as_array(final_state_out, "final_state")
+    if final is None and output_final_state and arrays["state_pool"] is None:
         sd = state_dtype or ("float32" if arrays["initial_state"] is None else dtype_name(arrays["initial_state"]))
         final = empty_like_family(q, _state_shape(max(N, 0), HV, K, V, state_layout), sd)
     inter = None

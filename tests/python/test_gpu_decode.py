@@ -137,3 +137,53 @@ def test_cuda_decode_in_a_cuda_graph(rng):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, o_eager) and torch.equal(graph_pool, eager_pool)
+
+
+def test_fla_backend_registration_serves_fla_decode_calls(rng, monkeypatch):
+    pytest.importorskip("fla", reason="fla-core is not installed")
+    import cula.fla_backend
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    cula.fla_backend.register()
+    N, H, K, V = 9, 2, 128, 128
+    d, kw = make(rng, "kda", N, 1, H, H, K, V, True)
+    dev = {n: x.cuda() for n, x in d.items()}
+    pool = torch.randn(2 * N, H, V, K, device="cuda")
+    idx = torch.randperm(2 * N, device="cuda")[:N].to(torch.int32)
+    args = dict(q=dev["q"].view(1, N, H, K), k=dev["k"].view(1, N, H, K), v=dev["v"].view(1, N, H, V),
+                g=dev["g"].view(1, N, H, K), beta=dev["beta"].view(1, N, H), A_log=dev["A_log"], dt_bias=dev["dt_bias"],
+                ssm_state_indices=idx, cu_seqlens=torch.arange(N + 1, device="cuda", dtype=torch.int32),
+                use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                lower_bound=-5.0, state_v_first=True)
+    before = cula.fla_backend.calls["fused_recurrent_kda_fwd"]
+    p_cula = pool.clone()
+    o_cula, _ = fused_recurrent_kda_fwd(initial_state=p_cula, inplace_final_state=True, **args)
+    assert cula.fla_backend.calls["fused_recurrent_kda_fwd"] == before + 1, "FLA did not dispatch to cula"
+    monkeypatch.setenv("FLA_CULA", "0")
+    p_fla = pool.clone()
+    o_fla, _ = fused_recurrent_kda_fwd(initial_state=p_fla, inplace_final_state=True, **args)
+    assert cula.fla_backend.calls["fused_recurrent_kda_fwd"] == before + 1
+    torch.cuda.synchronize()
+    assert rel(o_cula.float().cpu().numpy(), o_fla.float().cpu().numpy()) < 5e-3
+    assert rel(p_cula.cpu().numpy(), p_fla.cpu().numpy()) < 1e-4
+
+
+def test_fla_chunk_kda_on_host_tensors_runs_cula_when_registered(rng):
+    pytest.importorskip("fla", reason="fla-core is not installed")
+    import cula.fla_backend
+    from fla.ops.kda import chunk_kda
+    from fla.ops.kda.naive import naive_recurrent_kda
+
+    cula.fla_backend.register()
+    B, T, H, K, V = 1, 40, 2, 16, 8
+    q, k, v = (torch.from_numpy(rng.standard_normal(s).astype(np.float32)) for s in
+               ((B, T, H, K), (B, T, H, K), (B, T, H, V)))
+    k = torch.nn.functional.normalize(k, dim=-1)
+    g = -torch.from_numpy(rng.uniform(0.01, 0.5, (B, T, H, K)).astype(np.float32))
+    beta = torch.rand(B, T, H)
+    before = cula.fla_backend.calls["chunk_kda"]
+    with torch.inference_mode():
+        o, s = chunk_kda(q, k, v, g, beta, output_final_state=True)
+    assert cula.fla_backend.calls["chunk_kda"] == before + 1
+    o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, output_final_state=True)
+    assert rel(o.numpy(), o_ref.numpy()) < 1e-5 and rel(s.numpy(), s_ref.numpy()) < 1e-5

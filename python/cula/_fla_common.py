@@ -1,0 +1,68 @@
+"""Helpers shared by the FLA drop-in modules."""
+
+from __future__ import annotations
+
+import warnings
+
+from . import ops
+from ._front import chunk, reject_unknown
+from ._tensor import is_torch
+
+
+def resolve_state_layout(fn_name: str, state_v_first: bool, kwargs: dict) -> bool:
+    """FLA's deprecated alias ``transpose_state_layout`` for ``state_v_first``."""
+    if "transpose_state_layout" in kwargs:
+        if state_v_first:
+            raise ValueError("Cannot pass both `state_v_first` and the deprecated `transpose_state_layout`.")
+        warnings.warn("`transpose_state_layout` is deprecated and renamed to `state_v_first`.", DeprecationWarning,
+                      stacklevel=3)
+        state_v_first = kwargs.pop("transpose_state_layout")
+    return bool(state_v_first)
+
+
+def unsupported(fn_name: str, cp_context=None, use_graph=False, max_num_seqs=None) -> None:
+    if cp_context is not None:
+        raise NotImplementedError(f"{fn_name}: cp_context (FLA context parallelism) is not supported by cula")
+    if use_graph or max_num_seqs is not None:
+        raise NotImplementedError(f"{fn_name}: use_graph/max_num_seqs (FLA's padded graph mode) are not supported by "
+                                  f"cula; cula's decode kernels capture into CUDA graphs as they are")
+
+
+def recurrent_dropin(fn_name, family, q, k, v, g, beta, *, A_log, dt_bias, scale, initial_state, output_final_state,
+                     use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                     lower_bound, state_v_first, cu_seqlens, kwargs):
+    """FLA fused_recurrent_* semantics on cula: a fresh final state by default; with
+    ``ssm_state_indices``/``inplace_final_state`` the initial_state is a pool updated in place."""
+    idx = kwargs.pop("ssm_state_indices", None)
+    acc = kwargs.pop("num_accepted_tokens", None)
+    inplace = kwargs.pop("inplace_final_state", idx is not None)
+    out = kwargs.pop("out", None)
+    reject_unknown(fn_name, kwargs)
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
+    layout = "k_last" if state_v_first else "k_first"
+    common = dict(scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+                  use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                  lower_bound=lower_bound, A_log=A_log, dt_bias=dt_bias, state_layout=layout)
+    if inplace or idx is not None:
+        if initial_state is None:
+            raise ValueError(f"{fn_name}: in-place state updates need initial_state (the state pool)")
+        # Decode: one sequence per row. Varlen with one token per sequence is the serving layout.
+        if cu_seqlens is not None:
+            if q.shape[0] != 1:
+                raise ValueError(f"{fn_name}: batch size 1 expected with cu_seqlens")
+            n = int(cu_seqlens.shape[0]) - 1
+            if q.shape[1] % max(n, 1) != 0:
+                raise NotImplementedError(f"{fn_name}: in-place decode needs the same number of tokens per sequence")
+            t = q.shape[1] // max(n, 1)
+            shape = lambda x: None if x is None else x.reshape(n, t, *x.shape[2:])  # noqa: E731
+        else:
+            shape = lambda x: x  # noqa: E731
+        if idx is not None and is_torch(idx) and idx.dtype != __import__("torch").int32:
+            idx = idx.to(__import__("torch").int32)
+        o, _ = ops.decode(shape(q), shape(k), shape(v), initial_state, mode=family, g=shape(g), beta=shape(beta),
+                          state_indices=idx, num_accepted_tokens=acc, out=shape(out) if out is not None else None,
+                          **common)
+        return o.reshape(v.shape), initial_state
+    return chunk(family, q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
+                 cu_seqlens=cu_seqlens, **common)

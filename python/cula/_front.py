@@ -1,0 +1,91 @@
+"""Shared machinery of the PyTorch-facing layers (FLA drop-ins, Level 1): autograd wiring and
+keyword-argument discipline. Every path ends in cula.ops (Level 0), i.e. the C ABI."""
+
+from __future__ import annotations
+
+from . import ops
+from ._lib import CulaError
+from ._tensor import is_torch
+
+_DIFF_NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
+
+
+def reject_unknown(fn_name: str, kwargs: dict) -> None:
+    if kwargs:
+        raise TypeError(f"{fn_name}: unexpected keyword argument(s) {sorted(kwargs)}; cula does not silently ignore "
+                        f"arguments it cannot honour")
+
+
+def _needs_grad(tensors) -> bool:
+    if not any(is_torch(t) for t in tensors if t is not None):
+        return False
+    import torch
+
+    return torch.is_grad_enabled() and any(t is not None and is_torch(t) and t.requires_grad for t in tensors)
+
+
+def chunk(family: str, q, k, v, g=None, beta=None, decay=None, *, A_log=None, dt_bias=None, initial_state=None,
+          **opts):
+    """chunk_fwd with autograd when any torch input requires grad (backward: cula.ops.chunk_bwd)."""
+    inputs = dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state)
+    if not _needs_grad(inputs.values()):
+        return ops.chunk_fwd(family, q, k, v, g, beta, decay, A_log=A_log, dt_bias=dt_bias,
+                             initial_state=initial_state, **opts)
+    if family == "lightning":
+        raise NotImplementedError("cula: Lightning attention has no backward yet; call it under torch.no_grad()")
+    if opts.get("return_intermediate_states"):
+        raise CulaError("argument 'return_intermediate_states': expected False when gradients are required, got True")
+    if opts.get("state_pool") is not None:
+        raise CulaError("argument 'state_pool': expected None when gradients are required (in-place pool updates "
+                        "are not differentiable)")
+    return _ChunkFn.apply(family, opts, *(inputs[n] for n in _DIFF_NAMES))
+
+
+def _make_fn():
+    import torch
+
+    class ChunkFn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, family, opts, q, k, v, g, beta, A_log, dt_bias, initial_state):
+            o, final = ops.chunk_fwd(family, q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias,
+                                     initial_state=initial_state, **opts)
+            ctx.family, ctx.opts = family, opts
+            ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state)
+            return o, final
+
+        @staticmethod
+        def backward(ctx, do, dht):
+            q, k, v, g, beta, A_log, dt_bias, initial_state = ctx.saved_tensors
+            if q.device.type != "cpu":
+                raise NotImplementedError("cula: the backward runs on the CPU reference only; no CUDA backward kernel "
+                                          "exists yet")
+            o = ctx.opts
+            keep = ("scale", "use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel",
+                    "allow_neg_eigval", "safe_gate", "lower_bound", "cu_seqlens", "state_layout")
+            grads = ops.chunk_bwd(ctx.family, q, k, v, g, beta, do.contiguous(),
+                                  d_final_state=None if dht is None else dht.contiguous(), initial_state=initial_state,
+                                  A_log=A_log, dt_bias=dt_bias, **{n: o[n] for n in keep if n in o})
+            names = {"q": "dq", "k": "dk", "v": "dv", "g": "dg", "beta": "dbeta", "A_log": "dA_log",
+                     "dt_bias": "ddt_bias", "initial_state": "d_initial_state"}
+            saved = dict(zip(_DIFF_NAMES, (q, k, v, g, beta, A_log, dt_bias, initial_state)))
+            out = []
+            for n in _DIFF_NAMES:
+                x, gr = saved[n], grads.get(names[n])
+                out.append(None if x is None or gr is None or not ctx.needs_input_grad[2 + _DIFF_NAMES.index(n)]
+                           else gr.to(x.dtype))
+            return (None, None, *out)
+
+    return ChunkFn
+
+
+class _Lazy:
+    fn = None
+
+    @classmethod
+    def apply(cls, *args):
+        if cls.fn is None:
+            cls.fn = _make_fn()
+        return cls.fn.apply(*args)
+
+
+_ChunkFn = _Lazy

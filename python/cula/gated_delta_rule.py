@@ -1,0 +1,47 @@
+"""FLA drop-in for Gated DeltaNet (the op Qwen3-Next uses):
+``from cula.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule``."""
+
+from __future__ import annotations
+
+from ._fla_common import recurrent_dropin, resolve_state_layout, unsupported
+from ._front import chunk, reject_unknown
+
+__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"]
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                           state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
+                           cp_context=None, **kwargs):
+    """FLA ``chunk_gated_delta_rule``: scalar log-gate g [B, T, HV], beta [B, T, HV]."""
+    state_v_first = resolve_state_layout("chunk_gated_delta_rule", state_v_first, kwargs)
+    chunk_size = kwargs.pop("chunk_size", 64)
+    reject_unknown("chunk_gated_delta_rule", kwargs)
+    unsupported("chunk_gated_delta_rule", cp_context=cp_context)
+    del chunk_indices  # FLA's precomputed chunk bookkeeping: cula derives its own
+    return chunk("gdn", q, k, v, g, beta, initial_state=initial_state, scale=scale,
+                 output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                 use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                 chunk_size=chunk_size, cu_seqlens=cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens,
+                 state_layout="k_last" if state_v_first else "k_first")
+
+
+def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None, initial_state=None,
+                                     output_final_state=False, use_qk_l2norm_in_kernel=False,
+                                     use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                                     use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
+                                     cu_seqlens=None, **kwargs):
+    """FLA ``fused_recurrent_gated_delta_rule`` with a scalar gate g; per-key (gk) or per-value (gv)
+    gates are not supported. Also honours ``ssm_state_indices``/``num_accepted_tokens``/``inplace_final_state``."""
+    if gk is not None or gv is not None:
+        raise NotImplementedError("fused_recurrent_gated_delta_rule: gk/gv gates are not supported by cula; pass g")
+    if g is None:
+        raise ValueError("fused_recurrent_gated_delta_rule: argument 'g' (the scalar gate [B, T, HV]) is required")
+    if beta is None:
+        raise ValueError("fused_recurrent_gated_delta_rule: argument 'beta' is required")
+    state_v_first = resolve_state_layout("fused_recurrent_gated_delta_rule", state_v_first, kwargs)
+    return recurrent_dropin("fused_recurrent_gated_delta_rule", "gdn", q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias,
+                            scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+                            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                            lower_bound=None, state_v_first=state_v_first, cu_seqlens=cu_seqlens, kwargs=kwargs)

@@ -1,0 +1,51 @@
+"""FLA drop-in for the KDA family: ``from cula.kda import chunk_kda, fused_recurrent_kda``.
+
+Same argument lists, defaults and return tuples as flash-linear-attention 0.6.0's functions of
+the same names. Arguments cula cannot honour raise an error instead of being ignored."""
+
+from __future__ import annotations
+
+
+from ._fla_common import recurrent_dropin, resolve_state_layout, unsupported
+from ._front import chunk, reject_unknown
+
+__all__ = ["chunk_kda", "fused_recurrent_kda"]
+
+
+def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+              allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
+              return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
+              cp_context=None, use_graph=False, max_num_seqs=None, **kwargs):
+    """FLA ``chunk_kda``: states are K-first ``[N, HV, K, V]`` unless ``state_v_first=True``.
+    ``A_log``, ``dt_bias`` and ``chunk_size`` come as keyword arguments, as in FLA."""
+    state_v_first = resolve_state_layout("chunk_kda", state_v_first, kwargs)
+    A_log, dt_bias = kwargs.pop("A_log", None), kwargs.pop("dt_bias", None)
+    chunk_size = kwargs.pop("chunk_size", 64)
+    reject_unknown("chunk_kda", kwargs)
+    unsupported("chunk_kda", cp_context=cp_context, use_graph=use_graph, max_num_seqs=max_num_seqs)
+    del disable_recompute  # a memory/recompute trade-off of FLA's backward: no effect on results here
+    return chunk("kda", q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state, scale=scale,
+                 output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                 use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                 allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound,
+                 return_intermediate_states=return_intermediate_states, chunk_size=chunk_size,
+                 cu_seqlens=cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens,
+                 state_layout="k_last" if state_v_first else "k_first")
+
+
+def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
+                        output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                        use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
+                        state_v_first=False, cu_seqlens=None, **kwargs):
+    """FLA ``fused_recurrent_kda``. Also honours the serving-engine keywords of FLA's
+    ``fused_recurrent_kda_fwd``: ``ssm_state_indices`` ([N] or [N, T] int32), ``num_accepted_tokens``
+    and ``inplace_final_state`` (the initial_state is then a pool updated in place)."""
+    state_v_first = resolve_state_layout("fused_recurrent_kda", state_v_first, kwargs)
+    return recurrent_dropin("fused_recurrent_kda", "kda", q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale,
+                            initial_state=initial_state, output_final_state=output_final_state,
+                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+                            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                            lower_bound=lower_bound, state_v_first=state_v_first, cu_seqlens=cu_seqlens, kwargs=kwargs)
+
+

@@ -1,0 +1,34 @@
+"""FLA drop-in for Lightning attention: ``from cula.lightning_attn import chunk_lightning_attn``."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._front import chunk, reject_unknown
+from ._tensor import is_torch
+
+__all__ = ["chunk_lightning_attn", "lightning_decay"]
+
+
+def lightning_decay(num_heads: int, layer_idx: int, num_layers: int, like=None):
+    """FLA's per-head decay rate for a layer: (8 / H) (1 - layer_idx / num_layers) * h (cula's
+    `decay`, i.e. -g_gamma)."""
+    rate = np.arange(num_heads, dtype=np.float32) * np.float32(8 / num_heads * (1 - layer_idx / num_layers))
+    if like is not None and is_torch(like):
+        import torch
+
+        return torch.from_numpy(rate).to(like.device)
+    return rate
+
+
+def chunk_lightning_attn(q, k, v, layer_idx, num_layers, scale=None, initial_state=None, output_final_state=False,
+                         cu_seqlens=None, **kwargs):
+    """FLA ``chunk_lightning_attn``: K-first states [N, H, K, V]."""
+    if "head_first" in kwargs:
+        raise DeprecationWarning("head_first has been removed. Inputs must be in `[B, T, H, ...]` format.")
+    chunk_size = kwargs.pop("chunk_size", None) or 64
+    reject_unknown("chunk_lightning_attn", kwargs)
+    decay = lightning_decay(q.shape[2], layer_idx, num_layers, like=q)
+    return chunk("lightning", q, k, v, decay=decay, initial_state=initial_state, scale=scale,
+                 output_final_state=output_final_state, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
+                 state_layout="k_first")

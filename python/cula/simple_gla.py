@@ -1,0 +1,27 @@
+"""FLA drop-in for simple GLA: ``from cula.simple_gla import chunk_simple_gla``."""
+
+from __future__ import annotations
+
+from ._fla_common import resolve_state_layout
+from ._front import chunk, reject_unknown
+from ._tensor import is_torch
+
+__all__ = ["chunk_simple_gla"]
+
+
+def chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None, output_final_state=False,
+                     state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, **kwargs):
+    """FLA ``chunk_simple_gla``: a scalar log-gate g [B, T, H], or a constant per-head g_gamma [H]
+    (then it is Lightning attention with decay = -g_gamma)."""
+    state_v_first = resolve_state_layout("chunk_simple_gla", state_v_first, kwargs)
+    chunk_size = kwargs.pop("chunk_size", None) or 64
+    reject_unknown("chunk_simple_gla", kwargs)
+    if (g is None) == (g_gamma is None):
+        raise ValueError("chunk_simple_gla: exactly one of 'g' and 'g_gamma' must be given")
+    common = dict(initial_state=initial_state, scale=scale, output_final_state=output_final_state,
+                  chunk_size=chunk_size, cu_seqlens=cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens,
+                  state_layout="k_last" if state_v_first else "k_first")
+    if g is not None:
+        return chunk("simple_gla", q, k, v, g, **common)
+    decay = -g_gamma.float() if is_torch(g_gamma) else -g_gamma.astype("float32")
+    return chunk("lightning", q, k, v, decay=decay, **common)

@@ -1,0 +1,156 @@
+"""The Python front: Level 1 (cula.api), the FLA drop-ins, the FlashKDA entry, autograd."""
+
+import inspect
+
+import numpy as np
+import pytest
+from conftest import rel
+
+import cula
+import cula.flash_kda
+import cula.gated_delta_rule
+import cula.gla
+import cula.kda
+import cula.lightning_attn
+import cula.simple_gla
+
+f32 = np.float32
+
+
+def qkv(rng, B=1, T=24, H=2, K=16, V=8, HV=None):
+    HV = HV or H
+    return (rng.standard_normal((B, T, H, K)).astype(f32), rng.standard_normal((B, T, H, K)).astype(f32),
+            rng.standard_normal((B, T, HV, V)).astype(f32))
+
+
+def test_level1_kda_scalar_gate_is_gdn_and_offsets_normalised(rng):
+    q, k, v = qkv(rng, T=30)
+    g = -rng.uniform(0.01, 0.5, (1, 30, 2)).astype(f32)
+    beta = rng.uniform(0.1, 0.9, (1, 30, 2)).astype(f32)
+    cu = np.array([0, 11, 30], np.int64)
+    h0 = rng.standard_normal((2, 2, 8, 16)).astype(f32)  # K-last [N, H, V, K]
+    o1, s1 = cula.cula_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                           use_qk_l2norm_in_kernel=True)
+    o2, s2 = cula.chunk_gdn(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                            cu_seqlens=cu.astype(np.int32), use_qk_l2norm_in_kernel=True, state_layout="k_last")
+    assert rel(o1, o2) == 0 and rel(s1, s2) == 0 and s1.shape == (2, 2, 8, 16)
+
+
+def test_level1_enforces_state_and_rejects_unknown_kwargs(rng):
+    q, k, v = qkv(rng)
+    g = -rng.uniform(0.01, 0.5, (1, 24, 2, 16)).astype(f32)
+    beta = rng.uniform(0.1, 0.9, (1, 24, 2)).astype(f32)
+    with pytest.raises(cula.CulaError, match="initial_state.*float32 K-last"):
+        cula.cula_kda(q, k, v, g, beta, initial_state=np.zeros((1, 2, 16, 8), f32) + 1)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        cula.cula_kda(q, k, v, g, beta, not_an_option=1)
+    o, _ = cula.cula_kda(q, k, v, g, beta, A_log=None, chunk_size=32)
+    assert np.isfinite(o).all()
+    assert cula.api.backend_for("kda", "cpu") == "cpu"
+
+
+def test_level1_lightning_pool_equals_initial_state(rng):
+    q, k, v = qkv(rng, T=20)
+    decay = rng.uniform(0.01, 0.5, 2).astype(f32)
+    cu = np.array([0, 7, 20], np.int32)
+    h0 = rng.standard_normal((2, 2, 8, 16)).astype(f32)
+    o1, s1 = cula.cula_lightning(q, k, v, decay, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    pool = np.full((5, 2, 8, 16), 3.0, f32)
+    pool[4], pool[1] = h0[0], h0[1]
+    o2, p2 = cula.cula_lightning(q, k, v, decay, cu_seqlens=cu, state_pool=pool,
+                                 initial_state_indices=np.array([4, 1], np.int32))
+    assert rel(o1, o2) == 0 and rel(p2[4], s1[0]) == 0 and rel(p2[1], s1[1]) == 0 and (p2[0] == 3).all()
+
+
+def test_level1_decode_packed_layout(rng):
+    N, H, K, V = 5, 2, 16, 8
+    q, k, v = qkv(rng, B=1, T=N, H=H, K=K, V=V)  # packed: [1, N, H, .], one token per sequence
+    g = -rng.uniform(0.01, 0.5, (1, N, H, K)).astype(f32)
+    beta = rng.uniform(0.1, 0.9, (1, N, H)).astype(f32)
+    pool = rng.standard_normal((N + 2, H, V, K)).astype(f32)
+    idx = np.array([6, 0, 3, 2, 5], np.int32)
+    p1, p2 = pool.copy(), pool.copy()
+    o1, _ = cula.cula_decode(q, k, v, p1, state_indices=idx, g=g, beta=beta)
+    o2, _ = cula.decode(q.reshape(N, 1, H, K), k.reshape(N, 1, H, K), v.reshape(N, 1, H, V), p2, g=g.reshape(N, 1, H, K),
+                        beta=beta.reshape(N, 1, H), state_indices=idx)
+    assert o1.shape == v.shape and rel(o1.reshape(N, 1, H, V), o2) == 0 and rel(p1, p2) == 0
+
+
+def test_flash_kda_entry_writes_caller_buffers(rng):
+    q, k, v = qkv(rng, H=2, K=16, V=16)
+    g = rng.standard_normal((1, 24, 2, 16)).astype(f32)
+    beta = rng.standard_normal((1, 24, 2)).astype(f32)
+    A_log = rng.uniform(-1, 0.5, 2).astype(f32)
+    dt_bias = rng.standard_normal((2, 16)).astype(f32)
+    out = np.full((1, 24, 2, 16), np.nan, f32)
+    fin = np.full((1, 2, 16, 16), np.nan, f32)
+    assert cula.flash_kda.fwd(q, k, v, g, beta, 0.25, out, A_log, dt_bias, -5.0, final_state=fin) is None
+    o, s = cula.chunk_kda(q, k, v, g, beta, scale=0.25, A_log=A_log, dt_bias=dt_bias.reshape(-1), lower_bound=-5.0,
+                          use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                          output_final_state=True)
+    assert rel(out, o) == 0 and rel(fin, s) == 0
+    with pytest.raises(cula.CulaError, match="lower_bound"):
+        cula.flash_kda.fwd(q, k, v, g, beta, 0.25, out, A_log, dt_bias, -6.0)
+
+
+def test_dropins_reject_what_they_cannot_honour(rng):
+    q, k, v = qkv(rng)
+    g = -rng.uniform(0.01, 0.5, (1, 24, 2, 16)).astype(f32)
+    beta = rng.uniform(0.1, 0.9, (1, 24, 2)).astype(f32)
+    with pytest.raises(NotImplementedError, match="cp_context"):
+        cula.kda.chunk_kda(q, k, v, g, beta, cp_context=object())
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        cula.kda.chunk_kda(q, k, v, g, beta, head_first=True)
+    with pytest.raises(NotImplementedError, match="gk/gv"):
+        cula.gated_delta_rule.fused_recurrent_gated_delta_rule(q, k, v, gk=g, beta=beta)
+
+
+DROPINS = [
+    ("fla.ops.kda", "chunk_kda", cula.kda.chunk_kda),
+    ("fla.ops.kda", "fused_recurrent_kda", cula.kda.fused_recurrent_kda),
+    ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule", cula.gated_delta_rule.chunk_gated_delta_rule),
+    ("fla.ops.gated_delta_rule", "fused_recurrent_gated_delta_rule",
+     cula.gated_delta_rule.fused_recurrent_gated_delta_rule),
+    ("fla.ops.gla", "chunk_gla", cula.gla.chunk_gla),
+    ("fla.ops.simple_gla", "chunk_simple_gla", cula.simple_gla.chunk_simple_gla),
+    ("fla.ops.lightning_attn", "chunk_lightning_attn", cula.lightning_attn.chunk_lightning_attn),
+]
+
+
+@pytest.mark.parametrize("module,name,ours", DROPINS, ids=[d[1] for d in DROPINS])
+def test_dropin_signatures_match_fla(module, name, ours):
+    pytest.importorskip("torch", reason="torch is not installed")
+    pytest.importorskip("fla", reason="fla-core is not installed")
+    import importlib
+
+    theirs = inspect.signature(inspect.unwrap(getattr(importlib.import_module(module), name)))
+    mine = inspect.signature(ours)
+    t = [(p.name, p.default) for p in theirs.parameters.values() if p.kind != p.VAR_KEYWORD]
+    m = [(p.name, p.default) for p in mine.parameters.values() if p.kind != p.VAR_KEYWORD]
+    assert m == t
+
+
+def test_dropin_chunk_kda_matches_fla_naive_and_autograd(rng):
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    pytest.importorskip("fla", reason="fla-core is not installed")
+    from fla.ops.kda.naive import naive_recurrent_kda
+
+    B, T, H, K, V = 2, 20, 2, 8, 4
+    mk = lambda *s: torch.from_numpy(rng.standard_normal(s)).double().requires_grad_()  # noqa: E731
+    q, k, v = mk(B, T, H, K), mk(B, T, H, K), mk(B, T, H, V)
+    graw, braw = mk(B, T, H, K), mk(B, T, H)
+    h0 = mk(B, H, K, V)
+    o, s = cula.kda.chunk_kda(q, k, v, graw, braw, initial_state=h0, output_final_state=True,
+                              use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                              A_log=torch.zeros(H, dtype=torch.float64), dt_bias=torch.zeros(H * K, dtype=torch.float64))
+    # reference through torch autograd: FLA's naive recurrence on explicitly activated inputs
+    qn = torch.nn.functional.normalize(q, dim=-1, eps=0) * (1 / (1 + 1e-6 / (q * q).sum(-1, keepdim=True))) ** 0.5
+    kn = torch.nn.functional.normalize(k, dim=-1, eps=0) * (1 / (1 + 1e-6 / (k * k).sum(-1, keepdim=True))) ** 0.5
+    gg = -torch.nn.functional.softplus(graw)
+    o_ref, s_ref = naive_recurrent_kda(qn, kn, v, gg, braw.sigmoid(), initial_state=h0, output_final_state=True)
+    assert rel(o.detach().numpy(), o_ref.detach().numpy()) < 1e-10
+    do, ds = torch.randn_like(o), torch.randn_like(s)
+    grads = torch.autograd.grad((o * do).sum() + (s * ds).sum(), (q, k, v, graw, braw, h0))
+    grads_ref = torch.autograd.grad((o_ref * do).sum() + (s_ref * ds).sum(), (q, k, v, graw, braw, h0))
+    for name, a, b in zip(("q", "k", "v", "g", "beta", "h0"), grads, grads_ref):
+        assert rel(a.numpy(), b.numpy()) < 1e-8, name
