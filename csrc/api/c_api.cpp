@@ -28,16 +28,20 @@ struct Kernel {
   int32_t device_type;
   const char* name;
   void (*run)(const Recurrence&, const Args&);
+  bool (*accepts)(const Recurrence&) = nullptr;  // AUTO skips rows that decline the call
 };
+
+// float64 inputs ask for float64 arithmetic: AUTO sends them to the reference, not the float32 path.
+bool not_float64(const Recurrence& r) { return r.q.t->dtype != CULA_FLOAT64; }
 
 // Tables are ordered best first; AUTO takes the first row for the tensors' device.
 const Kernel<cula_chunk_fwd_args> kChunkFwd[] = {
-    {CULA_BACKEND_CPU, CULA_CPU, "cpu", cpu_chunk_fwd},
+    {CULA_BACKEND_CPU, CULA_CPU, "cpu", cpu_chunk_fwd, not_float64},
     {CULA_BACKEND_ORACLE, CULA_CPU, "reference", reference_chunk_fwd},
 };
 const Kernel<cula_decode_args> kDecode[] = {
     {CULA_BACKEND_CUDA, CULA_CUDA, "cuda", cuda_decode},
-    {CULA_BACKEND_CPU, CULA_CPU, "cpu", cpu_decode},
+    {CULA_BACKEND_CPU, CULA_CPU, "cpu", cpu_decode, not_float64},
     {CULA_BACKEND_ORACLE, CULA_CPU, "reference", reference_decode},
 };
 const Kernel<cula_chunk_bwd_args> kChunkBwd[] = {
@@ -57,6 +61,7 @@ template <typename Args, size_t N>
 const Kernel<Args>* select(const Kernel<Args> (&table)[N], const char* op, const Recurrence& r, int32_t backend,
                            int32_t device_type) {
   for (const auto& k : table) {
+    if (backend == CULA_BACKEND_AUTO && k.accepts && !k.accepts(r)) continue;
     if (backend == CULA_BACKEND_AUTO ? k.device_type == device_type : k.backend == backend) {
       if (k.device_type != device_type)
         throw_arg(op, "backend", std::string("a backend for ") + (device_type == CULA_CUDA ? "CUDA" : "host") + " tensors",
