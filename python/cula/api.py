@@ -155,6 +155,13 @@ def cula_decode(q, k, v, state, *, mode="kda", state_indices=None, scale=None, d
                 extra[n] = sw(extra[n])
     else:
         vv = v
-    o, state = ops.decode(q, k, vv, state, mode=mode, state_indices=state_indices, scale=scale,
-                          state_layout="k_last", **extra)
+    if is_torch(q) and extra.get("out") is None:
+        from . import torch_ops  # a registered torch op: traceable by torch.compile
+
+        extra.pop("out", None)
+        o, state = torch_ops.decode(q, k, vv, state, mode=mode, state_indices=state_indices, scale=scale,
+                                    state_layout="k_last", **extra)
+    else:
+        o, state = ops.decode(q, k, vv, state, mode=mode, state_indices=state_indices, scale=scale,
+                              state_layout="k_last", **extra)
     return o.reshape(v.shape), state

@@ -187,3 +187,45 @@ def test_fla_chunk_kda_on_host_tensors_runs_cula_when_registered(rng):
     assert cula.fla_backend.calls["chunk_kda"] == before + 1
     o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, output_final_state=True)
     assert rel(o.numpy(), o_ref.numpy()) < 1e-5 and rel(s.numpy(), s_ref.numpy()) < 1e-5
+
+
+def test_decode_op_passes_opcheck_and_compiles_fullgraph(rng):
+    import cula.torch_ops
+
+    N, H, K, V = 6, 2, 128, 128
+    d, kw = make(rng, "kda", N, 1, H, H, K, V, True)
+    dev = {n: x.cuda() for n, x in d.items()}
+    pool = torch.randn(N + 3, H, V, K, device="cuda")
+    idx = torch.randperm(N + 3, device="cuda")[:N].to(torch.int32)
+    args = (dev["q"], dev["k"], dev["v"], pool.clone(), dev["g"], dev["beta"], None, idx, None, dev["A_log"],
+            dev["dt_bias"], "kda", None, True, True, True, False, -5.0, "k_last")
+    torch.library.opcheck(torch.ops.cula.decode.default, args)
+
+    def step(q, k, v, g, beta, pool):
+        o, _ = cula.cula_decode(q, k, v, pool, state_indices=idx, g=g, beta=beta, A_log=dev["A_log"],
+                                dt_bias=dev["dt_bias"], use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                lower_bound=-5.0, use_beta_sigmoid_in_kernel=True)
+        return o * 2
+
+    p_eager, p_comp = pool.clone(), pool.clone()
+    eager = step(dev["q"], dev["k"], dev["v"], dev["g"], dev["beta"], p_eager)
+    compiled = torch.compile(step, fullgraph=True)
+    got = compiled(dev["q"], dev["k"], dev["v"], dev["g"], dev["beta"], p_comp)
+    torch.cuda.synchronize()
+    assert torch.equal(got, eager) and torch.equal(p_comp, p_eager)
+
+
+def test_chunk_op_passes_opcheck_on_host_tensors(rng):
+    import cula.torch_ops
+
+    B, T, H, K, V = 1, 33, 2, 16, 8
+    q, k = torch.randn(B, T, H, K), torch.randn(B, T, H, K)
+    v = torch.randn(B, T, H, V)
+    g = -torch.rand(B, T, H, K) * 0.3
+    beta = torch.rand(B, T, H)
+    args = ("kda", q, k, v, g, beta, None, None, None, None, None, None, True, False, False, False, False, None,
+            "k_last", 64)
+    torch.library.opcheck(torch.ops.cula.chunk_fwd.default, args)
+    o, s = cula.torch_ops.chunk_fwd("kda", q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+    o2, s2 = cula.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, output_final_state=True)
+    assert torch.equal(o, o2) and torch.equal(s, s2)
