@@ -19,14 +19,15 @@ __all__ = ["decode", "chunk_fwd"]
 _LAYOUTS = ("k_last", "k_first")
 
 
+# (the family argument is not called "mode": torch's functionalization wrapper owns that name)
 @torch.library.custom_op("cula::decode", mutates_args=("state_pool",))
 def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state_pool: torch.Tensor, g: Optional[torch.Tensor],
             beta: Optional[torch.Tensor], decay: Optional[torch.Tensor], state_indices: Optional[torch.Tensor],
             num_accepted_tokens: Optional[torch.Tensor], A_log: Optional[torch.Tensor],
-            dt_bias: Optional[torch.Tensor], mode: str, scale: Optional[float], use_qk_l2norm_in_kernel: bool,
+            dt_bias: Optional[torch.Tensor], family: str, scale: Optional[float], use_qk_l2norm_in_kernel: bool,
             use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool,
             lower_bound: Optional[float], state_layout: str) -> torch.Tensor:
-    o, _ = ops.decode(q, k, v, state_pool, mode=mode, g=g, beta=beta, decay=decay, state_indices=state_indices,
+    o, _ = ops.decode(q, k, v, state_pool, mode=family, g=g, beta=beta, decay=decay, state_indices=state_indices,
                       num_accepted_tokens=num_accepted_tokens, scale=scale,
                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
                       use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
@@ -35,7 +36,7 @@ def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state_pool: torch
 
 
 @_decode.register_fake
-def _decode_fake(q, k, v, state_pool, g, beta, decay, state_indices, num_accepted_tokens, A_log, dt_bias, mode, scale,
+def _decode_fake(q, k, v, state_pool, g, beta, decay, state_indices, num_accepted_tokens, A_log, dt_bias, family, scale,
                  use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
                  lower_bound, state_layout):
     return q.new_empty((q.shape[0], q.shape[1], v.shape[2], v.shape[3]))
