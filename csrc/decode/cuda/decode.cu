@@ -131,8 +131,23 @@ __host__ __device__ inline size_t smem_bytes(int R, int K, int T, bool k_last) {
   return ((tile + 15) / 16) * 16 + static_cast<size_t>(T) * (3 * K + 1 + R) * sizeof(float);
 }
 
-template <int EPL, typename S, bool KLAST>
+// kServing: the serving engines' dtypes (q, k, v, out bf16; g, beta fp32) with the loads and
+// stores resolved at compile time, which shortens every warp's instruction stream (the small-batch
+// case is bound by it); any other dtype mix takes the generic instantiation.
+template <int EPL, typename S, bool KLAST, bool kServing>
 __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodeParams p, const int R) {
+  auto ldx = [&](const void* ptr, int dt, int64_t i) -> float {  // q, k, v
+    if constexpr (kServing) return __bfloat162float(static_cast<const __nv_bfloat16*>(ptr)[i]);
+    else return ld(ptr, dt, i);
+  };
+  auto ldf = [&](const void* ptr, int dt, int64_t i) -> float {  // g, beta
+    if constexpr (kServing) return static_cast<const float*>(ptr)[i];
+    else return ld(ptr, dt, i);
+  };
+  auto sto = [&](int64_t i, float x) {
+    if constexpr (kServing) static_cast<__nv_bfloat16*>(p.out)[i] = __float2bfloat16_rn(x);
+    else st(p.out, p.out_dtype, i, x);
+  };
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int K = EPL * 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, tid = threadIdx.x;
@@ -168,23 +183,23 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
     const int64_t qk_off = (f * p.H + h) * K + k0;
 #pragma unroll
     for (int e = 0; e < EPL; ++e) {
-      rq[e] = ld(p.q, p.q_dtype, qk_off + e);
-      rk[e] = ld(p.k, p.q_dtype, qk_off + e);
-      rg[e] = p.gate_kind == 0 ? ld(p.g, p.g_dtype, (f * p.HV + hv) * K + k0 + e)
-              : p.gate_kind == 1 ? ld(p.g, p.g_dtype, f * p.HV + hv)
+      rq[e] = ldx(p.q, p.q_dtype, qk_off + e);
+      rk[e] = ldx(p.k, p.q_dtype, qk_off + e);
+      rg[e] = p.gate_kind == 0 ? ldf(p.g, p.g_dtype, (f * p.HV + hv) * K + k0 + e)
+              : p.gate_kind == 1 ? ldf(p.g, p.g_dtype, f * p.HV + hv)
                                  : -p.decay[p.decay_heads == p.HV ? hv : h];
     }
-    if (p.delta && lane == 0) rbeta = ld(p.beta, p.beta_dtype, f * p.HV + hv);
+    if (p.delta && lane == 0) rbeta = ldf(p.beta, p.beta_dtype, f * p.HV + hv);
   };
   if (has_tok) load_token(my_t);
   const bool has_v = tid < rows * p.T;
-  const float rv = has_v ? ld(p.v, p.v_dtype, ((static_cast<int64_t>(n) * p.T + tid / rows) * p.HV + hv) * p.V + j0 + tid % rows)
+  const float rv = has_v ? ldx(p.v, p.v_dtype, ((static_cast<int64_t>(n) * p.T + tid / rows) * p.HV + hv) * p.V + j0 + tid % rows)
                          : 0.0f;
 
   if (rs < 0 || rs >= p.P) {  // padding: zeros out, pool untouched
     for (int i = tid; i < rows * p.T; i += blockDim.x) {
       const int t = i / rows, j = j0 + i % rows;
-      st(p.out, p.out_dtype, (static_cast<int64_t>(n * p.T + t) * p.HV + hv) * p.V + j, 0.0f);
+      sto((static_cast<int64_t>(n * p.T + t) * p.HV + hv) * p.V + j, 0.0f);
     }
     return;
   }
@@ -213,7 +228,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
   //    scale, gate activation, exp of the log-decay, beta) and stage v.
   if (has_v) tok_v[(tid / rows) * R + tid % rows] = rv;
   for (int i = tid + blockDim.x; i < rows * p.T; i += blockDim.x)
-    tok_v[(i / rows) * R + i % rows] = ld(p.v, p.v_dtype, ((static_cast<int64_t>(n) * p.T + i / rows) * p.HV + hv) * p.V + j0 + i % rows);
+    tok_v[(i / rows) * R + i % rows] = ldx(p.v, p.v_dtype, ((static_cast<int64_t>(n) * p.T + i / rows) * p.HV + hv) * p.V + j0 + i % rows);
   if (p.gate_in_kernel && p.A_log) eA = __expf(eA);
   for (int t = my_t; t < p.T; t += kWarps) {
     if (t != my_t) load_token(t);
@@ -314,7 +329,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
 #pragma unroll
         for (int b = 1; b < kBatch; ++b)
           if (lane == b) mine = o[b];
-        st(p.out, p.out_dtype, (f * p.HV + hv) * p.V + j0 + r0 + lane * kWarps, mine);
+        sto((f * p.HV + hv) * p.V + j0 + r0 + lane * kWarps, mine);
       }
       if (p.per_token_slots) {
         const int ws = p.idx[f];
@@ -330,7 +345,7 @@ void check(cudaError_t e, const char* what) {
 }
 
 // Tile rows: 16 KB of state per CTA, so that a dozen CTAs per SM keep ~200 KB of loads in flight.
-template <int EPL, typename S, bool KLAST>
+template <int EPL, typename S, bool KLAST, bool kServing>
 void launch_tile(const DecodeParams& p, cudaStream_t stream) {
   constexpr int K = EPL * 32;
   int R = static_cast<int>(16384 / (K * sizeof(S)));
@@ -340,19 +355,26 @@ void launch_tile(const DecodeParams& p, cudaStream_t stream) {
   const size_t smem = smem_bytes<S>(R, K, p.T, KLAST);
   if (smem > 48 * 1024) {
     if (smem > 200 * 1024) throw_unsupported("decode", "too many draft tokens per sequence for the CUDA decode kernel");
-    check(cudaFuncSetAttribute(decode_kernel<EPL, S, KLAST>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    check(cudaFuncSetAttribute(decode_kernel<EPL, S, KLAST, kServing>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                static_cast<int>(smem)),
           "cudaFuncSetAttribute");
   }
-  decode_kernel<EPL, S, KLAST><<<static_cast<unsigned>(blocks), kWarps * 32, smem, stream>>>(p, R);
+  decode_kernel<EPL, S, KLAST, kServing><<<static_cast<unsigned>(blocks), kWarps * 32, smem, stream>>>(p, R);
+}
+
+bool serving_dtypes(const DecodeParams& p) {
+  return p.q_dtype == CULA_BFLOAT16 && p.v_dtype == CULA_BFLOAT16 && p.out_dtype == CULA_BFLOAT16 &&
+         (!p.g || p.g_dtype == CULA_FLOAT32) && (!p.beta || p.beta_dtype == CULA_FLOAT32);
 }
 
 template <int EPL, typename S>
 void launch_layout(const DecodeParams& p, bool k_last, cudaStream_t stream) {
-  if (k_last)
-    launch_tile<EPL, S, true>(p, stream);
+  if (k_last && EPL <= 4 && serving_dtypes(p))
+    launch_tile<EPL, S, true, true>(p, stream);
+  else if (k_last)
+    launch_tile<EPL, S, true, false>(p, stream);
   else
-    launch_tile<EPL, S, false>(p, stream);
+    launch_tile<EPL, S, false, false>(p, stream);
 }
 
 template <int EPL>
