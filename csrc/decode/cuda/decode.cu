@@ -134,8 +134,16 @@ __host__ __device__ inline size_t smem_bytes(int R, int K, int T, bool k_last) {
 // kServing: the serving engines' dtypes (q, k, v, out bf16; g, beta fp32) with the loads and
 // stores resolved at compile time, which shortens every warp's instruction stream (the small-batch
 // case is bound by it); any other dtype mix takes the generic instantiation.
-template <int EPL, typename S, bool KLAST, bool kServing>
+template <int EPL, typename S, bool KLAST, bool kServing, bool kKdaServing>
 __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodeParams p, const int R) {
+  // kKdaServing fixes the options of KDA serving (per-channel gate computed in kernel with a lower
+  // bound, q/k L2 norm, beta sigmoid) at compile time; otherwise they are read from p.
+  const int gate_kind = kKdaServing ? 0 : p.gate_kind;
+  const bool delta = kKdaServing ? true : p.delta;
+  const bool l2norm = kKdaServing ? true : p.l2norm;
+  const bool gate_in_kernel = kKdaServing ? true : p.gate_in_kernel;
+  const bool has_lb = kKdaServing ? true : p.has_lb;
+  const bool beta_sigmoid = kKdaServing ? true : p.beta_sigmoid;
   auto ldx = [&](const void* ptr, int dt, int64_t i) -> float {  // q, k, v
     if constexpr (kServing) return __bfloat162float(static_cast<const __nv_bfloat16*>(ptr)[i]);
     else return ld(ptr, dt, i);
@@ -171,10 +179,10 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
   const int my_t = warp;
   const bool has_tok = my_t < p.T;
   float rq[EPL], rk[EPL], rg[EPL], rbias[EPL], rbeta = 1.0f, eA = 1.0f;
-  if (p.gate_in_kernel && p.A_log) eA = p.A_log[hv];
+  if (gate_in_kernel && p.A_log) eA = p.A_log[hv];
 #pragma unroll
   for (int e = 0; e < EPL; ++e) rbias[e] = 0.0f;
-  if (p.gate_in_kernel && p.dt_bias) {
+  if (gate_in_kernel && p.dt_bias) {
 #pragma unroll
     for (int e = 0; e < EPL; ++e) rbias[e] = p.dt_bias_per_channel ? p.dt_bias[hv * K + k0 + e] : p.dt_bias[hv];
   }
@@ -185,11 +193,11 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
     for (int e = 0; e < EPL; ++e) {
       rq[e] = ldx(p.q, p.q_dtype, qk_off + e);
       rk[e] = ldx(p.k, p.q_dtype, qk_off + e);
-      rg[e] = p.gate_kind == 0 ? ldf(p.g, p.g_dtype, (f * p.HV + hv) * K + k0 + e)
-              : p.gate_kind == 1 ? ldf(p.g, p.g_dtype, f * p.HV + hv)
+      rg[e] = gate_kind == 0 ? ldf(p.g, p.g_dtype, (f * p.HV + hv) * K + k0 + e)
+              : gate_kind == 1 ? ldf(p.g, p.g_dtype, f * p.HV + hv)
                                  : -p.decay[p.decay_heads == p.HV ? hv : h];
     }
-    if (p.delta && lane == 0) rbeta = ldf(p.beta, p.beta_dtype, f * p.HV + hv);
+    if (delta && lane == 0) rbeta = ldf(p.beta, p.beta_dtype, f * p.HV + hv);
   };
   if (has_tok) load_token(my_t);
   const bool has_v = tid < rows * p.T;
@@ -229,14 +237,14 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
   if (has_v) tok_v[(tid / rows) * R + tid % rows] = rv;
   for (int i = tid + blockDim.x; i < rows * p.T; i += blockDim.x)
     tok_v[(i / rows) * R + i % rows] = ldx(p.v, p.v_dtype, ((static_cast<int64_t>(n) * p.T + i / rows) * p.HV + hv) * p.V + j0 + i % rows);
-  if (p.gate_in_kernel && p.A_log) eA = __expf(eA);
+  if (gate_in_kernel && p.A_log) eA = __expf(eA);
   for (int t = my_t; t < p.T; t += kWarps) {
     if (t != my_t) load_token(t);
     float qq = 0, kk = 0;
 #pragma unroll
     for (int e = 0; e < EPL; ++e) qq += rq[e] * rq[e], kk += rk[e] * rk[e];
     float qs = p.scale, ks = 1.0f;
-    if (p.l2norm) {
+    if (l2norm) {
       qs *= rsqrtf(warp_sum(qq) + 1e-6f);
       ks = rsqrtf(warp_sum(kk) + 1e-6f);
     }
@@ -244,15 +252,15 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
 #pragma unroll
     for (int e = 0; e < EPL; ++e) {
       float a = rg[e];
-      if (p.gate_in_kernel) {
+      if (gate_in_kernel) {
         a += rbias[e];
-        a = p.has_lb ? p.lb / (1.0f + __expf(-eA * a)) : -eA * (a > 20.0f ? a : log1pf(__expf(a)));
+        a = has_lb ? p.lb / (1.0f + __expf(-eA * a)) : -eA * (a > 20.0f ? a : log1pf(__expf(a)));
       }
       tq[k0 + e] = rq[e] * qs;
       tq[K + k0 + e] = rk[e] * ks;
       tq[2 * K + k0 + e] = __expf(a);
     }
-    if (lane == 0) tok_beta[t] = (p.delta && p.beta_sigmoid) ? p.beta_mult / (1.0f + __expf(-rbeta)) : rbeta;
+    if (lane == 0) tok_beta[t] = (delta && beta_sigmoid) ? p.beta_mult / (1.0f + __expf(-rbeta)) : rbeta;
   }
   if constexpr (KLAST) asm volatile("cp.async.wait_all;\n" ::);
   __syncthreads();
@@ -303,7 +311,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
           dot[b] += s[b][e] * kv[e];
         }
       }
-      if (p.delta) {
+      if (delta) {
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1)
 #pragma unroll
@@ -345,7 +353,7 @@ void check(cudaError_t e, const char* what) {
 }
 
 // Tile rows: 16 KB of state per CTA, so that a dozen CTAs per SM keep ~200 KB of loads in flight.
-template <int EPL, typename S, bool KLAST, bool kServing>
+template <int EPL, typename S, bool KLAST, bool kServing, bool kKdaServing = false>
 void launch_tile(const DecodeParams& p, cudaStream_t stream) {
   constexpr int K = EPL * 32;
   int R = static_cast<int>(16384 / (K * sizeof(S)));
@@ -355,11 +363,11 @@ void launch_tile(const DecodeParams& p, cudaStream_t stream) {
   const size_t smem = smem_bytes<S>(R, K, p.T, KLAST);
   if (smem > 48 * 1024) {
     if (smem > 200 * 1024) throw_unsupported("decode", "too many draft tokens per sequence for the CUDA decode kernel");
-    check(cudaFuncSetAttribute(decode_kernel<EPL, S, KLAST, kServing>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    check(cudaFuncSetAttribute(decode_kernel<EPL, S, KLAST, kServing, kKdaServing>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                static_cast<int>(smem)),
           "cudaFuncSetAttribute");
   }
-  decode_kernel<EPL, S, KLAST, kServing><<<static_cast<unsigned>(blocks), kWarps * 32, smem, stream>>>(p, R);
+  decode_kernel<EPL, S, KLAST, kServing, kKdaServing><<<static_cast<unsigned>(blocks), kWarps * 32, smem, stream>>>(p, R);
 }
 
 bool serving_dtypes(const DecodeParams& p) {
@@ -369,7 +377,10 @@ bool serving_dtypes(const DecodeParams& p) {
 
 template <int EPL, typename S>
 void launch_layout(const DecodeParams& p, bool k_last, cudaStream_t stream) {
-  if (k_last && EPL <= 4 && serving_dtypes(p))
+  const bool kda_serving = p.gate_kind == 0 && p.delta && p.l2norm && p.gate_in_kernel && p.has_lb && p.beta_sigmoid;
+  if (k_last && EPL <= 4 && serving_dtypes(p) && kda_serving)
+    launch_tile<EPL, S, true, true, true>(p, stream);
+  else if (k_last && EPL <= 4 && serving_dtypes(p))
     launch_tile<EPL, S, true, true>(p, stream);
   else if (k_last)
     launch_tile<EPL, S, true, false>(p, stream);
