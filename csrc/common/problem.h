@@ -132,6 +132,41 @@ struct Recurrence {
   }
 };
 
+// Offset of element (i over K, j over V) of the state of chunk c, value head hv, in an
+// intermediate-states tensor [B, NT, HV, ., .].
+inline int64_t intermediate_off(const Recurrence& r, const cula_tensor& h, int64_t b, int64_t c, int64_t hv, int64_t i,
+                                int64_t j) {
+  return b * h.strides[0] + c * h.strides[1] + hv * h.strides[2] +
+         (r.state_layout == CULA_STATE_K_LAST ? j * h.strides[3] + i * h.strides[4] : i * h.strides[3] + j * h.strides[4]);
+}
+
+// First chunk index of each sequence: chunk_base[n] = sum over m < n of ceil(len_m / chunk).
+std::vector<int64_t> chunk_bases(const Recurrence& r, int64_t chunk);
+
+// Decode slot bookkeeping (SPEC §2 and docs/CONVENTIONS.md): which pool slot a sequence starts
+// from and where the state after token t goes.
+struct DecodeSlots {
+  const cula_decode_args& a;
+  int64_t T;
+  bool per_token() const { return a.state_indices && a.state_indices->ndim == 2; }
+  int64_t at(int64_t n, int64_t t) const {
+    const cula_tensor* idx = a.state_indices;
+    if (!idx) return n;
+    const int32_t* d = static_cast<const int32_t*>(idx->data);
+    return per_token() ? d[n * idx->strides[0] + t * idx->strides[1]] : d[n * idx->strides[0]];
+  }
+  // FLA's num_accepted_tokens convention, with the count clamped to [1, T].
+  int64_t read(int64_t n) const {
+    if (!per_token()) return at(n, 0);
+    int64_t acc = 1;
+    if (a.num_accepted_tokens)
+      acc = static_cast<const int32_t*>(a.num_accepted_tokens->data)[n * a.num_accepted_tokens->strides[0]];
+    acc = acc < 1 ? 1 : acc;
+    acc = acc > (T > 1 ? T : 1) ? (T > 1 ? T : 1) : acc;
+    return at(n, acc - 1);
+  }
+};
+
 // Validates a cula_chunk_fwd / cula_decode / cula_chunk_bwd call and builds its description.
 // Tensors must be on `device_type` (the backend's device); index tensors cu_seqlens may be on
 // the host as well.

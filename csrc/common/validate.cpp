@@ -269,6 +269,12 @@ void check_pool_indices(const Checker& c, const cula_tensor* idx, const std::str
 
 }  // namespace
 
+std::vector<int64_t> chunk_bases(const Recurrence& r, int64_t chunk) {
+  std::vector<int64_t> base(r.N + 1, 0);
+  for (int64_t n = 0; n < r.N; ++n) base[n + 1] = base[n] + (r.seq_len(n) + chunk - 1) / chunk;
+  return base;
+}
+
 int64_t chunk_count(const Recurrence& r, int64_t chunk) {
   int64_t total = 0;
   for (int64_t n = 0; n < r.N; ++n) total += (r.seq_len(n) + chunk - 1) / chunk;

@@ -286,8 +286,7 @@ void read_state_slice(const Recurrence& r, const cula_tensor& s, int64_t slot, i
 void cpu_chunk_fwd(const Recurrence& r, const cula_chunk_fwd_args& a) {
   const int64_t C = a.chunk_size ? a.chunk_size : 64;
   const int64_t K = r.K, V = r.V;
-  std::vector<int64_t> chunk_base(r.N + 1, 0);
-  for (int64_t n = 0; n < r.N; ++n) chunk_base[n + 1] = chunk_base[n] + (r.seq_len(n) + C - 1) / C;
+  const std::vector<int64_t> chunk_base = chunk_bases(r, C);
   const bool varlen = a.cu_seqlens != nullptr;
   // Split V across tasks only when there are fewer (sequence, head) pairs than threads.
   const int64_t pairs = r.N * r.HV;
@@ -322,13 +321,8 @@ void cpu_chunk_fwd(const Recurrence& r, const cula_chunk_fwd_args& a) {
         const cula_tensor& h = *a.intermediate_states;
         const int64_t b = varlen ? 0 : n, c = varlen ? chunk_base[n] + c0 / C : c0 / C;
         for (int64_t i = 0; i < K; ++i)
-          for (int64_t j = 0; j < Vs; ++j) {
-            const int64_t jj = j0 + j;
-            const int64_t off = b * h.strides[0] + c * h.strides[1] + hv * h.strides[2] +
-                                (r.state_layout == CULA_STATE_K_LAST ? jj * h.strides[3] + i * h.strides[4]
-                                                                     : i * h.strides[3] + jj * h.strides[4]);
-            store_from_double(h.data, h.dtype, off, w.S[i * Vs + j]);
-          }
+          for (int64_t j = 0; j < Vs; ++j)
+            store_from_double(h.data, h.dtype, intermediate_off(r, h, b, c, hv, i, j0 + j), w.S[i * Vs + j]);
       }
       for (int64_t i = 0; i < L; ++i) {
         const int64_t f = start + c0 + i;

@@ -13,24 +13,11 @@ namespace cula {
 void cpu_decode(const Recurrence& r, const cula_decode_args& a) {
   const int64_t K = r.K, V = r.V;
   const cula_tensor& pool = *a.state_pool;
-  const cula_tensor* idx = a.state_indices;
-  const bool per_token = idx && idx->ndim == 2;
-  auto slot_at = [&](int64_t n, int64_t t) -> int64_t {
-    if (!idx) return n;
-    return per_token ? static_cast<const int32_t*>(idx->data)[n * idx->strides[0] + t * idx->strides[1]]
-                     : static_cast<const int32_t*>(idx->data)[n * idx->strides[0]];
-  };
-  auto read_slot = [&](int64_t n) -> int64_t {
-    if (!per_token) return slot_at(n, 0);
-    int64_t acc = 1;
-    if (a.num_accepted_tokens)
-      acc = static_cast<const int32_t*>(a.num_accepted_tokens->data)[n * a.num_accepted_tokens->strides[0]];
-    acc = std::min<int64_t>(std::max<int64_t>(acc, 1), std::max<int64_t>(r.T, 1));
-    return slot_at(n, acc - 1);
-  };
+  const DecodeSlots slots{a, r.T};
+  const bool per_token = slots.per_token();
   std::vector<float> states(r.N * r.HV * K * V, 0.0f);
   parallel_for(r.N * r.HV, [&](int64_t task) {
-    const int64_t n = task / r.HV, hv = task % r.HV, s = read_slot(n);
+    const int64_t n = task / r.HV, hv = task % r.HV, s = slots.read(n);
     if (s < 0) return;
     float* S = &states[task * K * V];
     for (int64_t i = 0; i < K; ++i)
@@ -39,7 +26,7 @@ void cpu_decode(const Recurrence& r, const cula_decode_args& a) {
   });
   const View out(a.out);
   parallel_for(r.N * r.HV, [&](int64_t task) {
-    const int64_t n = task / r.HV, hv = task % r.HV, s = read_slot(n);
+    const int64_t n = task / r.HV, hv = task % r.HV, s = slots.read(n);
     if (s < 0) {
       for (int64_t t = 0; t < r.T; ++t)
         for (int64_t j = 0; j < V; ++j) out.set(0.0, n, t, hv, j);
@@ -72,7 +59,7 @@ void cpu_decode(const Recurrence& r, const cula_decode_args& a) {
         out.set(acc, n, t, hv, j);
       }
       if (per_token) {
-        const int64_t ws = slot_at(n, t);
+        const int64_t ws = slots.at(n, t);
         if (ws >= 0) store(ws);
       }
     }

@@ -63,8 +63,7 @@ void step(const Recurrence& r, const TokenInputs& x, Mat& S, double* o, Mat* Sp 
 void reference_chunk_fwd(const Recurrence& r, const cula_chunk_fwd_args& a) {
   const int64_t C = a.chunk_size ? a.chunk_size : 64;
   const View out(a.out);
-  std::vector<int64_t> chunk_base(r.N + 1, 0);
-  for (int64_t n = 0; n < r.N; ++n) chunk_base[n + 1] = chunk_base[n] + (r.seq_len(n) + C - 1) / C;
+  const std::vector<int64_t> chunk_base = chunk_bases(r, C);
   const bool varlen = a.cu_seqlens != nullptr;
   Mat S(r.K * r.V);
   TokenInputs x(r);
@@ -82,12 +81,8 @@ void reference_chunk_fwd(const Recurrence& r, const cula_chunk_fwd_args& a) {
           const cula_tensor& h = *a.intermediate_states;
           const int64_t b = varlen ? 0 : n, c = varlen ? chunk_base[n] + t / C : t / C;
           for (int64_t i = 0; i < r.K; ++i)
-            for (int64_t j = 0; j < r.V; ++j) {
-              const int64_t off = b * h.strides[0] + c * h.strides[1] + hv * h.strides[2] +
-                                  (r.state_layout == CULA_STATE_K_LAST ? j * h.strides[3] + i * h.strides[4]
-                                                                       : i * h.strides[3] + j * h.strides[4]);
-              store_from_double(h.data, h.dtype, off, S[i * r.V + j]);
-            }
+            for (int64_t j = 0; j < r.V; ++j)
+              store_from_double(h.data, h.dtype, intermediate_off(r, h, b, c, hv, i, j), S[i * r.V + j]);
         }
         x.load(r, f, hv);
         step(r, x, S, o.data());
@@ -102,24 +97,12 @@ void reference_chunk_fwd(const Recurrence& r, const cula_chunk_fwd_args& a) {
 void reference_decode(const Recurrence& r, const cula_decode_args& a) {
   const View out(a.out);
   const cula_tensor& pool = *a.state_pool;
-  const cula_tensor* idx = a.state_indices;
-  const bool per_token = idx && idx->ndim == 2;
-  auto slot_at = [&](int64_t n, int64_t t) -> int64_t {
-    if (!idx) return n;
-    return per_token ? static_cast<const int32_t*>(idx->data)[n * idx->strides[0] + t * idx->strides[1]]
-                     : static_cast<const int32_t*>(idx->data)[n * idx->strides[0]];
-  };
-  auto read_slot = [&](int64_t n) -> int64_t {
-    if (!per_token) return slot_at(n, 0);
-    int64_t acc = 1;
-    if (a.num_accepted_tokens) acc = static_cast<const int32_t*>(a.num_accepted_tokens->data)[n * a.num_accepted_tokens->strides[0]];
-    acc = std::min<int64_t>(std::max<int64_t>(acc, 1), std::max<int64_t>(r.T, 1));
-    return slot_at(n, acc - 1);
-  };
+  const DecodeSlots slots{a, r.T};
+  const bool per_token = slots.per_token();
   // Every read sees the pool as it was before the call.
   std::vector<Mat> init(r.N * r.HV);
   for (int64_t n = 0; n < r.N; ++n) {
-    const int64_t s = read_slot(n);
+    const int64_t s = slots.read(n);
     for (int64_t hv = 0; hv < r.HV; ++hv) {
       init[n * r.HV + hv].assign(r.K * r.V, 0.0);
       if (s >= 0) read_state(r, pool, s, hv, init[n * r.HV + hv]);
@@ -128,7 +111,7 @@ void reference_decode(const Recurrence& r, const cula_decode_args& a) {
   TokenInputs x(r);
   std::vector<double> o(r.V);
   for (int64_t n = 0; n < r.N; ++n) {
-    const int64_t s = read_slot(n);
+    const int64_t s = slots.read(n);
     for (int64_t hv = 0; hv < r.HV; ++hv) {
       if (s < 0) {
         for (int64_t t = 0; t < r.T; ++t)
@@ -141,7 +124,7 @@ void reference_decode(const Recurrence& r, const cula_decode_args& a) {
         step(r, x, S, o.data());
         for (int64_t j = 0; j < r.V; ++j) out.set(o[j], n, t, hv, j);
         if (per_token) {
-          const int64_t ws = slot_at(n, t);
+          const int64_t ws = slots.at(n, t);
           if (ws >= 0) write_state(r, pool, ws, hv, S);
         }
       }
