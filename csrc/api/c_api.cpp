@@ -9,6 +9,7 @@
 #include "cpu/cpu_backend.h"
 #include "cuda/cuda_ops.h"
 #include "decode/cuda/decode_cuda.h"
+#include "prefill/cuda/recurrent_fwd.h"
 #include "reference/reference.h"
 
 #ifndef CULA_VERSION_STRING
@@ -36,6 +37,7 @@ bool not_float64(const Recurrence& r) { return r.q.t->dtype != CULA_FLOAT64; }
 
 // Tables are ordered best first; AUTO takes the first row for the tensors' device.
 const Kernel<cula_chunk_fwd_args> kChunkFwd[] = {
+    {CULA_BACKEND_CUDA, CULA_CUDA, "cuda", cuda_recurrent_fwd},
     {CULA_BACKEND_CPU, CULA_CPU, "cpu", cpu_chunk_fwd, not_float64},
     {CULA_BACKEND_ORACLE, CULA_CPU, "reference", reference_chunk_fwd},
 };

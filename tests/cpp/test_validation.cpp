@@ -242,18 +242,36 @@ TEST(Validation, UnknownFamilyAndLayout) {
   expect_fwd_error(p, [](auto& a) { a.opt.state_layout = 5; }, {"argument 'state_layout'", "5"});
 }
 
-TEST(Validation, BackendWithoutKernelForDeviceIsUnsupported) {
-  Problem p = base();
+TEST(Validation, HeadDimsAreCheckedAgainstTheChosenKernel) {
+  // The CUDA kernels take K in {64, 128, 256}: other sizes are refused before any launch.
+  Problem p = base();  // K = 8
   HostTensor cq = p.q, ck = p.k, cv = p.v, cg = p.g, cb = p.beta, co = p.out, ch0 = p.h0, cht = p.ht;
   for (HostTensor* t : {&cq, &ck, &cv, &cg, &cb, &co, &ch0, &cht}) t->t.device_type = CULA_CUDA;
   cula_chunk_fwd_args a = p.fwd_args(CULA_BACKEND_AUTO);
   a.q = cq.cptr(); a.k = ck.cptr(); a.v = cv.cptr(); a.g = cg.cptr(); a.beta = cb.cptr();
   a.out = co.ptr(); a.initial_state = ch0.cptr(); a.final_state = cht.ptr();
   EXPECT_EQ(cula_chunk_fwd(&a), CULA_ERROR_UNSUPPORTED);
-  EXPECT_NE(std::string(cula_last_error()).find("CUDA tensors"), std::string::npos) << cula_last_error();
-  a = p.fwd_args(CULA_BACKEND_CUDA);
-  EXPECT_NE(cula_chunk_fwd(&a), CULA_OK);
-  EXPECT_NE(std::string(cula_last_error()).find("no CUDA kernel"), std::string::npos) << cula_last_error();
+  EXPECT_NE(std::string(cula_last_error()).find("K in {64, 128, 256}, got K = 8"), std::string::npos) << cula_last_error();
+}
+
+TEST(Validation, BackendMustRunOnTheTensorsDevice) {
+  Problem p = base();
+  cula_chunk_fwd_args a = p.fwd_args(CULA_BACKEND_CUDA);  // host tensors, CUDA asked for
+  EXPECT_EQ(cula_chunk_fwd(&a), CULA_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(cula_last_error()).find("argument 'backend'"), std::string::npos) << cula_last_error();
+  EXPECT_TRUE(untouched(p.out));
+}
+
+TEST(Validation, NoCudaBackwardYet) {
+  Problem p = base();
+  HostTensor cq = p.q, ck = p.k, cv = p.v, cg = p.g, cb = p.beta, d = p.out;
+  for (HostTensor* t : {&cq, &ck, &cv, &cg, &cb, &d}) t->t.device_type = CULA_CUDA;
+  cula_chunk_bwd_args b{};
+  b.struct_size = sizeof(b);
+  b.opt = p.options(CULA_BACKEND_AUTO);
+  b.q = cq.cptr(); b.k = ck.cptr(); b.v = cv.cptr(); b.g = cg.cptr(); b.beta = cb.cptr(); b.d_out = d.cptr();
+  EXPECT_EQ(cula_chunk_bwd(&b), CULA_ERROR_UNSUPPORTED);
+  EXPECT_NE(std::string(cula_last_error()).find("no AUTO kernel"), std::string::npos) << cula_last_error();
 }
 
 TEST(Validation, DecodeSpeculativeIndicesNeedTwoDimensions) {

@@ -28,6 +28,7 @@
 #include <string>
 
 #include "common/error.h"
+#include "cuda/device_helpers.cuh"
 #include "decode/cuda/decode_cuda.h"
 
 namespace cula {
@@ -56,27 +57,9 @@ struct DecodeParams {
   float lb, beta_mult, scale;
 };
 
-__device__ __forceinline__ float ld(const void* p, int dtype, int64_t i) {
-  switch (dtype) {
-    case CULA_BFLOAT16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-    case CULA_FLOAT16: return __half2float(static_cast<const __half*>(p)[i]);
-    default: return static_cast<const float*>(p)[i];
-  }
-}
-
-__device__ __forceinline__ void st(void* p, int dtype, int64_t i, float x) {
-  switch (dtype) {
-    case CULA_BFLOAT16: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(x); break;
-    case CULA_FLOAT16: static_cast<__half*>(p)[i] = __float2half_rn(x); break;
-    default: static_cast<float*>(p)[i] = x;
-  }
-}
-
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
+using dev::ld;
+using dev::st;
+using dev::warp_sum;
 
 // EPL consecutive state elements starting at p (K-last) as floats.
 template <int EPL, typename S>

@@ -1,0 +1,125 @@
+"""The CUDA forward (recurrent form) against the float64 reference and FLA's Triton chunk_kda,
+over families and options, with poisoned outputs. Skipped without a CUDA device."""
+
+import os
+
+import numpy as np
+import pytest
+from conftest import rel
+
+import cula
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+if not torch.cuda.is_available() or cula._lib.LIB.cula_cuda_device_count() == 0:
+    pytest.skip("no CUDA device visible to torch and cula", allow_module_level=True)
+
+CASES = [
+    # family, options
+    ("kda", dict(gate=True, lb=-5.0, l2=True, bsig=True)),
+    ("kda", dict(gate=True, l2=True, bsig=True, gva=True, varlen=True, sdt=torch.bfloat16)),
+    ("kda", dict(l2=True, layout="k_first", inter=True)),
+    ("gdn", dict(gate=True, l2=True, bsig=True, varlen=True)),
+    ("gdn", dict(l2=True, gva=True, layout="k_first", sdt=torch.bfloat16, inter=True)),
+    ("gla", dict(l2=True, varlen=True)),
+    ("simple_gla", dict(gva=True)),
+    ("lightning", dict(l2=True, varlen=True)),
+]
+
+
+def _make(rng, family, o, K=128, V=128):
+    H = 2
+    HV = 4 if o.get("gva") else 2
+    seqlens = [100, 0, 257, 1, 64] if o.get("varlen") else None
+    B, T = (1, sum(seqlens)) if seqlens else (2, 150)
+    t = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32))  # noqa: E731
+    d = dict(q=t(B, T, H, K).bfloat16(), k=t(B, T, H, K).bfloat16(), v=t(B, T, HV, V).bfloat16())
+    gate = o.get("gate", False)
+    if family in ("kda", "gla"):
+        d["g"] = t(B, T, HV, K) if gate else -torch.from_numpy(rng.uniform(0.01, 0.5, (B, T, HV, K)).astype(np.float32))
+    elif family in ("gdn", "simple_gla"):
+        d["g"] = t(B, T, HV) if gate else -torch.from_numpy(rng.uniform(0.01, 0.5, (B, T, HV)).astype(np.float32))
+    else:
+        d["decay"] = torch.from_numpy(rng.uniform(0.01, 0.5, H).astype(np.float32))
+    if family in ("kda", "gdn"):
+        d["beta"] = t(B, T, HV) if o.get("bsig") else torch.rand(B, T, HV)
+    if gate:
+        d["A_log"] = torch.from_numpy(rng.uniform(-1, 0.5, HV).astype(np.float32))
+        d["dt_bias"] = t(HV * K if family == "kda" else HV) * 0.5
+    N = len(seqlens) if seqlens else B
+    layout = o.get("layout", "k_last")
+    shape = (N, HV, V, K) if layout == "k_last" else (N, HV, K, V)
+    d["initial_state"] = (t(*shape) * 0.5).to(o.get("sdt", torch.float32))
+    cu = torch.tensor(np.cumsum([0] + seqlens), dtype=torch.int64) if seqlens else None
+    kw = dict(use_qk_l2norm_in_kernel=o.get("l2", False), use_gate_in_kernel=gate, lower_bound=o.get("lb"),
+              safe_gate=o.get("lb") is not None, use_beta_sigmoid_in_kernel=o.get("bsig", False),
+              output_final_state=True, state_layout=layout, return_intermediate_states=o.get("inter", False),
+              chunk_size=64)
+    return d, cu, kw
+
+
+@pytest.mark.parametrize("family,opts", CASES, ids=[f"{f}-{'-'.join(sorted(o))}" for f, o in CASES])
+def test_cuda_forward_matches_reference(rng, family, opts):
+    d, cu, kw = _make(rng, family, opts)
+    ref = cula.chunk_fwd(family, **{n: (x.float() if n in "qkv" else x) for n, x in d.items()}, cu_seqlens=cu,
+                         backend="reference", **kw)
+    dev = {n: x.cuda() for n, x in d.items()}
+    out = torch.full(d["v"].shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    got = cula.chunk_fwd(family, **dev, cu_seqlens=None if cu is None else cu.cuda(), out=out, **kw)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out.float()).all(), "unwritten or non-finite output"
+    tol = 5e-3
+    assert rel(out.float().cpu().numpy(), ref[0].float().numpy()) < tol
+    assert rel(got[1].float().cpu().numpy(), ref[1].float().numpy()) < tol
+    if kw["return_intermediate_states"]:
+        assert rel(got[2].float().cpu().numpy(), ref[2].float().numpy()) < tol
+
+
+def test_cuda_forward_long_sequence_at_lower_bound_has_no_nan(rng):
+    T, H, K = 16384, 2, 128
+    q = torch.randn(1, T, H, K, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, T, H, K, device="cuda", dtype=torch.bfloat16)
+    g = torch.full((1, T, H, K), 30.0, device="cuda")  # sigmoid -> 1: every gate at the lower bound
+    o, s = cula.chunk_kda(q, q, v, g, torch.randn(1, T, H, device="cuda"), use_gate_in_kernel=True, lower_bound=-5.0,
+                          safe_gate=True, A_log=torch.zeros(H, device="cuda"), use_qk_l2norm_in_kernel=True,
+                          use_beta_sigmoid_in_kernel=True, output_final_state=True)
+    assert torch.isfinite(o.float()).all() and torch.isfinite(s).all()
+
+
+def test_dropin_chunk_kda_on_gpu_matches_fla_triton(rng):
+    os.environ["FLA_FLASH_KDA"] = "0"
+    pytest.importorskip("fla", reason="fla-core is not installed")
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    import cula.kda
+
+    B, T, H, K = 2, 300, 4, 128
+    q, k, v = (torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    g = torch.randn(B, T, H, K, device="cuda")
+    beta = torch.randn(B, T, H, device="cuda")
+    A_log = torch.rand(H, device="cuda") - 0.5
+    dt_bias = torch.randn(H * K, device="cuda") * 0.1
+    h0 = torch.randn(B, H, K, K, device="cuda")
+    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+              use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0, A_log=A_log, dt_bias=dt_bias)
+    with torch.inference_mode():
+        o1, s1 = cula.kda.chunk_kda(q, k, v, g, beta, **kw)
+        o2, s2 = fla_chunk_kda(q, k, v, g, beta, **kw)
+    e = (rel(o1.float().cpu().numpy(), o2.float().cpu().numpy()), rel(s1.cpu().numpy(), s2.cpu().numpy()))
+    print("cula CUDA chunk_kda vs FLA Triton chunk_kda (o, final state):", e)
+    assert max(e) < 5e-3
+
+
+def test_chunk_op_compiles_fullgraph_on_gpu(rng):
+    import cula.torch_ops
+
+    q, k, v = (torch.randn(1, 128, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    g = -torch.rand(1, 128, 2, 128, device="cuda") * 0.3
+    beta = torch.rand(1, 128, 2, device="cuda")
+
+    def f(q, k, v, g, beta):
+        o, s = cula.torch_ops.chunk_fwd("kda", q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+        return o.float().sum() + s.sum()
+
+    eager = f(q, k, v, g, beta)
+    got = torch.compile(f, fullgraph=True)(q, k, v, g, beta)
+    assert torch.allclose(eager, got, rtol=1e-5)
