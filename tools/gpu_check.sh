@@ -22,7 +22,7 @@ build/cula_tests --gtest_brief=1 2>&1 | tee "$LOG/ctest.txt" | tail -3 || status
 python3 -m pytest -q -rs -s -p no:cacheprovider tests/python 2>&1 | tee "$LOG/pytest.txt" | tail -25 || status=1
 for tool in memcheck racecheck; do
   compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
-    tests/python/test_gpu.py tests/python/test_gpu_decode.py -k "shape0 or shape1 or written or rejects or reference" 2>&1 | tee -a "$LOG/sanitizer.txt" | tail -4
+    tests/python/test_gpu.py tests/python/test_gpu_decode.py tests/python/test_gpu_prefill.py -k "shape0 or shape1 or written or rejects or reference" 2>&1 | tee -a "$LOG/sanitizer.txt" | tail -4
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done
 if [ "${2:-}" = "bench" ]; then

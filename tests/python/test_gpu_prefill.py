@@ -106,7 +106,7 @@ def test_dropin_chunk_kda_on_gpu_matches_fla_triton(rng):
         o2, s2 = fla_chunk_kda(q, k, v, g, beta, **kw)
     e = (rel(o1.float().cpu().numpy(), o2.float().cpu().numpy()), rel(s1.cpu().numpy(), s2.cpu().numpy()))
     print("cula CUDA chunk_kda vs FLA Triton chunk_kda (o, final state):", e)
-    assert max(e) < 5e-3
+    assert max(e) < 1e-2  # both sides carry bf16 rounding; each is held to 5e-3 against the float64 reference
 
 
 def test_chunk_op_compiles_fullgraph_on_gpu(rng):
