@@ -1,8 +1,6 @@
 """The CUDA forward (recurrent form) against the float64 reference and FLA's Triton chunk_kda,
 over families and options, with poisoned outputs. Skipped without a CUDA device."""
 
-import os
-
 import numpy as np
 import pytest
 from conftest import rel
@@ -85,8 +83,9 @@ def test_cuda_forward_long_sequence_at_lower_bound_has_no_nan(rng):
     assert torch.isfinite(o.float()).all() and torch.isfinite(s).all()
 
 
-def test_dropin_chunk_kda_on_gpu_matches_fla_triton(rng):
-    os.environ["FLA_FLASH_KDA"] = "0"
+def test_dropin_chunk_kda_on_gpu_matches_fla_triton(rng, monkeypatch):
+    monkeypatch.setenv("FLA_FLASH_KDA", "0")
+    monkeypatch.setenv("FLA_CULA", "0")  # FLA's own Triton kernels, even if cula was registered with FLA earlier
     pytest.importorskip("fla", reason="fla-core is not installed")
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
@@ -101,9 +100,13 @@ def test_dropin_chunk_kda_on_gpu_matches_fla_triton(rng):
     h0 = torch.randn(B, H, K, K, device="cuda")
     kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
               use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0, A_log=A_log, dt_bias=dt_bias)
+    import cula.fla_backend
+
+    served = cula.fla_backend.calls["chunk_kda"]
     with torch.inference_mode():
         o1, s1 = cula.kda.chunk_kda(q, k, v, g, beta, **kw)
         o2, s2 = fla_chunk_kda(q, k, v, g, beta, **kw)
+    assert cula.fla_backend.calls["chunk_kda"] == served, "FLA's call was served by cula, not by FLA"
     e = (rel(o1.float().cpu().numpy(), o2.float().cpu().numpy()), rel(s1.cpu().numpy(), s2.cpu().numpy()))
     print("cula CUDA chunk_kda vs FLA Triton chunk_kda (o, final state):", e)
     assert max(e) < 1e-2  # both sides carry bf16 rounding; each is held to 5e-3 against the float64 reference
