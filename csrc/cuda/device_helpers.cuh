@@ -33,5 +33,55 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
+// One token's update of R state rows held by a warp (lane l holds row elements
+// [l*EPL, (l+1)*EPL)): S' = S * decay; with the delta rule u = beta (v - S'^T k), else u = v;
+// S = S' + k u^T; o = S^T q. The rows' warp reductions are interleaved so their shuffles overlap.
+// On entry u holds v for each row; on exit o holds the outputs (in every lane).
+template <int EPL, int R>
+__device__ __forceinline__ void update_rows(float (&s)[R][EPL], const float* q, const float* k, const float* decay,
+                                            float (&u)[R], float beta, bool delta, float (&o)[R]) {
+  float dot[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    dot[r] = 0;
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) {
+      s[r][e] *= decay[e];
+      dot[r] += s[r][e] * k[e];
+    }
+  }
+  if (delta) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1)
+#pragma unroll
+      for (int r = 0; r < R; ++r) dot[r] += __shfl_xor_sync(0xffffffffu, dot[r], off);
+#pragma unroll
+    for (int r = 0; r < R; ++r) u[r] = (u[r] - dot[r]) * beta;
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    o[r] = 0;
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) {
+      s[r][e] += k[e] * u[r];
+      o[r] += s[r][e] * q[e];
+    }
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1)
+#pragma unroll
+    for (int r = 0; r < R; ++r) o[r] += __shfl_xor_sync(0xffffffffu, o[r], off);
+}
+
+// The value lane r (< R) should write: o[r], selected without dynamic register indexing.
+template <int R>
+__device__ __forceinline__ float pick_lane(const float (&o)[R], int lane) {
+  float mine = o[0];
+#pragma unroll
+  for (int r = 1; r < R; ++r)
+    if (lane == r) mine = o[r];
+  return mine;
+}
+
 }  // namespace dev
 }  // namespace cula

@@ -283,45 +283,12 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
       float qv[EPL], kv[EPL], av[EPL];
 #pragma unroll
       for (int e = 0; e < EPL; ++e) qv[e] = tq[k0 + e], kv[e] = tq[K + k0 + e], av[e] = tq[2 * K + k0 + e];
-      float u[kBatch], dot[kBatch], o[kBatch];
+      float u[kBatch], o[kBatch];
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        u[b] = tok_v[t * R + min(r0 + b * kWarps, rows - 1)];
-        dot[b] = 0;
-#pragma unroll
-        for (int e = 0; e < EPL; ++e) {
-          s[b][e] *= av[e];
-          dot[b] += s[b][e] * kv[e];
-        }
-      }
-      if (delta) {
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1)
-#pragma unroll
-          for (int b = 0; b < kBatch; ++b) dot[b] += __shfl_xor_sync(0xffffffffu, dot[b], off);
-#pragma unroll
-        for (int b = 0; b < kBatch; ++b) u[b] = (u[b] - dot[b]) * tok_beta[t];
-      }
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        o[b] = 0;
-#pragma unroll
-        for (int e = 0; e < EPL; ++e) {
-          s[b][e] += kv[e] * u[b];
-          o[b] += s[b][e] * qv[e];
-        }
-      }
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1)
-#pragma unroll
-        for (int b = 0; b < kBatch; ++b) o[b] += __shfl_xor_sync(0xffffffffu, o[b], off);
-      if (lane < kBatch && r0 + lane * kWarps < rows) {
-        float mine = o[0];
-#pragma unroll
-        for (int b = 1; b < kBatch; ++b)
-          if (lane == b) mine = o[b];
-        sto((f * p.HV + hv) * p.V + j0 + r0 + lane * kWarps, mine);
-      }
+      for (int b = 0; b < kBatch; ++b) u[b] = tok_v[t * R + min(r0 + b * kWarps, rows - 1)];
+      dev::update_rows<EPL, kBatch>(s, qv, kv, av, u, tok_beta[t], delta, o);
+      if (lane < kBatch && r0 + lane * kWarps < rows)
+        sto((f * p.HV + hv) * p.V + j0 + r0 + lane * kWarps, dev::pick_lane<kBatch>(o, lane));
       if (p.per_token_slots) {
         const int ws = p.idx[f];
         if (ws >= 0 && ws < p.P) store_to(ws);

@@ -188,45 +188,13 @@ __global__ void __launch_bounds__(kWarps * 32) recurrent_fwd_kernel(const Params
     }
     float b = cur.beta;
     if (p.beta_sigmoid) b = p.beta_mult / (1.0f + __expf(-b));
-    float u[kRows], dot[kRows], o[kRows];
+    float u[kRows], o[kRows];
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      u[r] = cur.v[r];
-      dot[r] = 0;
-#pragma unroll
-      for (int e = 0; e < EPL; ++e) {
-        s[r][e] *= dv[e];
-        dot[r] += s[r][e] * kv[e];
-      }
-    }
-    if (p.delta) {
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1)
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) dot[r] += __shfl_xor_sync(0xffffffffu, dot[r], off);
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) u[r] = (u[r] - dot[r]) * b;
-    }
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      o[r] = 0;
-#pragma unroll
-      for (int e = 0; e < EPL; ++e) {
-        s[r][e] += kv[e] * u[r];
-        o[r] += s[r][e] * qv[e];
-      }
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1)
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) o[r] += __shfl_xor_sync(0xffffffffu, o[r], off);
-    if (lane < kRows && j0 + lane < p.V) {
-      float mine = o[0];
-#pragma unroll
-      for (int r = 1; r < kRows; ++r)
-        if (lane == r) mine = o[r];
-      st(p.out, p.out_dt, b_row * p.out_s[0] + t * p.out_s[1] + hv * p.out_s[2] + (j0 + lane) * p.out_s[3], mine);
-    }
+    for (int r = 0; r < kRows; ++r) u[r] = cur.v[r];
+    dev::update_rows<EPL, kRows>(s, qv, kv, dv, u, b, p.delta, o);
+    if (lane < kRows && j0 + lane < p.V)
+      st(p.out, p.out_dt, b_row * p.out_s[0] + t * p.out_s[1] + hv * p.out_s[2] + (j0 + lane) * p.out_s[3],
+         dev::pick_lane<kRows>(o, lane));
     if (t + 1 < eos) cur = nxt;
   }
   if (p.ht) store_state(p.ht, p.ht_dt, [&](int j, int kk) { return state_elem(p, n, hv, j, kk); });
