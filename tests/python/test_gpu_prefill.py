@@ -126,3 +126,29 @@ def test_chunk_op_compiles_fullgraph_on_gpu(rng):
     eager = f(q, k, v, g, beta)
     got = torch.compile(f, fullgraph=True)(q, k, v, g, beta)
     assert torch.allclose(eager, got, rtol=1e-5)
+
+
+def test_dropin_chunk_kda_captures_into_a_cuda_graph(rng):
+    import cula.kda
+
+    q, k, v = (torch.randn(2, 96, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    g = torch.randn(2, 96, 2, 128, device="cuda")
+    beta = torch.randn(2, 96, 2, device="cuda")
+    cu = torch.tensor([0, 40, 96], device="cuda", dtype=torch.int32)
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,
+              lower_bound=-5.0, A_log=torch.zeros(2, device="cuda"), output_final_state=True)
+    flat = [x[:1].reshape(1, 96, *x.shape[2:]) for x in (q, k, v, g, beta)]
+    eager = cula.kda.chunk_kda(*flat, cu_seqlens=cu, **kw)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        cula.kda.chunk_kda(*flat, cu_seqlens=cu, **kw)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = cula.kda.chunk_kda(*flat, cu_seqlens=cu, **kw)
+    for x in captured:
+        x.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
