@@ -21,6 +21,19 @@ __all__ = [
 ]
 
 
+def _call(args_type, entry, opt, views, **scalars):
+    """Fills one C ABI argument struct (tensor views by field name, plus scalar fields) and calls
+    the entry, raising the library's error as a Python exception."""
+    a = args_type()
+    a.struct_size = ctypes.sizeof(a)
+    a.opt = opt
+    for n, t in views.items():
+        setattr(a, n, ptr(t))
+    for n, x in scalars.items():
+        setattr(a, n, x)
+    check(entry(ctypes.byref(a)))
+
+
 def _host_offsets(cu_seqlens):
     if cu_seqlens is None:
         return None
@@ -94,13 +107,7 @@ def chunk_fwd(family, q, k, v, g=None, beta=None, decay=None, *, scale=None, ini
     views["out"] = view(o, "out")
     views["final_state"] = view(final, "final_state")
     views["intermediate_states"] = view(inter, "intermediate_states")
-    a = _lib.ChunkFwdArgs()
-    a.struct_size = ctypes.sizeof(a)
-    a.opt = opt
-    for n, t in views.items():
-        setattr(a, n, ptr(t))
-    a.chunk_size = chunk_size
-    check(_lib.LIB.cula_chunk_fwd(ctypes.byref(a)))
+    _call(_lib.ChunkFwdArgs, _lib.LIB.cula_chunk_fwd, opt, views, chunk_size=chunk_size)
     if return_intermediate_states:
         return o, final, inter
     return o, final
@@ -160,12 +167,7 @@ def decode(q, k, v, state_pool, *, mode="kda", g=None, beta=None, decay=None, st
                        stream=stream_of(q))
     views = {n: view(arrays[n], n) for n in names if n != "out"}
     views["out"] = view(o, "out")
-    a = _lib.DecodeArgs()
-    a.struct_size = ctypes.sizeof(a)
-    a.opt = opt
-    for n, t in views.items():
-        setattr(a, n, ptr(t))
-    check(_lib.LIB.cula_decode(ctypes.byref(a)))
+    _call(_lib.DecodeArgs, _lib.LIB.cula_decode, opt, views)
     return o, arrays["state_pool"]
 
 
@@ -195,12 +197,7 @@ def chunk_bwd(family, q, k, v, g, beta, d_out, *, d_final_state=None, scale=None
                        stream=stream_of(arrays["q"]))
     views = {n: view(arrays[n], n) for n in names}
     views.update({n: view(x, n) for n, x in grads.items()})
-    a = _lib.ChunkBwdArgs()
-    a.struct_size = ctypes.sizeof(a)
-    a.opt = opt
-    for n, t in views.items():
-        setattr(a, n, ptr(t))
-    check(_lib.LIB.cula_chunk_bwd(ctypes.byref(a)))
+    _call(_lib.ChunkBwdArgs, _lib.LIB.cula_chunk_bwd, opt, views)
     return {n: x for n, x in grads.items() if x is not None}
 
 
@@ -212,14 +209,10 @@ def kda_gate(g, A_log=None, dt_bias=None, lower_bound=None, safe_gate=False, out
     if output_dtype not in ("float32", "bfloat16"):
         raise CulaError(f"argument 'output_dtype': expected 'float32' or 'bfloat16', got {output_dtype!r}")
     out = empty_like_family(g, tuple(g.shape), output_dtype)
-    a = _lib.KdaGateArgs()
-    a.struct_size = ctypes.sizeof(a)
-    a.opt = _lib.options("kda", lower_bound=lower_bound, safe_gate=safe_gate, backend=backend, stream=stream_of(g))
+    opt = _lib.options("kda", lower_bound=lower_bound, safe_gate=safe_gate, backend=backend, stream=stream_of(g))
     views = {"g": view(g, "g"), "A_log": view(A_log, "A_log"), "dt_bias": view(dt_bias, "dt_bias"),
              "g_out": view(out, "g_out")}
-    for n, t in views.items():
-        setattr(a, n, ptr(t))
-    check(_lib.LIB.cula_kda_gate(ctypes.byref(a)))
+    _call(_lib.KdaGateArgs, _lib.LIB.cula_kda_gate, opt, views)
     return out
 
 
