@@ -58,8 +58,10 @@ def recurrent_dropin(fn_name, family, q, k, v, g, beta, *, A_log, dt_bias, scale
             shape = lambda x: None if x is None else x.reshape(n, t, *x.shape[2:])  # noqa: E731
         else:
             shape = lambda x: x  # noqa: E731
-        if idx is not None and is_torch(idx) and idx.dtype != __import__("torch").int32:
-            idx = idx.to(__import__("torch").int32)
+        if idx is not None and is_torch(idx):
+            import torch
+
+            idx = idx if idx.dtype == torch.int32 else idx.to(torch.int32)
         o, _ = ops.decode(shape(q), shape(k), shape(v), initial_state, mode=family, g=shape(g), beta=shape(beta),
                           state_indices=idx, num_accepted_tokens=acc, out=shape(out) if out is not None else None,
                           **common)

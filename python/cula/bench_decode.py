@@ -124,7 +124,6 @@ def bench_decode(out_dir: str, gpu_name: str | None = None) -> int:
                 records.append(dict(op="decode_kda", config=config, impl="ratio_fla_over_cula", mode=mode,
                                     ratio=round(res[("fla_triton", mode)] / res[("cula", mode)], 3)))
         prog.step(f"H={H} N={N} {sd}")
-        del pools, q, k, v, g, beta, outs, graphs
         torch.cuda.empty_cache()
     os.makedirs(out_dir, exist_ok=True)
     meta = dict(gpu=gpu_name or props.name, copy_gb_per_s=round(bw, 1), torch=torch.__version__,

@@ -5,7 +5,6 @@ the same names. Arguments cula cannot honour raise an error instead of being ign
 
 from __future__ import annotations
 
-
 from ._fla_common import recurrent_dropin, resolve_state_layout, unsupported
 from ._front import chunk, reject_unknown
 
