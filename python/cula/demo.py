@@ -77,31 +77,72 @@ def _softmax_causal(q, k, v, block=1024):
     return out
 
 
-def _time(fn, reps=1):
+def _gpu_torch():
+    """torch with a CUDA device that cula sees, or None (then the demo runs on the host)."""
+    try:
+        import torch
+
+        from . import _lib
+
+        if torch.cuda.is_available() and _lib.LIB.cula_cuda_device_count() > 0:
+            return torch
+    except Exception:  # no torch, or a broken CUDA setup: the host path still runs
+        pass
+    return None
+
+
+def _to_device(torch, q, k, v, kw):
+    """q, k, v in bf16 and the rest in float32 on the GPU; kw's non-array options untouched."""
+    cast = lambda x: torch.from_numpy(x).cuda()  # noqa: E731
+    dev_kw = {n: (cast(x) if isinstance(x, np.ndarray) else x) for n, x in kw.items()}
+    return cast(q).bfloat16(), cast(k).bfloat16(), cast(v).bfloat16(), dev_kw
+
+
+def _host(x):
+    return x.float().cpu().numpy() if hasattr(x, "cpu") else x
+
+
+def _softmax_causal_gpu(torch, q, k, v):
+    f = torch.nn.functional.scaled_dot_product_attention
+    return f(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True).transpose(1, 2)
+
+
+def _time(fn, reps=1, torch=None):
     best = float("inf")
     for _ in range(reps):
+        if torch:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()
+        if torch:
+            torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t0)
     return best
 
 
 def run_demo(quick: bool = False) -> int:
     rng = np.random.default_rng()
-    device = "cpu"
+    torch = _gpu_torch()
+    device = "cuda" if torch else "cpu"
     backend = ops.backend_for("chunk_fwd", device)
     T, H, K = (256, 2, 64) if quick else (2048, 8, 128)
-    print(f"cula demo: chunked forward on backend '{backend}' (host tensors), B=1 T={T} H={H} K=V={K}")
+    where = "CUDA tensors, bf16 q/k/v" if torch else "host tensors"
+    print(f"cula demo: chunked forward on backend '{backend}' ({where}), B=1 T={T} H={H} K=V={K}")
     families = ["kda", "gdn", "gla", "simple_gla", "lightning"]
     prog = Progress(len(families), "checking")
     rows, ok = [], True
     for fam in families:
         q, k, v, kw = _inputs(rng, fam, 1, T, H, K, K)
-        t_fast = _time(lambda: _run(fam, q, k, v, kw, backend))
+        if torch:
+            dq, dk, dv, dkw = _to_device(torch, q, k, v, kw)
+            q, k, v = _host(dq), _host(dk), _host(dv)  # the reference sees the same bf16-rounded values
+        else:
+            dq, dk, dv, dkw = q, k, v, kw
+        t_fast = _time(lambda: _run(fam, dq, dk, dv, dkw, backend), torch=torch)
         t0 = time.perf_counter()
         o_ref, s_ref = _run(fam, q, k, v, kw, "reference")
         t_ref = time.perf_counter() - t0
-        o, s = _run(fam, q, k, v, kw, backend)
+        o, s = (_host(x) for x in _run(fam, dq, dk, dv, dkw, backend))
         err_o = float(np.linalg.norm(o - o_ref) / np.linalg.norm(o_ref))
         err_s = float(np.linalg.norm(s - s_ref) / np.linalg.norm(s_ref))
         good = err_o <= 5e-3 and err_s <= 5e-3 and np.isfinite(o).all()
@@ -112,22 +153,33 @@ def run_demo(quick: bool = False) -> int:
     for fam, tf, tr, eo, es, verdict in rows:
         print(f"{fam:<11}{tf:>10.1f}{tr:>14.1f}{eo:>12.2e}{es:>15.2e}  {verdict}")
 
-    lengths = [256, 512, 1024] if quick else [512, 1024, 2048, 4096, 8192]
-    Hs = 2
-    print(f"\nlinear (KDA, cula '{backend}') vs softmax attention (causal, numpy float32), B=1 H={Hs} K=V={K}")
+    if torch:
+        lengths = [1024, 2048, 4096, 8192, 16384, 32768]
+        Hs, softmax_name = 16, "torch SDPA, bf16, GPU"
+    else:
+        lengths = [256, 512, 1024] if quick else [512, 1024, 2048, 4096, 8192]
+        Hs, softmax_name = 2, "numpy float32"
+    print(f"\nlinear (KDA, cula '{backend}') vs softmax attention (causal, {softmax_name}), B=1 H={Hs} K=V={K}")
     prog = Progress(len(lengths), "timing  ")
     table = []
     for T_ in lengths:
         q, k, v, kw = _inputs(rng, "kda", 1, T_, Hs, K, K)
-        t_lin = _time(lambda: _run("kda", q, k, v, kw, backend), reps=2)
-        t_sm = _time(lambda: _softmax_causal(q, k, v), reps=1)
+        if torch:
+            q, k, v, kw = _to_device(torch, q, k, v, kw)
+            softmax = lambda: _softmax_causal_gpu(torch, q, k, v)  # noqa: E731
+        else:
+            softmax = lambda: _softmax_causal(q, k, v)  # noqa: E731
+        _run("kda", q, k, v, kw, backend)  # warm-up
+        softmax()
+        t_lin = _time(lambda: _run("kda", q, k, v, kw, backend), reps=2, torch=torch)
+        t_sm = _time(softmax, reps=2 if torch else 1, torch=torch)
         table.append((T_, t_lin * 1e3, t_sm * 1e3))
         prog.step(f"T={T_}")
     print(f"\n{'T':>7}{'linear ms':>12}{'softmax ms':>13}{'softmax/linear':>16}{'linear x':>10}{'softmax x':>11}")
     for i, (T_, tl, ts) in enumerate(table):
         gl = f"{tl / table[i - 1][1]:.1f}" if i else "-"
         gs = f"{ts / table[i - 1][2]:.1f}" if i else "-"
-        print(f"{T_:>7}{tl:>12.1f}{ts:>13.1f}{ts / tl:>16.2f}{gl:>10}{gs:>11}")
+        print(f"{T_:>7}{tl:>12.2f}{ts:>13.2f}{ts / tl:>16.2f}{gl:>10}{gs:>11}")
     print("(each doubling of T: linear attention's time about doubles, softmax attention's about quadruples)")
     cross = next((T_ for T_, tl, ts in table if ts > tl), None)
     if cross:
