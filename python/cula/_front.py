@@ -78,7 +78,9 @@ def _make_fn():
     return ChunkFn
 
 
-class _Lazy:
+class _ChunkFn:
+    """The autograd Function, built on first use so that importing cula does not import torch."""
+
     fn = None
 
     @classmethod
@@ -86,6 +88,3 @@ class _Lazy:
         if cls.fn is None:
             cls.fn = _make_fn()
         return cls.fn.apply(*args)
-
-
-_ChunkFn = _Lazy

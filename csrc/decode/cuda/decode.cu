@@ -106,12 +106,17 @@ __device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src)
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem_src));
 }
 
-// Shared memory: the CTA's state tile, then per token the preprocessed q, k and exp(a) (K each)
-// and beta.
+// Shared memory: the CTA's state tile (K-last [R][K]; K-first [K][R + 4]) padded to 16 bytes,
+// then per token the preprocessed q, k and exp(a) (K each), beta, and the tile's R values of v.
+template <typename S>
+__host__ __device__ inline size_t tile_bytes(int R, int K, bool k_last) {
+  const size_t tile = k_last ? static_cast<size_t>(R) * K * sizeof(S) : static_cast<size_t>(K) * (R + 4) * sizeof(S);
+  return ((tile + 15) / 16) * 16;
+}
+
 template <typename S>
 __host__ __device__ inline size_t smem_bytes(int R, int K, int T, bool k_last) {
-  const size_t tile = k_last ? static_cast<size_t>(R) * K * sizeof(S) : static_cast<size_t>(K) * (R + 4) * sizeof(S);
-  return ((tile + 15) / 16) * 16 + static_cast<size_t>(T) * (3 * K + 1 + R) * sizeof(float);
+  return tile_bytes<S>(R, K, k_last) + static_cast<size_t>(T) * (3 * K + 1 + R) * sizeof(float);
 }
 
 // kServing: the serving engines' dtypes (q, k, v, out bf16; g, beta fp32) with the loads and
@@ -196,8 +201,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
   }
 
   S* tile = reinterpret_cast<S*>(smem);
-  const size_t tile_bytes = KLAST ? static_cast<size_t>(R) * K * sizeof(S) : static_cast<size_t>(K) * (R + 4) * sizeof(S);
-  float* tok = reinterpret_cast<float*>(smem + ((tile_bytes + 15) / 16) * 16);  // [T][3][K], then [T] beta
+  float* tok = reinterpret_cast<float*>(smem + tile_bytes<S>(R, K, KLAST));  // [T][3][K], then [T] beta
   float* tok_beta = tok + static_cast<size_t>(p.T) * 3 * K;
   float* tok_v = tok_beta + p.T;  // [T][R]: this tile's v values, off the rows' critical path
 

@@ -99,11 +99,8 @@ __global__ void __launch_bounds__(kWarps * 32) recurrent_fwd_kernel(const Params
     b_row = n;
   }
   int64_t chunk_base = 0;  // first intermediate-state index of this sequence
-  if (p.inter) {
-    if (p.cu) {
-      for (int m = 0; m < n; ++m) chunk_base += (cu_at(p, m + 1) - cu_at(p, m) + p.chunk - 1) / p.chunk;
-    }
-  }
+  if (p.inter && p.cu)
+    for (int m = 0; m < n; ++m) chunk_base += (cu_at(p, m + 1) - cu_at(p, m) + p.chunk - 1) / p.chunk;
 
   // initial state
   float s[kRows][EPL];
@@ -157,13 +154,10 @@ __global__ void __launch_bounds__(kWarps * 32) recurrent_fwd_kernel(const Params
   for (int64_t t = bos; t < eos; ++t) {
     if (t + 1 < eos) load_raw(nxt, t + 1);
     if (p.inter && (t - bos) % p.chunk == 0) {
+      // [B, NT] flattened: varlen packs every sequence's chunks in one row (B = 1)
       const int64_t c = chunk_base + (t - bos) / p.chunk;
-      const int64_t nt_total = p.cu ? -1 : (p.T + p.chunk - 1) / p.chunk;
-      const int64_t row = p.cu ? c : static_cast<int64_t>(n) * nt_total + c;  // [B, NT] flattened
-      store_state(p.inter, p.inter_dt, [&](int j, int kk) {
-        const int64_t base = (row * p.HV + hv) * static_cast<int64_t>(p.K) * p.V;
-        return p.k_last ? base + static_cast<int64_t>(j) * p.K + kk : base + static_cast<int64_t>(kk) * p.V + j;
-      });
+      const int64_t row = p.cu ? c : static_cast<int64_t>(n) * ((p.T + p.chunk - 1) / p.chunk) + c;
+      store_state(p.inter, p.inter_dt, [&](int j, int kk) { return state_elem(p, row, hv, j, kk); });
     }
     // token preprocessing
     float qq = 0, kk2 = 0;
