@@ -9,6 +9,7 @@
 #include "cpu/cpu_backend.h"
 #include "cuda/cuda_ops.h"
 #include "decode/cuda/decode_cuda.h"
+#include "prefill/cuda/chunk_fwd_mma.h"
 #include "prefill/cuda/recurrent_fwd.h"
 #include "reference/reference.h"
 
@@ -29,14 +30,18 @@ struct Kernel {
   int32_t device_type;
   const char* name;
   void (*run)(const Recurrence&, const Args&);
-  bool (*accepts)(const Recurrence&) = nullptr;  // AUTO skips rows that decline the call
+  bool (*accepts)(const Recurrence&, const Args&) = nullptr;  // AUTO skips rows that decline the call
 };
 
 // float64 inputs ask for float64 arithmetic: AUTO sends them to the reference, not the float32 path.
-bool not_float64(const Recurrence& r) { return r.q.t->dtype != CULA_FLOAT64; }
+template <typename Args>
+bool not_float64(const Recurrence& r, const Args&) {
+  return r.q.t->dtype != CULA_FLOAT64;
+}
 
 // Tables are ordered best first; AUTO takes the first row for the tensors' device.
 const Kernel<cula_chunk_fwd_args> kChunkFwd[] = {
+    {CULA_BACKEND_CUDA, CULA_CUDA, "cuda_mma", cuda_chunk_fwd_mma, chunk_fwd_mma_accepts},
     {CULA_BACKEND_CUDA, CULA_CUDA, "cuda", cuda_recurrent_fwd},
     {CULA_BACKEND_CPU, CULA_CPU, "cpu", cpu_chunk_fwd, not_float64},
     {CULA_BACKEND_ORACLE, CULA_CPU, "reference", reference_chunk_fwd},
@@ -59,21 +64,35 @@ const char* backend_name(int32_t b) {
   }
 }
 
+// AUTO: the first row for the tensors' device that accepts the call. An explicit backend: the
+// first of its rows that accepts the call, else its last (most general) row.
 template <typename Args, size_t N>
-const Kernel<Args>* select(const Kernel<Args> (&table)[N], const char* op, const Recurrence& r, int32_t backend,
-                           int32_t device_type) {
+const Kernel<Args>* select(const Kernel<Args> (&table)[N], const char* op, const Recurrence& r, const Args& args,
+                           int32_t backend, int32_t device_type) {
+  const Kernel<Args>* fallback = nullptr;
   for (const auto& k : table) {
-    if (backend == CULA_BACKEND_AUTO && k.accepts && !k.accepts(r)) continue;
-    if (backend == CULA_BACKEND_AUTO ? k.device_type == device_type : k.backend == backend) {
-      if (k.device_type != device_type)
-        throw_arg(op, "backend", std::string("a backend for ") + (device_type == CULA_CUDA ? "CUDA" : "host") + " tensors",
-                  std::string(backend_name(backend)) + ", which runs on " + (k.device_type == CULA_CUDA ? "CUDA" : "host") + " tensors");
-      return &k;
-    }
+    const bool mine = backend == CULA_BACKEND_AUTO ? k.device_type == device_type : k.backend == backend;
+    if (!mine) continue;
+    if (k.device_type != device_type)
+      throw_arg(op, "backend", std::string("a backend for ") + (device_type == CULA_CUDA ? "CUDA" : "host") + " tensors",
+                std::string(backend_name(backend)) + ", which runs on " + (k.device_type == CULA_CUDA ? "CUDA" : "host") + " tensors");
+    if (!k.accepts || k.accepts(r, args)) return &k;
+    if (backend != CULA_BACKEND_AUTO) fallback = &k;
   }
+  if (fallback) return fallback;
   throw_unsupported(op, std::string("no ") + backend_name(backend) + " kernel in this build runs " + r.tr.name + " on " +
                             (device_type == CULA_CUDA ? "CUDA tensors yet; use host tensors (the CPU backend)"
                                                       : "host tensors"));
+}
+
+thread_local const char* g_last_kernel = "";
+
+template <typename Args, size_t N>
+void dispatch(const Kernel<Args> (&table)[N], const char* op, const Recurrence& r, const Args& args, int32_t backend,
+              int32_t device_type) {
+  const Kernel<Args>* k = select(table, op, r, args, backend, device_type);
+  k->run(r, args);
+  g_last_kernel = k->name;
 }
 
 template <typename Args, size_t N>
@@ -94,7 +113,7 @@ cula_status cula_chunk_fwd(const cula_chunk_fwd_args* args) {
   return guarded([&] {
     if (!args) throw_arg("chunk_fwd", "args", "a pointer to cula_chunk_fwd_args", "NULL");
     const Recurrence r = validate_chunk_fwd(*args);
-    select(kChunkFwd, "chunk_fwd", r, args->opt.backend, args->q->device_type)->run(r, *args);
+    dispatch(kChunkFwd, "chunk_fwd", r, *args, args->opt.backend, args->q->device_type);
   });
 }
 
@@ -102,7 +121,7 @@ cula_status cula_decode(const cula_decode_args* args) {
   return guarded([&] {
     if (!args) throw_arg("decode", "args", "a pointer to cula_decode_args", "NULL");
     const Recurrence r = validate_decode(*args);
-    select(kDecode, "decode", r, args->opt.backend, args->q->device_type)->run(r, *args);
+    dispatch(kDecode, "decode", r, *args, args->opt.backend, args->q->device_type);
   });
 }
 
@@ -110,7 +129,7 @@ cula_status cula_chunk_bwd(const cula_chunk_bwd_args* args) {
   return guarded([&] {
     if (!args) throw_arg("chunk_bwd", "args", "a pointer to cula_chunk_bwd_args", "NULL");
     const Recurrence r = validate_chunk_bwd(*args);
-    select(kChunkBwd, "chunk_bwd", r, args->opt.backend, args->q->device_type)->run(r, *args);
+    dispatch(kChunkBwd, "chunk_bwd", r, *args, args->opt.backend, args->q->device_type);
   });
 }
 
@@ -217,5 +236,7 @@ const char* cula_backend_for(const char* op, int32_t device_type, int32_t family
 }
 
 void cula_set_num_threads(int32_t n) { set_num_threads(n); }
+
+const char* cula_last_kernel(void) { return g_last_kernel; }
 
 }  // extern "C"

@@ -231,6 +231,10 @@ CULA_API cula_status cula_cuda_device_info(int32_t device, char* buf, size_t buf
 /* Which backend AUTO resolves to for an op ("chunk_fwd", "decode", "chunk_bwd", "kda_gate")
  * on a device type; returns a static string such as "cpu" or "cuda", or "none". */
 CULA_API const char* cula_backend_for(const char* op, int32_t device_type, int32_t family);
+
+/* Name of the kernel (dispatch-table row) that ran the last successful op call on this thread,
+ * e.g. "cuda_mma", "cuda", "cpu", "reference"; "" before any call. */
+CULA_API const char* cula_last_kernel(void);
 /* Threads used by the CPU backend (0 = hardware concurrency). */
 CULA_API void cula_set_num_threads(int32_t n);
 

@@ -116,7 +116,7 @@ def _load():
         f = getattr(lib, fn)
         f.argtypes = [ctypes.POINTER(argtype)]
         f.restype = ctypes.c_int
-    for fn in ("cula_last_error", "cula_version", "cula_build_info"):
+    for fn in ("cula_last_error", "cula_version", "cula_build_info", "cula_last_kernel"):
         getattr(lib, fn).restype = ctypes.c_char_p
         getattr(lib, fn).argtypes = []
     lib.cula_abi_version.restype = ctypes.c_int32

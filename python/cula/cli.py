@@ -33,8 +33,10 @@ def main(argv=None) -> int:
     demo = sub.add_parser("demo", help="run every family on the best backend, check it, show linear vs softmax cost")
     demo.add_argument("--quick", action="store_true", help="smaller sizes (for tests)")
     bench = sub.add_parser("bench", help="benchmarks")
-    bench.add_argument("suite", choices=["cpu", "decode"],
-                       help="cpu: fast CPU path vs the float64 reference; decode: CUDA decode vs FLA (needs torch + a GPU)")
+    bench.add_argument("suite", choices=["cpu", "decode", "kda"],
+                       help="cpu: fast CPU path vs the float64 reference; decode: CUDA decode vs FLA; kda: KDA chunked "
+                       "forward vs FLA, FlashKDA and SDPA (GPU suites need torch + a GPU)")
+    bench.add_argument("--only", default=None, help="kda: comma-separated config names to run (default: all)")
     bench.add_argument("--out", default=None, help="directory for the JSON and Markdown results "
                        "(default bench/results/cpu, or bench/results/<gpu> for GPU suites)")
     bench.add_argument("--reps", type=int, default=5)
@@ -50,6 +52,11 @@ def main(argv=None) -> int:
             from .bench import bench_cpu
 
             return bench_cpu(args.out or "bench/results/cpu", reps=args.reps)
+        if args.suite == "kda":
+            from .bench_kda import CONFIGS, bench_kda
+
+            only = set(args.only.split(",")) if args.only else None
+            return bench_kda(args.out or "bench/results/gpu", configs=[c for c in CONFIGS if not only or c[0] in only])
         from .bench_decode import bench_decode
 
         return bench_decode(args.out or "bench/results/gpu")

@@ -223,6 +223,11 @@ def backend_for(op="chunk_fwd", device="cpu"):
     return _lib.LIB.cula_backend_for(op.encode(), dt, 0).decode()
 
 
+def last_kernel() -> str:
+    """Name of the kernel that ran the last op call on this thread ("cuda_mma", "cuda", "cpu", ...)."""
+    return _lib.LIB.cula_last_kernel().decode()
+
+
 def set_num_threads(n: int) -> None:
     """Threads used by the CPU backend (0 = all cores)."""
     _lib.LIB.cula_set_num_threads(int(n))

@@ -21,6 +21,7 @@
 
 #include "common/error.h"
 #include "cuda/device_helpers.cuh"
+#include "prefill/cuda/fwd_params.cuh"
 #include "prefill/cuda/recurrent_fwd.h"
 
 namespace cula {
@@ -33,49 +34,13 @@ constexpr int kWarps = 4;
 constexpr int kRows = 4;  // rows per warp
 constexpr int kTileRows = kWarps * kRows;
 
-struct Params {
-  const void *q, *k, *v, *g, *beta;
-  const void *decay, *A_log, *dt_bias;
-  int q_dt, k_dt, v_dt, g_dt, beta_dt, decay_dt, A_dt, bias_dt;
-  const void* cu;  // device cu_seqlens or null
-  int cu64;
-  const void* h0;
-  int h0_dt;
-  void* ht;
-  int ht_dt;
-  void* pool;
-  int pool_dt;
-  const int32_t* pool_idx;
-  int P;
-  void* inter;
-  int inter_dt;
-  int chunk;
-  void* out;
-  int out_dt;
-  int N, T, H, HV, K, V;
-  int k_last;
-  int gate_kind, delta, l2norm, gate_in_kernel, has_lb, beta_sigmoid, decay_heads, dt_bias_per_channel;
-  float lb, beta_mult, scale;
-  // strides (elements) of the tensors read per token: [B, T, H|HV, ...] may be strided
-  int64_t q_s[4], k_s[4], v_s[4], g_s[4], beta_s[3], out_s[4];
-};
-
-__device__ __forceinline__ int64_t state_elem(const Params& p, int64_t slot, int hv, int j, int kk) {
-  const int64_t base = (slot * p.HV + hv) * static_cast<int64_t>(p.K) * p.V;
-  return p.k_last ? base + static_cast<int64_t>(j) * p.K + kk : base + static_cast<int64_t>(kk) * p.V + j;
-}
-
-__device__ __forceinline__ int64_t cu_at(const Params& p, int i) {
-  return p.cu64 ? static_cast<const int64_t*>(p.cu)[i] : static_cast<const int32_t*>(p.cu)[i];
-}
-
 template <int EPL>
 struct Raw {
   float q[EPL], k[EPL], g[EPL], beta, v[kRows];
 };
 
 template <int EPL>
-__global__ void __launch_bounds__(kWarps * 32) recurrent_fwd_kernel(const Params p) {
+__global__ void __launch_bounds__(kWarps * 32) recurrent_fwd_kernel(const FwdParams p) {
   constexpr int K = EPL * 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int tiles = (p.V + kTileRows - 1) / kTileRows;
@@ -199,10 +164,6 @@ void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw Error(CULA_ERROR_CUDA, std::string("chunk_fwd: ") + what + ": " + cudaGetErrorString(e));
 }
 
-void strides4(const cula_tensor* t, int64_t (&s)[4]) {
-  for (int i = 0; i < 4; ++i) s[i] = t && i < t->ndim ? t->strides[i] : 0;
-}
-
 }  // namespace
 
 void cuda_recurrent_fwd(const Recurrence& r, const cula_chunk_fwd_args& a) {
@@ -218,36 +179,7 @@ void cuda_recurrent_fwd(const Recurrence& r, const cula_chunk_fwd_args& a) {
   for (auto [t, name] : {std::pair<const cula_tensor*, const char*>{a.initial_state, "initial_state"},
                          {a.state_indices, "state_indices"}, {a.cu_seqlens, "cu_seqlens"}, {a.dt_bias, "dt_bias"}})
     if (t && !is_contiguous(*t)) throw_arg(op, name, "a contiguous tensor for the CUDA kernel", "a strided view");
-  Params p{};
-  p.q = a.q->data, p.q_dt = a.q->dtype;
-  p.k = a.k->data, p.k_dt = a.k->dtype;
-  p.v = a.v->data, p.v_dt = a.v->dtype;
-  if (a.g) p.g = a.g->data, p.g_dt = a.g->dtype;
-  if (a.beta) p.beta = a.beta->data, p.beta_dt = a.beta->dtype;
-  if (a.decay) p.decay = a.decay->data, p.decay_dt = a.decay->dtype;
-  if (a.A_log) p.A_log = a.A_log->data, p.A_dt = a.A_log->dtype;
-  if (a.dt_bias) p.dt_bias = a.dt_bias->data, p.bias_dt = a.dt_bias->dtype;
-  if (a.cu_seqlens) p.cu = a.cu_seqlens->data, p.cu64 = a.cu_seqlens->dtype == CULA_INT64;
-  if (a.initial_state) p.h0 = a.initial_state->data, p.h0_dt = a.initial_state->dtype;
-  if (a.final_state) p.ht = a.final_state->data, p.ht_dt = a.final_state->dtype;
-  if (a.state_pool) {
-    p.pool = a.state_pool->data, p.pool_dt = a.state_pool->dtype;
-    p.P = static_cast<int>(a.state_pool->shape[0]);
-    p.pool_idx = a.state_indices ? static_cast<const int32_t*>(a.state_indices->data) : nullptr;
-  }
-  if (a.intermediate_states) p.inter = a.intermediate_states->data, p.inter_dt = a.intermediate_states->dtype;
-  p.chunk = a.chunk_size ? a.chunk_size : 64;
-  p.out = a.out->data, p.out_dt = a.out->dtype;
-  p.N = static_cast<int>(r.N), p.T = static_cast<int>(r.T), p.H = static_cast<int>(r.H);
-  p.HV = static_cast<int>(r.HV), p.K = static_cast<int>(r.K), p.V = static_cast<int>(r.V);
-  p.k_last = r.state_layout == CULA_STATE_K_LAST;
-  p.gate_kind = r.tr.gate == GateKind::PerChannel ? 0 : r.tr.gate == GateKind::Scalar ? 1 : 2;
-  p.delta = r.tr.delta, p.l2norm = r.l2norm, p.gate_in_kernel = r.gate_in_kernel, p.has_lb = r.has_lb;
-  p.beta_sigmoid = r.beta_sigmoid, p.decay_heads = static_cast<int>(r.decay_heads);
-  p.dt_bias_per_channel = r.dt_bias_per_channel;
-  p.lb = static_cast<float>(r.lb), p.beta_mult = r.neg_eig ? 2.0f : 1.0f, p.scale = static_cast<float>(r.scale);
-  strides4(a.q, p.q_s), strides4(a.k, p.k_s), strides4(a.v, p.v_s), strides4(a.g, p.g_s), strides4(a.out, p.out_s);
-  for (int i = 0; i < 3; ++i) p.beta_s[i] = a.beta ? a.beta->strides[i] : 0;
+  const FwdParams p = make_fwd_params(r, a);
   if (r.N == 0) return;
   check(cudaSetDevice(a.q->device_id), "cudaSetDevice");
   const int64_t blocks = r.N * r.HV * ((r.V + kTileRows - 1) / kTileRows);

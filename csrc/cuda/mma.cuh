@@ -1,0 +1,71 @@
+// Tensor-core building blocks for the sm_80 path (mma.sync m16n8k16, bf16 in, fp32 accumulate),
+// ldmatrix and cp.async. These run unchanged on sm_90 and sm_100.
+//
+// Fragment layouts (lane = 4 * g + t):
+//   A 16x16 (row-major m x k): a0 = (m g, k 2t..2t+1), a1 = (m g+8, k 2t..), a2 = (m g, k 2t+8..), a3 = (m g+8, k 2t+8..)
+//   B 16x8  (k x n):           b0 = (k 2t..2t+1, n g),  b1 = (k 2t+8.., n g)
+//   C 16x8  (m x n):           c0,c1 = (m g, n 2t, 2t+1), c2,c3 = (m g+8, n 2t, 2t+1)
+// A C tile pair (n 0..15) converted to bf16 is an A fragment (k 0..15), which chains products in
+// registers. The lane address helpers below return the (row, col) of the 16-byte row piece a lane
+// hands to ldmatrix.x4 for each storage order.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+namespace cula {
+namespace mma {
+
+__device__ __forceinline__ uint32_t pack(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+__device__ __forceinline__ float2 unpack(uint32_t x) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x));
+}
+
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+// ldmatrix.x4 lane addresses for a 16x16 tile at (row0, col0) of a row-major bf16 array.
+// A operand stored [m][k] (non-trans): r = a0..a3.
+__device__ __forceinline__ int a_row(int lane) { return lane & 15; }
+__device__ __forceinline__ int a_col(int lane) { return (lane >> 4) * 8; }
+// A operand stored [k][m] (trans): r = a0..a3.
+__device__ __forceinline__ int at_row(int lane) { return (lane & 7) + (lane >> 4) * 8; }
+__device__ __forceinline__ int at_col(int lane) { return ((lane >> 3) & 1) * 8; }
+// B operand stored [n][k] (non-trans): r0,r1 = b0,b1 of n 0..7; r2,r3 = b0,b1 of n 8..15.
+__device__ __forceinline__ int bn_row(int lane) { return (lane & 7) + (lane >> 4) * 8; }
+__device__ __forceinline__ int bn_col(int lane) { return ((lane >> 3) & 1) * 8; }
+// B operand stored [k][n] (trans): r0,r1 = b0,b1 of n 0..7; r2,r3 = b0,b1 of n 8..15.
+__device__ __forceinline__ int bk_row(int lane) { return (lane & 7) + ((lane >> 3) & 1) * 8; }
+__device__ __forceinline__ int bk_col(int lane) { return (lane >> 4) * 8; }
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(smem)), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+}  // namespace mma
+}  // namespace cula

@@ -1,0 +1,871 @@
+// Chunked forward (WY/UT form) on tensor cores, sm_80 instruction set (mma.sync, ldmatrix,
+// cp.async); runs on Ampere, Hopper and Blackwell. Families with a per-channel gate (KDA with the
+// delta rule, GLA without) share this engine; DELTA switches the delta-rule parts.
+//
+// Two kernels and a workspace (plus a prefix sum of chunk counts for varlen):
+//  prep (one CTA per chunk of 64 tokens and value head, all chunks in parallel): everything of a
+//    chunk that does not depend on the state. With G the inclusive cumulative log-decay and
+//    block I = tokens 16I..16I+15 (b_I its first token):
+//      el_i = e^{G_i - G_bI} (<= 1);  Kr_j = k_j e^{G_bJ - G_j} (>= 1, bounded by the decay inside
+//      one 16-token block);  A[i,j] = sum_c (k_i el_i E_IJ)[c] Kr_j[c], E_IJ = e^{G_bI - G_bJ}:
+//      every exponent splits through the first token of i's block, so no factor overflows.
+//      M = I + diag(beta) strict_lower(A_kk); Minv by 16x16 blocks (diagonal blocks by substitution
+//      in fp32, the rest by products); T = Minv diag(beta).
+//    It writes per chunk: W = -T (k e^G), U = T v, Qg = q e^G, Kd = k e^{G_last - G}, tril(A_qk)
+//    (bf16) and e^{G_last} (fp32): 72.5 KB for K = V = 128.
+//  scan (one CTA per sequence, value head and VB columns of V, chunks in order, the state slice
+//    S (K x VB, fp32) in registers): Vnew = U + W S;  o = Qg S + tril(A_qk) Vnew;
+//    S = e^{G_last} S + Kd^T Vnew. The next chunk's workspace streams in by cp.async (2 stages).
+// The in-block exponent bound (<= 15 |lower_bound|) is why the dispatch table sends only bounded
+// gates (lower_bound >= -5) here; unbounded gates take the recurrent kernel.
+//
+// prep: 4 warps; warp w owns chunk rows 16w..16w+15. The gate goes from global memory into
+// registers in the A-fragment layout; its cumulative sum inside a 16-row block is a shuffle scan,
+// the block sums meet in shared memory. Shared buffers (K = V = 128: ~74 KB, three CTAs per SM):
+// R1 q tile -> q el -> M (fp32); KRAW k tile -> k el -> k e^G; KR Kr -> v tile; TB Minv;
+// TAB per-channel exponent rows; BT block sums.
+// scan: 4 warps; warp w owns rows 16w.. of the token-side products and channels w*K/4.. of the
+// state. Two stages of (W, Qg, Kd, tril(A_qk), U slice, e^{G_last}), S (bf16) and Vnew (bf16).
+#include <cub/block/block_scan.cuh>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <initializer_list>
+#include <mutex>
+#include <string>
+
+#include "common/error.h"
+#include "cuda/device_helpers.cuh"
+#include "cuda/mma.cuh"
+#include "prefill/cuda/chunk_fwd_mma.h"
+#include "prefill/cuda/fwd_params.cuh"
+
+namespace cula {
+namespace {
+
+using bf16 = __nv_bfloat16;
+using mma::pack;
+using mma::unpack;
+
+constexpr int kBT = 64;
+constexpr int kThreads = 128;
+
+constexpr int cmax(int a, int b) { return a > b ? a : b; }
+
+// Workspace block of one (chunk, value head), in bytes.
+template <int K, int V>
+struct Work {
+  static constexpr int oW = 0, oQ = oW + kBT * K * 2, oKd = oQ + kBT * K * 2, oA = oKd + kBT * K * 2,
+                       oU = oA + kBT * kBT * 2, oDL = oU + kBT * V * 2, bytes = oDL + K * 4;
+  static_assert(bytes % 16 == 0, "16-byte aligned blocks");
+};
+
+template <int K, int V>
+struct PrepLayout {
+  static constexpr int LDK = K + 8, LDV = V + 8, LDT = kBT + 8, MS = kBT + 4;
+  static constexpr int oR1 = 0;
+  static constexpr int oKRAW = oR1 + cmax(kBT * LDK * 2, kBT * MS * 4);
+  static constexpr int oKR = oKRAW + kBT * LDK * 2;
+  static constexpr int oTB = oKR + cmax(kBT * LDK * 2, kBT * LDV * 2);
+  static constexpr int oTAB = oTB + kBT * LDT * 2;
+  static constexpr int oBT = oTAB + 15 * K * 4;  // per block: gate sum and first gate, per channel
+  static constexpr int oBETA = oBT + 9 * K * 4;
+  static constexpr int oGS = oBETA + kBT * 4;
+  static constexpr int bytes = oGS + kBT * 4;
+};
+
+template <int K, int VB>
+struct ScanLayout {
+  static constexpr int LDK = K + 8, LDV = VB + 8, LDT = kBT + 8;
+  static constexpr int sW = 0, sQ = sW + kBT * LDK * 2, sKd = sQ + kBT * LDK * 2, sA = sKd + kBT * LDK * 2,
+                       sU = sA + kBT * LDT * 2, sDL = sU + kBT * LDV * 2, stage = sDL + K * 4;
+  static constexpr int oS = 2 * stage, oVN = oS + K * LDV * 2, bytes = oVN + kBT * LDV * 2;
+};
+
+// Rows of the per-channel exponent table.
+__device__ __forceinline__ int tab_pair(int I, int J) { return I * (I - 1) / 2 + J; }  // e^{G_bI - G_bJ}, J < I
+constexpr int kTabEb = 6;     // + I: e^{G_bI}
+constexpr int kTabEd = 10;    // + J: e^{G_last - G_bJ}
+constexpr int kTabLast = 14;  // e^{G_last}
+
+__device__ __forceinline__ uint32_t& u32at(bf16* p) { return *reinterpret_cast<uint32_t*>(p); }
+__device__ __forceinline__ float2 bf2(const bf16* p) { return unpack(*reinterpret_cast<const uint32_t*>(p)); }
+
+// Sequence bounds as the kernels see them: device offsets are clamped so nothing is read out of
+// bounds (they are not checked on the host).
+struct Seq {
+  int64_t bos, eos;
+  int b_row;
+};
+__device__ __forceinline__ Seq seq_of(const FwdParams& p, int n) {
+  if (!p.cu) return Seq{0, p.T, n};
+  const int64_t bos = min(max(cu_at(p, n), int64_t{0}), static_cast<int64_t>(p.T));
+  return Seq{bos, min(max(cu_at(p, n + 1), bos), static_cast<int64_t>(p.T)), 0};
+}
+
+// chunk_base[n] = sum over m < n of ceil(len_m / 64), for varlen calls (one CTA).
+__global__ void __launch_bounds__(1024) chunk_base_kernel(const FwdParams p, int32_t* chunk_base) {
+  using Scan = cub::BlockScan<int32_t, 1024>;
+  __shared__ typename Scan::TempStorage tmp;
+  int32_t carry = 0;
+  for (int base = 0; base < p.N; base += 1024) {
+    const int n = base + static_cast<int>(threadIdx.x);
+    int32_t c = 0;
+    if (n < p.N) {
+      const Seq s = seq_of(p, n);
+      c = static_cast<int32_t>((s.eos - s.bos + kBT - 1) / kBT);
+    }
+    int32_t excl, total;
+    Scan(tmp).ExclusiveSum(c, excl, total);
+    if (n < p.N) chunk_base[n] = carry + excl;
+    carry += total;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) chunk_base[p.N] = carry;
+}
+
+__device__ __forceinline__ int chunks_of(const FwdParams& p) { return (p.T + kBT - 1) / kBT; }
+
+template <int K, int V, bool DELTA>
+__global__ void __launch_bounds__(kThreads, 3)
+    chunk_prep_kernel(const FwdParams p, const int32_t* __restrict__ chunk_base, unsigned char* __restrict__ work) {
+  using Ly = PrepLayout<K, V>;
+  using Wk = Work<K, V>;
+  constexpr int LDK = Ly::LDK, LDV = Ly::LDV, LDT = Ly::LDT, MS = Ly::MS;
+  constexpr int KS = K / 16;
+  constexpr int NTV = V / 8;
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* q_s = reinterpret_cast<bf16*>(smem + Ly::oR1);
+  float* m_s = reinterpret_cast<float*>(smem + Ly::oR1);
+  bf16* k_s = reinterpret_cast<bf16*>(smem + Ly::oKRAW);
+  bf16* ck_s = reinterpret_cast<bf16*>(smem + Ly::oKRAW);
+  bf16* v_s = reinterpret_cast<bf16*>(smem + Ly::oKR);
+  float* bsum_s = reinterpret_cast<float*>(smem + Ly::oBT);           // [4][K] gate sum of block I
+  float* bfirst_s = reinterpret_cast<float*>(smem + Ly::oBT) + 4 * K;  // [4][K] first gate of block I
+  float* bias_s = reinterpret_cast<float*>(smem + Ly::oBT) + 8 * K;    // [K] dt_bias
+  bf16* kr_s = reinterpret_cast<bf16*>(smem + Ly::oKR);
+  bf16* t_s = reinterpret_cast<bf16*>(smem + Ly::oTB);
+  float* tab = reinterpret_cast<float*>(smem + Ly::oTAB);
+  float* beta_s = reinterpret_cast<float*>(smem + Ly::oBETA);
+  float* gs_s = reinterpret_cast<float*>(smem + Ly::oGS);
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int I = warp, bI = 16 * warp;
+  const int hv = static_cast<int>(blockIdx.x % p.HV);
+  const int cidx = static_cast<int>(blockIdx.x / p.HV);  // global chunk index
+  int n, ci;
+  if (chunk_base) {
+    if (cidx >= chunk_base[p.N]) return;
+    int lo = 0, hi = p.N - 1;  // last n with chunk_base[n] <= cidx
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (chunk_base[mid] <= cidx) lo = mid;
+      else hi = mid - 1;
+    }
+    n = lo, ci = cidx - chunk_base[lo];
+  } else {
+    n = cidx / chunks_of(p), ci = cidx % chunks_of(p);
+  }
+  const Seq sq = seq_of(p, n);
+  const int64_t t0 = sq.bos + static_cast<int64_t>(ci) * kBT;
+  const int Lc = static_cast<int>(min(int64_t{kBT}, sq.eos - t0));
+  const int b_row = sq.b_row;
+  const int h = hv / (p.HV / p.H);
+  unsigned char* blk = work + (static_cast<int64_t>(cidx) * p.HV + hv) * Wk::bytes;
+
+  const float eA = (p.gate_in_kernel && p.A_log) ? __expf(dev::ld(p.A_log, p.A_dt, hv)) : 1.0f;
+  const float head_bias = (p.gate_in_kernel && p.dt_bias && !p.dt_bias_per_channel) ? dev::ld(p.dt_bias, p.bias_dt, hv) : 0.0f;
+  const float const_decay =
+      p.gate_kind == 2 ? -dev::ld(p.decay, p.decay_dt, p.decay_heads == p.HV ? hv : (hv / (p.HV / p.H))) : 0.0f;
+  const uint4 zero4 = make_uint4(0, 0, 0, 0);
+
+  // ---- q, k (and per-channel gate) tiles; rows past the sequence are zeros
+  {
+    const bf16* qg = static_cast<const bf16*>(p.q);
+    const bf16* kg = static_cast<const bf16*>(p.k);
+    for (int idx = tid; idx < kBT * (K / 8); idx += kThreads) {
+      const int r = idx / (K / 8), c8 = (idx % (K / 8)) * 8;
+      bf16 *dq = q_s + r * LDK + c8, *dk = k_s + r * LDK + c8;
+      if (r < Lc) {
+        const int64_t tok = t0 + r;
+        mma::cp_async16(dq, qg + b_row * p.q_s[0] + tok * p.q_s[1] + h * p.q_s[2] + c8);
+        mma::cp_async16(dk, kg + b_row * p.k_s[0] + tok * p.k_s[1] + h * p.k_s[2] + c8);
+      } else {
+        *reinterpret_cast<uint4*>(dq) = zero4;
+        *reinterpret_cast<uint4*>(dk) = zero4;
+      }
+    }
+    mma::cp_async_commit();
+    if (tid < kBT) {
+      float b = 0.0f, gsr = 0.0f;
+      if (tid < Lc) {
+        const int64_t tok = t0 + tid;
+        if (DELTA) {
+          b = dev::ld(p.beta, p.beta_dt, b_row * p.beta_s[0] + tok * p.beta_s[1] + hv * p.beta_s[2]);
+          if (p.beta_sigmoid) b = __fdividef(p.beta_mult, 1.0f + __expf(-b));
+        }
+        if (p.gate_kind == 1) gsr = dev::ld(p.g, p.g_dt, b_row * p.g_s[0] + tok * p.g_s[1] + hv * p.g_s[2]);
+      }
+      beta_s[tid] = b;
+      gs_s[tid] = gsr;
+    }
+  }
+  if (tid < K)
+    bias_s[tid] = (p.gate_in_kernel && p.dt_bias && p.dt_bias_per_channel) ? dev::ld(p.dt_bias, p.bias_dt, hv * K + tid)
+                                                                            : head_bias;
+  // Raw per-channel gate of one k-step of this warp's A-fragment elements: element 2rr + h is
+  // row bI + g + 8(rr&1), channel 16kk + 2t + 8(rr>>1) + h.
+  auto load_gate = [&](int kk, float (&x)[8]) {
+#pragma unroll
+    for (int rr = 0; rr < 4; ++rr) {
+      const int row = bI + g + 8 * (rr & 1), col = 16 * kk + 2 * t + 8 * (rr >> 1);
+      float2 v = make_float2(0.0f, 0.0f);
+      if (p.gate_kind == 0 && row < Lc) {
+        const int64_t off = b_row * p.g_s[0] + (t0 + row) * p.g_s[1] + hv * p.g_s[2] + col;
+        v = p.g_dt == CULA_FLOAT32 ? *reinterpret_cast<const float2*>(static_cast<const float*>(p.g) + off)
+                                   : bf2(static_cast<const bf16*>(p.g) + off);
+      }
+      x[2 * rr] = v.x, x[2 * rr + 1] = v.y;
+    }
+  };
+  float gnext[8];
+  load_gate(0, gnext);
+  mma::cp_async_wait_all();
+  __syncthreads();  // B_a0: tiles landed
+
+  // ---- row norms of this warp's rows (before the tiles are scaled in place)
+  float qs[2], ks[2], bt[2];
+  {
+    float q2[2] = {0.0f, 0.0f}, k2[2] = {0.0f, 0.0f};
+#pragma unroll 1
+    for (int kk = 0; kk < KS; ++kk)
+#pragma unroll
+      for (int rr = 0; rr < 4; ++rr) {
+        const int row = bI + g + 8 * (rr & 1), col = 16 * kk + 2 * t + 8 * (rr >> 1);
+        const float2 qv = bf2(q_s + row * LDK + col), kv = bf2(k_s + row * LDK + col);
+        q2[rr & 1] += qv.x * qv.x + qv.y * qv.y;
+        k2[rr & 1] += kv.x * kv.x + kv.y * kv.y;
+      }
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+      q2[x] += __shfl_xor_sync(0xffffffffu, q2[x], 1);
+      q2[x] += __shfl_xor_sync(0xffffffffu, q2[x], 2);
+      k2[x] += __shfl_xor_sync(0xffffffffu, k2[x], 1);
+      k2[x] += __shfl_xor_sync(0xffffffffu, k2[x], 2);
+      qs[x] = p.l2norm ? p.scale * rsqrtf(q2[x] + 1e-6f) : p.scale;
+      ks[x] = p.l2norm ? rsqrtf(k2[x] + 1e-6f) : 1.0f;
+      bt[x] = beta_s[bI + g + 8 * x];
+    }
+  }
+
+  // ---- per k-step (a rolled loop keeps the code small): gate activation; cumulative sum inside
+  // the 16-row block by shuffles (rows g and g + 8 of a channel live in the lanes with this t);
+  // block sums to shared memory; el = e^{G_i - G_bI}: Kr = k / el (KR), and in place Kl = k el,
+  // Ql = q el.
+#pragma unroll 1
+  for (int kk = 0; kk < KS; ++kk) {
+    float a[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) a[e] = gnext[e];
+    if (kk + 1 < KS) load_gate(kk + 1, gnext);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const int row = bI + g + 8 * ((e >> 1) & 1), col = 16 * kk + 2 * t + 8 * (e >> 2) + (e & 1);
+      float x = p.gate_kind == 0 ? a[e] + bias_s[col] : p.gate_kind == 1 ? gs_s[row] + head_bias : const_decay;
+      if (p.gate_in_kernel && p.gate_kind != 2)
+        x = p.has_lb ? __fdividef(p.lb, 1.0f + __expf(-eA * x)) : -eA * (x > 20.0f ? x : log1pf(__expf(x)));
+      a[e] = row < Lc ? x : 0.0f;
+    }
+#pragma unroll
+    for (int cs = 0; cs < 2; ++cs)
+#pragma unroll
+      for (int hc = 0; hc < 2; ++hc) {
+        float& x = a[4 * cs + hc];      // row g
+        float& y = a[4 * cs + 2 + hc];  // row g + 8
+#pragma unroll
+        for (int d = 1; d < 8; d <<= 1) {
+          const float xu = __shfl_up_sync(0xffffffffu, x, 4 * d), yu = __shfl_up_sync(0xffffffffu, y, 4 * d);
+          if (g >= d) x += xu, y += yu;
+        }
+        y += __shfl_sync(0xffffffffu, x, 28 + t);
+        const float first = __shfl_sync(0xffffffffu, x, t), total = __shfl_sync(0xffffffffu, y, 28 + t);
+        if (g == 0) {
+          const int col = 16 * kk + 2 * t + 8 * cs + hc;
+          bsum_s[I * K + col] = total;
+          bfirst_s[I * K + col] = first;
+        }
+        x -= first, y -= first;
+      }
+#pragma unroll
+    for (int rr = 0; rr < 4; ++rr) {
+      const int x = rr & 1, row = bI + g + 8 * x, col = 16 * kk + 2 * t + 8 * (rr >> 1);
+      const float d0 = a[2 * rr], d1 = a[2 * rr + 1];
+      const float e0 = __expf(d0), e1 = __expf(d1), r0 = __expf(-d0), r1 = __expf(-d1);
+      const float2 kv = bf2(k_s + row * LDK + col), qv = bf2(q_s + row * LDK + col);
+      u32at(kr_s + row * LDK + col) = pack(kv.x * ks[x] * r0, kv.y * ks[x] * r1);
+      u32at(k_s + row * LDK + col) = pack(kv.x * ks[x] * e0, kv.y * ks[x] * e1);
+      u32at(q_s + row * LDK + col) = pack(qv.x * qs[x] * e0, qv.y * qs[x] * e1);
+    }
+  }
+  __syncthreads();  // B_b: block sums visible
+
+  // ---- per-channel exponent table
+  if (tid < K) {
+    float gb[4], gl = 0.0f;
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      gb[b] = gl + bfirst_s[b * K + tid];
+      gl += bsum_s[b * K + tid];
+    }
+#pragma unroll
+    for (int b = 1; b < 4; ++b)
+#pragma unroll
+      for (int a = 0; a < b; ++a) tab[tab_pair(b, a) * K + tid] = __expf(gb[b] - gb[a]);
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      tab[(kTabEb + b) * K + tid] = __expf(gb[b]);
+      tab[(kTabEd + b) * K + tid] = __expf(gl - gb[b]);
+    }
+    tab[kTabLast * K + tid] = __expf(gl);
+  }
+  __syncthreads();  // B_c: Kr and the table visible
+
+    // ---- pair products A_kk, A_qk (row block I, column blocks J <= I) and q e^G fragments
+    float akk[4][2][4], aqk[4][2][4];
+#pragma unroll
+    for (int J = 0; J < 4; ++J)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) akk[J][nt][r] = 0.0f, aqk[J][nt][r] = 0.0f;
+    bf16* qgo = reinterpret_cast<bf16*>(blk + Wk::oQ);
+#pragma unroll 1
+    for (int kk = 0; kk < KS; ++kk) {
+      uint32_t kl[4], ql[4];
+#pragma unroll
+      for (int rr = 0; rr < 4; ++rr) {
+        const int row = bI + g + 8 * (rr & 1), col = 16 * kk + 2 * t + 8 * (rr >> 1);
+        kl[rr] = *reinterpret_cast<const uint32_t*>(k_s + row * LDK + col);
+        ql[rr] = *reinterpret_cast<const uint32_t*>(q_s + row * LDK + col);
+        const float2 eb = *reinterpret_cast<const float2*>(tab + (kTabEb + I) * K + col), qv = unpack(ql[rr]);
+        u32at(qgo + row * K + col) = pack(qv.x * eb.x, qv.y * eb.y);
+      }
+#pragma unroll
+      for (int J = 0; J < 4; ++J) {
+        if (J > I) continue;
+        uint32_t ak[4], aq[4];
+#pragma unroll
+        for (int rr = 0; rr < 4; ++rr) {
+          if (J == I) {
+            ak[rr] = kl[rr], aq[rr] = ql[rr];
+          } else {
+            const float2 e = *reinterpret_cast<const float2*>(tab + tab_pair(I, J) * K + 16 * kk + 2 * t + 8 * (rr >> 1));
+            const float2 kv = unpack(kl[rr]), qv = unpack(ql[rr]);
+            ak[rr] = pack(kv.x * e.x, kv.y * e.y);
+            aq[rr] = pack(qv.x * e.x, qv.y * e.y);
+          }
+        }
+        uint32_t b[4];
+        mma::ldsm_x4(b, kr_s + (16 * J + mma::bn_row(lane)) * LDK + 16 * kk + mma::bn_col(lane));
+        if (DELTA) {
+          mma::mma16816(akk[J][0], ak, b[0], b[1]);
+          mma::mma16816(akk[J][1], ak, b[2], b[3]);
+        }
+        mma::mma16816(aqk[J][0], aq, b[0], b[1]);
+        mma::mma16816(aqk[J][1], aq, b[2], b[3]);
+      }
+    }
+    // k e^G = Kl e^{G_bI} for this warp's rows, in place of Kl
+    if (DELTA)
+      for (int idx = lane; idx < 16 * (K / 2); idx += 32) {
+        const int row = bI + idx / (K / 2), c2 = (idx % (K / 2)) * 2;
+        const float2 kv = bf2(k_s + row * LDK + c2);
+        const float2 eb = *reinterpret_cast<const float2*>(tab + (kTabEb + I) * K + c2);
+        u32at(ck_s + row * LDK + c2) = pack(kv.x * eb.x, kv.y * eb.y);
+      }
+    // Kd = Kr e^{G_last - G_bI} for this warp's rows, straight to the workspace
+    {
+      bf16* kdo = reinterpret_cast<bf16*>(blk + Wk::oKd);
+      for (int idx = lane; idx < 16 * (K / 2); idx += 32) {
+        const int row = bI + idx / (K / 2), c2 = (idx % (K / 2)) * 2;
+        const float2 kv = bf2(kr_s + row * LDK + c2);
+        const float2 ed = *reinterpret_cast<const float2*>(tab + (kTabEd + I) * K + c2);
+        u32at(kdo + row * K + c2) = pack(kv.x * ed.x, kv.y * ed.y);
+      }
+      if (tid < K) reinterpret_cast<float*>(blk + Wk::oDL)[tid] = tab[kTabLast * K + tid];
+    }
+    __syncthreads();  // B_d: q tile and Kr no longer read (they take M and v)
+
+    // v tile into the Kr buffer, behind the inverse
+    {
+      const bf16* vg = static_cast<const bf16*>(p.v);
+      for (int idx = tid; idx < kBT * (V / 8); idx += kThreads) {
+        const int r = idx / (V / 8), c8 = (idx % (V / 8)) * 8;
+        bf16* dv = v_s + r * LDV + c8;
+        if (r < Lc)
+          mma::cp_async16(dv, vg + b_row * p.v_s[0] + (t0 + r) * p.v_s[1] + hv * p.v_s[2] + c8);
+        else
+          *reinterpret_cast<uint4*>(dv) = zero4;
+      }
+      mma::cp_async_commit();
+    }
+
+    // ---- M = I + diag(beta) strict_lower(A_kk); tril(A_qk) as bf16 A fragments
+    uint32_t aqf[4][4];
+#pragma unroll
+    for (int J = 0; J < 4; ++J) {
+      if (J > I) continue;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int gi = bI + g + 8 * (r >> 1), gj = 16 * J + nt * 8 + 2 * t + (r & 1);
+          if (gj > gi) aqk[J][nt][r] = 0.0f;
+          if (DELTA) m_s[gi * MS + gj] = gj < gi ? bt[r >> 1] * akk[J][nt][r] : (gj == gi ? 1.0f : 0.0f);
+        }
+      aqf[J][0] = pack(aqk[J][0][0], aqk[J][0][1]);
+      aqf[J][1] = pack(aqk[J][0][2], aqk[J][0][3]);
+      aqf[J][2] = pack(aqk[J][1][0], aqk[J][1][1]);
+      aqf[J][3] = pack(aqk[J][1][2], aqk[J][1][3]);
+    }
+
+    {
+      bf16* aqo = reinterpret_cast<bf16*>(blk + Wk::oA);
+#pragma unroll
+      for (int J = 0; J < 4; ++J) {
+        // blocks above the diagonal are zero
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt)
+            u32at(aqo + (bI + g + 8 * hh) * kBT + 16 * J + nt * 8 + 2 * t) = J > I ? 0u : aqf[J][2 * nt + hh];
+      }
+    }
+
+    bf16* uo = reinterpret_cast<bf16*>(blk + Wk::oU);
+    if (DELTA) {
+      __syncthreads();  // B_e: M complete
+      // Diagonal blocks of Minv: lane c < 16 solves column c by substitution, in fp32.
+      if (lane < 16) {
+        float xcol[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          float acc = i == lane ? 1.0f : 0.0f;
+#pragma unroll
+          for (int l = 0; l < i; ++l) acc -= m_s[(bI + i) * MS + bI + l] * xcol[l];
+          xcol[i] = acc;
+        }
+#pragma unroll
+        for (int i = 0; i < 16; ++i) t_s[(bI + i) * LDT + bI + lane] = __float2bfloat16_rn(xcol[i]);
+      }
+      __syncthreads();  // B_f: diagonal inverses visible
+      // Off-diagonal blocks, column block J = warp: Minv_IJ = -Minv_II sum_{L=J}^{I-1} M_IL Minv_LJ.
+      const int J = warp, bJ = 16 * warp;
+      for (int Ib = J + 1; Ib < 4; ++Ib) {
+        const int bIb = 16 * Ib;
+        float x[2][4] = {};
+        for (int Lb = J; Lb < Ib; ++Lb) {
+          uint32_t a[4];
+#pragma unroll
+          for (int rr = 0; rr < 4; ++rr) {
+            const float2 mv = *reinterpret_cast<const float2*>(m_s + (bIb + g + 8 * (rr & 1)) * MS + 16 * Lb + 2 * t + 8 * (rr >> 1));
+            a[rr] = pack(mv.x, mv.y);
+          }
+          uint32_t b[4];
+          mma::ldsm_x4_t(b, t_s + (16 * Lb + mma::bk_row(lane)) * LDT + bJ + mma::bk_col(lane));
+          mma::mma16816(x[0], a, b[0], b[1]);
+          mma::mma16816(x[1], a, b[2], b[3]);
+        }
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh)
+            u32at(t_s + (bIb + g + 8 * hh) * LDT + bJ + nt * 8 + 2 * t) = pack(x[nt][2 * hh], x[nt][2 * hh + 1]);
+        __syncwarp();
+        uint32_t a[4], b[4];
+        mma::ldsm_x4(a, t_s + (bIb + mma::a_row(lane)) * LDT + bIb + mma::a_col(lane));
+        mma::ldsm_x4_t(b, t_s + (bIb + mma::bk_row(lane)) * LDT + bJ + mma::bk_col(lane));
+        float y[2][4] = {};
+        mma::mma16816(y[0], a, b[0], b[1]);
+        mma::mma16816(y[1], a, b[2], b[3]);
+        __syncwarp();
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh)
+            u32at(t_s + (bIb + g + 8 * hh) * LDT + bJ + nt * 8 + 2 * t) = pack(-y[nt][2 * hh], -y[nt][2 * hh + 1]);
+        __syncwarp();
+      }
+      mma::cp_async_wait_all();
+      __syncthreads();  // B_g: Minv complete, v landed
+
+      // ---- T = Minv diag(beta) as A fragments; U = T v; W = -T (k e^G)
+      uint32_t ta[4][4];
+#pragma unroll
+      for (int Jb = 0; Jb < 4; ++Jb) {
+        if (Jb > I) continue;
+        mma::ldsm_x4(ta[Jb], t_s + (bI + mma::a_row(lane)) * LDT + 16 * Jb + mma::a_col(lane));
+#pragma unroll
+        for (int rr = 0; rr < 4; ++rr) {
+          const int col = 16 * Jb + 2 * t + 8 * (rr >> 1);
+          const float2 x = unpack(ta[Jb][rr]);
+          ta[Jb][rr] = pack(x.x * beta_s[col], x.y * beta_s[col + 1]);
+        }
+      }
+#pragma unroll 1
+      for (int np = 0; np < NTV / 2; ++np) {
+        float u[2][4] = {};
+#pragma unroll
+        for (int Jb = 0; Jb < 4; ++Jb) {
+          if (Jb > I) continue;
+          uint32_t b[4];
+          mma::ldsm_x4_t(b, v_s + (16 * Jb + mma::bk_row(lane)) * LDV + 16 * np + mma::bk_col(lane));
+          mma::mma16816(u[0], ta[Jb], b[0], b[1]);
+          mma::mma16816(u[1], ta[Jb], b[2], b[3]);
+        }
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh)
+            u32at(uo + (bI + g + 8 * hh) * V + 16 * np + 8 * nt + 2 * t) = pack(u[nt][2 * hh], u[nt][2 * hh + 1]);
+      }
+      bf16* wo = reinterpret_cast<bf16*>(blk + Wk::oW);
+#pragma unroll 1
+      for (int kk = 0; kk < KS; ++kk) {
+        float w[2][4] = {};
+#pragma unroll
+        for (int Jb = 0; Jb < 4; ++Jb) {
+          if (Jb > I) continue;
+          uint32_t b[4];
+          mma::ldsm_x4_t(b, ck_s + (16 * Jb + mma::bk_row(lane)) * LDK + 16 * kk + mma::bk_col(lane));
+          mma::mma16816(w[0], ta[Jb], b[0], b[1]);
+          mma::mma16816(w[1], ta[Jb], b[2], b[3]);
+        }
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh)
+            u32at(wo + (bI + g + 8 * hh) * K + 16 * kk + 8 * nt + 2 * t) = pack(-w[nt][2 * hh], -w[nt][2 * hh + 1]);
+      }
+    } else {
+      mma::cp_async_wait_all();
+      __syncthreads();  // v landed
+      for (int idx = tid; idx < kBT * (V / 8); idx += kThreads) {
+        const int r = idx / (V / 8), c8 = (idx % (V / 8)) * 8;
+        *reinterpret_cast<uint4*>(uo + r * V + c8) = *reinterpret_cast<const uint4*>(v_s + r * LDV + c8);
+      }
+    }
+}
+
+template <int K, int V, int VB, bool DELTA>
+__global__ void __launch_bounds__(kThreads, 1)
+    chunk_scan_kernel(const FwdParams p, const int32_t* __restrict__ chunk_base, const unsigned char* __restrict__ work) {
+  using Ly = ScanLayout<K, VB>;
+  using Wk = Work<K, V>;
+  constexpr int LDK = Ly::LDK, LDV = Ly::LDV, LDT = Ly::LDT;
+  constexpr int KS = K / 16;
+  constexpr int NT = VB / 8;
+  constexpr int MT = K / 64;
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* s_s = reinterpret_cast<bf16*>(smem + Ly::oS);
+  bf16* vn_s = reinterpret_cast<bf16*>(smem + Ly::oVN);
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int I = warp, bI = 16 * warp;
+  const int nvb = p.V / VB;
+  const int vb = static_cast<int>(blockIdx.x % nvb);
+  const int hv = static_cast<int>((blockIdx.x / nvb) % p.HV);
+  const int n = static_cast<int>(blockIdx.x / (static_cast<unsigned>(nvb) * p.HV));
+  const int v0 = vb * VB;
+  const Seq sq = seq_of(p, n);
+  const int64_t len = sq.eos - sq.bos;
+  const int nchunks = static_cast<int>((len + kBT - 1) / kBT);
+  const int64_t cbase = chunk_base ? chunk_base[n] : static_cast<int64_t>(n) * chunks_of(p);
+
+  // State slice: element (mt, nt, r) = channel cw + mt*16 + g + 8(r>>1), column v0 + nt*8 + 2t + (r&1).
+  const int cw = warp * (K / 4);
+  float s[MT][NT][4];
+  int64_t slot = -1;
+  if (p.pool) slot = p.pool_idx ? p.pool_idx[n] : n;
+  if (slot >= p.P) slot = -1;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int c = cw + mt * 16 + g + 8 * (r >> 1), j = v0 + nt * 8 + 2 * t + (r & 1);
+        float x = 0.0f;
+        if (p.h0) x = dev::ld(p.h0, p.h0_dt, state_elem(p, n, hv, j, c));
+        else if (slot >= 0) x = dev::ld(p.pool, p.pool_dt, state_elem(p, slot, hv, j, c));
+        s[mt][nt][r] = x;
+      }
+
+  // One chunk's workspace slice into stage st (an empty commit group past the end).
+  auto stage_in = [&](int c, int st) {
+    if (c < nchunks) {
+      const unsigned char* blk = work + ((cbase + c) * p.HV + hv) * Wk::bytes;
+      unsigned char* dst = smem + st * Ly::stage;
+      for (int idx = tid; idx < 3 * kBT * (K / 8); idx += kThreads) {
+        const int m = idx / (kBT * (K / 8)), rem = idx % (kBT * (K / 8)), r = rem / (K / 8), c8 = (rem % (K / 8)) * 8;
+        const int so = m == 0 ? Ly::sW : m == 1 ? Ly::sQ : Ly::sKd, go = m == 0 ? Wk::oW : m == 1 ? Wk::oQ : Wk::oKd;
+        mma::cp_async16(dst + so + (r * LDK + c8) * 2, blk + go + (r * K + c8) * 2);
+      }
+      for (int idx = tid; idx < kBT * (kBT / 8); idx += kThreads) {
+        const int r = idx / (kBT / 8), c8 = (idx % (kBT / 8)) * 8;
+        mma::cp_async16(dst + Ly::sA + (r * LDT + c8) * 2, blk + Wk::oA + (r * kBT + c8) * 2);
+      }
+      for (int idx = tid; idx < kBT * (VB / 8); idx += kThreads) {
+        const int r = idx / (VB / 8), c8 = (idx % (VB / 8)) * 8;
+        mma::cp_async16(dst + Ly::sU + (r * LDV + c8) * 2, blk + Wk::oU + (r * V + v0 + c8) * 2);
+      }
+      for (int idx = tid; idx < K / 4; idx += kThreads)
+        mma::cp_async16(dst + Ly::sDL + idx * 16, blk + Wk::oDL + idx * 16);
+    }
+    mma::cp_async_commit();
+  };
+
+  stage_in(0, 0);
+  stage_in(1, 1);
+  bf16* og = static_cast<bf16*>(p.out);
+  for (int c = 0; c < nchunks; ++c) {
+    const int st = c & 1;
+    const unsigned char* base = smem + st * Ly::stage;
+    const bf16* w_s = reinterpret_cast<const bf16*>(base + Ly::sW);
+    const bf16* qg_s = reinterpret_cast<const bf16*>(base + Ly::sQ);
+    const bf16* kd_s = reinterpret_cast<const bf16*>(base + Ly::sKd);
+    const bf16* a_s = reinterpret_cast<const bf16*>(base + Ly::sA);
+    const bf16* u_s = reinterpret_cast<const bf16*>(base + Ly::sU);
+    const float* dl_s = reinterpret_cast<const float*>(base + Ly::sDL);
+    const int64_t t0 = sq.bos + static_cast<int64_t>(c) * kBT;
+    const int Lc = static_cast<int>(min(int64_t{kBT}, sq.eos - t0));
+
+    // S (bf16) for the products; intermediate state (chunk start)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+          u32at(s_s + (cw + mt * 16 + g + 8 * hh) * LDV + nt * 8 + 2 * t) = pack(s[mt][nt][2 * hh], s[mt][nt][2 * hh + 1]);
+    if (p.inter) {
+      const int64_t row = cbase + c;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int r = 0; r < 4; ++r)
+            dev::st(p.inter, p.inter_dt,
+                    state_elem(p, row, hv, v0 + nt * 8 + 2 * t + (r & 1), cw + mt * 16 + g + 8 * (r >> 1)), s[mt][nt][r]);
+    }
+    asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+    __syncthreads();  // B1: this chunk's stage landed; S visible
+
+    // Vnew = U + W S and o = Qg S, sharing the S fragments
+    float vn[NT][4], o[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const float2 u = bf2(u_s + (bI + g + 8 * hh) * LDV + nt * 8 + 2 * t);
+        vn[nt][2 * hh] = DELTA ? u.x : 0.0f, vn[nt][2 * hh + 1] = DELTA ? u.y : 0.0f;
+        o[nt][2 * hh] = 0.0f, o[nt][2 * hh + 1] = 0.0f;
+      }
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) {
+      uint32_t aw[4], aq[4];
+      if (DELTA) mma::ldsm_x4(aw, w_s + (bI + mma::a_row(lane)) * LDK + 16 * kk + mma::a_col(lane));
+      mma::ldsm_x4(aq, qg_s + (bI + mma::a_row(lane)) * LDK + 16 * kk + mma::a_col(lane));
+#pragma unroll
+      for (int np = 0; np < NT / 2; ++np) {
+        uint32_t b[4];
+        mma::ldsm_x4_t(b, s_s + (16 * kk + mma::bk_row(lane)) * LDV + 16 * np + mma::bk_col(lane));
+        if (DELTA) {
+          mma::mma16816(vn[2 * np], aw, b[0], b[1]);
+          mma::mma16816(vn[2 * np + 1], aw, b[2], b[3]);
+        }
+        mma::mma16816(o[2 * np], aq, b[0], b[1]);
+        mma::mma16816(o[2 * np + 1], aq, b[2], b[3]);
+      }
+    }
+    const bf16* vsrc = DELTA ? vn_s : u_s;  // without the delta rule Vnew = U = v
+    if (DELTA) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+          u32at(vn_s + (bI + g + 8 * hh) * LDV + nt * 8 + 2 * t) = pack(vn[nt][2 * hh], vn[nt][2 * hh + 1]);
+      __syncthreads();  // B2: Vnew visible
+    }
+
+    // o += tril(A_qk) Vnew; store
+#pragma unroll
+    for (int Jb = 0; Jb < 4; ++Jb) {
+      if (Jb > I) continue;
+      uint32_t a[4];
+      mma::ldsm_x4(a, a_s + (bI + mma::a_row(lane)) * LDT + 16 * Jb + mma::a_col(lane));
+#pragma unroll
+      for (int np = 0; np < NT / 2; ++np) {
+        uint32_t b[4];
+        mma::ldsm_x4_t(b, vsrc + (16 * Jb + mma::bk_row(lane)) * LDV + 16 * np + mma::bk_col(lane));
+        mma::mma16816(o[2 * np], a, b[0], b[1]);
+        mma::mma16816(o[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int row = bI + g + 8 * hh;
+      if (row >= Lc) continue;
+      bf16* dst = og + sq.b_row * p.out_s[0] + (t0 + row) * p.out_s[1] + hv * p.out_s[2] + v0 + 2 * t;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) u32at(dst + nt * 8) = pack(o[nt][2 * hh], o[nt][2 * hh + 1]);
+    }
+
+    // S = e^{G_last} S + Kd^T Vnew
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const int cb = cw + mt * 16;
+      const float d0 = dl_s[cb + g], d1 = dl_s[cb + g + 8];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        s[mt][nt][0] *= d0, s[mt][nt][1] *= d0;
+        s[mt][nt][2] *= d1, s[mt][nt][3] *= d1;
+      }
+#pragma unroll
+      for (int kj = 0; kj < kBT / 16; ++kj) {
+        uint32_t a[4];
+        mma::ldsm_x4_t(a, kd_s + (16 * kj + mma::at_row(lane)) * LDK + cb + mma::at_col(lane));
+#pragma unroll
+        for (int np = 0; np < NT / 2; ++np) {
+          uint32_t b[4];
+          mma::ldsm_x4_t(b, vsrc + (16 * kj + mma::bk_row(lane)) * LDV + 16 * np + mma::bk_col(lane));
+          mma::mma16816(s[mt][2 * np], a, b[0], b[1]);
+          mma::mma16816(s[mt][2 * np + 1], a, b[2], b[3]);
+        }
+      }
+    }
+    __syncthreads();  // B3: stage st, S and Vnew no longer read
+    stage_in(c + 2, st);
+  }
+
+  auto store_state = [&](void* dst, int dt, int64_t sl) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+          dev::st(dst, dt, state_elem(p, sl, hv, v0 + nt * 8 + 2 * t + (r & 1), cw + mt * 16 + g + 8 * (r >> 1)), s[mt][nt][r]);
+  };
+  if (p.ht) store_state(p.ht, p.ht_dt, n);
+  if (slot >= 0) store_state(p.pool, p.pool_dt, slot);
+}
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw Error(CULA_ERROR_CUDA, std::string("chunk_fwd: ") + what + ": " + cudaGetErrorString(e));
+}
+
+template <typename Kernel>
+void allow_smem(Kernel kernel, int bytes) {
+  // Per device; setting it on each call costs one driver call and keeps multi-device use correct.
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), "shared memory attribute");
+}
+
+// Workspace memory: a pool per device that keeps what it has allocated, so steady-state calls
+// neither allocate from the driver nor synchronize (stream-ordered, graph-capturable).
+cudaMemPool_t workspace_pool(int device) {
+  static cudaMemPool_t pools[64] = {};
+  static std::once_flag once[64];
+  if (device < 0 || device >= 64) throw_unsupported("chunk_fwd", "device index >= 64");
+  std::call_once(once[device], [&] {
+    cudaMemPoolProps props{};
+    props.allocType = cudaMemAllocationTypePinned;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = device;
+    check(cudaMemPoolCreate(&pools[device], &props), "workspace pool");
+    uint64_t keep = UINT64_MAX;
+    check(cudaMemPoolSetAttribute(pools[device], cudaMemPoolAttrReleaseThreshold, &keep), "workspace pool");
+  });
+  return pools[device];
+}
+
+template <int K, int V, int VB, bool DELTA>
+void run(const Recurrence& r, const FwdParams& p, int device, cudaStream_t stream) {
+  // An upper bound on the number of chunks: sum ceil(len / 64) <= T / 64 + N for varlen.
+  const int64_t max_chunks = p.cu ? p.T / kBT + r.N : r.N * ((p.T + kBT - 1) / kBT);
+  const int64_t base_bytes = p.cu ? ((r.N + 1) * 4 + 255) / 256 * 256 : 0;
+  const int64_t bytes = base_bytes + max_chunks * r.HV * Work<K, V>::bytes;
+  const int64_t prep_blocks = max_chunks * r.HV, scan_blocks = r.N * r.HV * (V / VB);
+  if (prep_blocks >= (int64_t{1} << 31) || scan_blocks >= (int64_t{1} << 31))
+    throw_unsupported("chunk_fwd", "too many chunks x heads for one launch");
+  if (max_chunks == 0) return;
+  void* ws = nullptr;
+  check(cudaMallocFromPoolAsync(&ws, static_cast<size_t>(bytes), workspace_pool(device), stream),
+        "workspace allocation");
+  int32_t* chunk_base = p.cu ? static_cast<int32_t*>(ws) : nullptr;
+  unsigned char* work = static_cast<unsigned char*>(ws) + base_bytes;
+  if (p.cu) chunk_base_kernel<<<1, 1024, 0, stream>>>(p, chunk_base);
+  allow_smem(chunk_prep_kernel<K, V, DELTA>, PrepLayout<K, V>::bytes);
+  chunk_prep_kernel<K, V, DELTA>
+      <<<static_cast<unsigned>(prep_blocks), kThreads, PrepLayout<K, V>::bytes, stream>>>(p, chunk_base, work);
+  allow_smem(chunk_scan_kernel<K, V, VB, DELTA>, ScanLayout<K, VB>::bytes);
+  chunk_scan_kernel<K, V, VB, DELTA>
+      <<<static_cast<unsigned>(scan_blocks), kThreads, ScanLayout<K, VB>::bytes, stream>>>(p, chunk_base, work);
+  const cudaError_t launched = cudaGetLastError();
+  check(cudaFreeAsync(ws, stream), "workspace release");
+  check(launched, "kernel launch");
+}
+
+bool aligned16(const cula_tensor* t) {
+  if (reinterpret_cast<uintptr_t>(t->data) % 16) return false;
+  const int64_t vec = 16 / dtype_size(t->dtype);
+  for (int i = 0; i + 1 < t->ndim; ++i)
+    if (t->strides[i] % vec) return false;
+  return t->strides[t->ndim - 1] == 1;
+}
+
+}  // namespace
+
+bool chunk_fwd_mma_accepts(const Recurrence& r, const cula_chunk_fwd_args& a) {
+  if (r.tr.gate != GateKind::PerChannel) return false;
+  // The in-block exponent bound: |G_i - G_j| <= 15 * |lower_bound| inside a 16-token block.
+  if (!(r.gate_in_kernel && r.has_lb && r.lb >= -5.0)) return false;
+  if (r.K != 64 && r.K != 128) return false;
+  if (r.V != 64 && r.V != 128) return false;
+  if (a.chunk_size != 0 && a.chunk_size != kBT) return false;  // intermediate states are per 64 tokens
+  for (const cula_tensor* t : std::initializer_list<const cula_tensor*>{a.q, a.k, a.v, a.out})
+    if (t->dtype != CULA_BFLOAT16 || !aligned16(t)) return false;
+  if ((a.g->dtype != CULA_BFLOAT16 && a.g->dtype != CULA_FLOAT32) || !aligned16(a.g)) return false;
+  if (a.initial_state && !is_contiguous(*a.initial_state)) return false;
+  int major = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, a.q->device_id) != cudaSuccess) return false;
+  return major >= 8;
+}
+
+template <int K, int V, bool DELTA>
+void run_vb(const Recurrence& r, const FwdParams& p, int device, cudaStream_t stream) {
+  // The scan has one CTA per (sequence, head, V slice), one CTA per SM: slices of 32 when those
+  // still fit in one wave, else 64.
+  int sms = 0;
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "device attribute");
+  if (r.N * r.HV * (V / 32) <= sms)
+    run<K, V, 32, DELTA>(r, p, device, stream);
+  else
+    run<K, V, 64, DELTA>(r, p, device, stream);
+}
+
+void cuda_chunk_fwd_mma(const Recurrence& r, const cula_chunk_fwd_args& a) {
+  const FwdParams p = make_fwd_params(r, a);
+  if (r.N == 0) return;
+  const int dev = a.q->device_id;
+  check(cudaSetDevice(dev), "cudaSetDevice");
+  const cudaStream_t stream = static_cast<cudaStream_t>(a.opt.stream);
+  const bool delta = r.tr.delta;
+  if (r.K == 64 && r.V == 64) delta ? run_vb<64, 64, true>(r, p, dev, stream) : run_vb<64, 64, false>(r, p, dev, stream);
+  else if (r.K == 64) delta ? run_vb<64, 128, true>(r, p, dev, stream) : run_vb<64, 128, false>(r, p, dev, stream);
+  else if (r.V == 64) delta ? run_vb<128, 64, true>(r, p, dev, stream) : run_vb<128, 64, false>(r, p, dev, stream);
+  else delta ? run_vb<128, 128, true>(r, p, dev, stream) : run_vb<128, 128, false>(r, p, dev, stream);
+}
+
+}  // namespace cula

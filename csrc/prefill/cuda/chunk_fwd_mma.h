@@ -1,0 +1,13 @@
+// Chunked forward on tensor cores (sm_80 instruction set): see chunk_fwd_mma.cu for the design.
+#pragma once
+
+#include "common/problem.h"
+
+namespace cula {
+
+// Whether the tensor-core kernel takes this call (family, gate bound, head sizes, dtypes,
+// alignment, device); the dispatch table falls back to the recurrent kernel otherwise.
+bool chunk_fwd_mma_accepts(const Recurrence& r, const cula_chunk_fwd_args& a);
+void cuda_chunk_fwd_mma(const Recurrence& r, const cula_chunk_fwd_args& a);
+
+}  // namespace cula

@@ -1,0 +1,236 @@
+"""``cula bench kda``: the KDA chunked forward side by side in one process with every peer present:
+FLA's Triton chunk_kda (FLA_FLASH_KDA=0, checked), FlashKDA when importable, torch SDPA (causal
+softmax attention, the baseline) and the floor (the bytes that must move, at the measured copy
+bandwidth).
+
+bf16 q/k/v, bf16 raw gate with the gate computed in kernel (A_log, dt_bias, lower bound -5),
+q/k L2 norm, beta sigmoid, K = V = 128, no initial state. Each implementation is timed alone
+per call with CUDA events (median of 20 after warm-up), alternating between two input sets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+from .bench_decode import _version, copy_bandwidth
+from .demo import Progress
+
+K = V = 128
+LOWER_BOUND = -5.0
+CONFIGS = [
+    # (name, B, T, H, seqlens)
+    ("1x4096 H64", 1, 4096, 64, None),
+    ("1x8192 H64", 1, 8192, 64, None),
+    ("1x16384 H64", 1, 16384, 64, None),
+    ("1x32768 H64", 1, 32768, 64, None),
+    ("2x8192 H64", 2, 8192, 64, None),
+    ("8x4096 H32", 8, 4096, 32, None),
+    ("1x8192 H96", 1, 8192, 96, None),
+    ("1x8192 H16", 1, 8192, 16, None),
+    ("1x8192 H32", 1, 8192, 32, None),
+    ("varlen6 H64", 1, None, 64, [1300, 547, 2048, 963, 271, 3063]),
+    ("varlen 8x1024 H64", 1, None, 64, [1024] * 8),
+    ("varlen [512,7680] H64", 1, None, 64, [512, 7680]),
+]
+REPS = 20
+
+
+def _time_ms(torch, fn, reps=REPS, warmup=3):
+    for i in range(warmup):
+        fn(i)
+    torch.cuda.synchronize()
+    times = []
+    for i in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn(i)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def _peers():
+    """FLA's Triton chunk_kda (with FlashKDA dispatch off) and FlashKDA, each when importable."""
+    os.environ["FLA_FLASH_KDA"] = "0"
+    fla_fn = flash_fn = None
+    try:
+        from fla.ops.kda import chunk_kda as fla_fn
+    except Exception as e:
+        print(f"FLA not importable ({e})")
+    try:  # FLA would hand chunk_kda to FlashKDA when that is installed: check the switch took
+        from fla.ops.kda.backends.flash_kda import FlashKDABackend
+
+        if FlashKDABackend().is_enabled():
+            raise RuntimeError("FLA's FlashKDA dispatch is still enabled; FLA_FLASH_KDA=0 did not take")
+    except ImportError:
+        pass
+    try:
+        import flash_kda
+
+        flash_fn = flash_kda.fwd
+    except Exception as e:
+        print(f"FlashKDA not importable ({e})")
+    return fla_fn, flash_fn
+
+
+def bench_kda(out_dir: str, gpu_name: str | None = None, configs=None) -> int:
+    import torch
+    import torch.nn.functional as F
+
+    from . import ops
+
+    fla_fn, flash_fn = _peers()
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    bw = copy_bandwidth(torch)
+    print(f"{props.name}: copy bandwidth {bw:.0f} GB/s (read + write)")
+    configs = configs or CONFIGS
+    records, rows = [], []
+    prog = Progress(len(configs), "bench kda")
+    for name, B, T, H, seqlens in configs:
+        if seqlens:
+            T = sum(seqlens)
+        scale = K ** -0.5
+        sets = []
+        for _ in range(2):
+            sets.append(dict(q=torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16),
+                             k=torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16),
+                             v=torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16),
+                             g=torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16),
+                             beta=torch.randn(B, T, H, device=dev, dtype=torch.bfloat16),
+                             out=torch.empty(B, T, H, V, device=dev, dtype=torch.bfloat16)))
+        A_log = torch.rand(H, device=dev) - 0.5
+        dt_bias = torch.randn(H, K, device=dev) * 0.1
+        cu64 = torch.tensor([0] + list(__import__("itertools").accumulate(seqlens)), device=dev,
+                            dtype=torch.int64) if seqlens else None
+        gate = dict(use_gate_in_kernel=True, safe_gate=True, lower_bound=LOWER_BOUND, A_log=A_log,
+                    use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+
+        def run_cula(i, s=sets):
+            x = s[i % 2]
+            ops.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=scale, dt_bias=dt_bias, cu_seqlens=cu64,
+                          out=x["out"], **gate)
+
+        def run_fla(i, s=sets):
+            x = s[i % 2]
+            return fla_fn(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=scale, dt_bias=dt_bias.view(-1),
+                          cu_seqlens=cu64, **gate)
+
+        def run_flash(i, s=sets):
+            x = s[i % 2]
+            flash_fn(x["q"], x["k"], x["v"], x["g"], x["beta"], scale, x["out"], A_log, dt_bias, LOWER_BOUND,
+                     cu_seqlens=cu64)
+
+        def run_sdpa(i, s=sets):
+            x = s[i % 2]
+            q, k, v = (x[n].transpose(1, 2) for n in "qkv")
+            if not seqlens:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            start = 0
+            for n in seqlens:  # one call per sequence
+                F.scaled_dot_product_attention(q[:, :, start:start + n], k[:, :, start:start + n],
+                                               v[:, :, start:start + n], is_causal=True)
+                start += n
+
+        impls = [("cula", run_cula)]
+        if fla_fn:
+            impls.append(("fla_triton", run_fla))
+        if flash_fn:
+            impls.append(("flashkda", run_flash))
+        impls.append(("torch_sdpa", run_sdpa))
+        config = dict(name=name, B=B, T=T, H=H, K=K, V=V, seqlens=seqlens, dtype="bfloat16", gate="in_kernel",
+                      safe_gate=True, lower_bound=LOWER_BOUND, l2norm=True, beta_sigmoid=True)
+        res = {}
+        with torch.inference_mode():
+            for impl, fn in impls:
+                res[impl] = _time_ms(torch, fn)
+                records.append(dict(op="kda_fwd", config=config, impl=impl, median_ms=round(res[impl], 4), reps=REPS))
+            kernel = None
+            run_cula(0)
+            kernel = ops.last_kernel()
+            check = {}
+            if fla_fn:  # same inputs through FLA: agreement of the outputs
+                o_fla = run_fla(0)[0]
+                torch.cuda.synchronize()
+                a, b = sets[0]["out"].float(), o_fla.float()
+                check["rel_vs_fla"] = float((a - b).norm() / b.norm())
+        nbytes = B * T * H * (4 * K * 2 + 2 + V * 2)
+        floor = nbytes / (bw * 1e9) * 1e3
+        records.append(dict(op="kda_fwd", config=config, impl="floor", median_ms=round(floor, 4),
+                            note="q, k, v, g (bf16) and beta read, o written, at the copy bandwidth"))
+        for peer in ("fla_triton", "flashkda", "torch_sdpa"):
+            if peer in res:
+                records.append(dict(op="kda_fwd", config=config, impl=f"ratio_{peer}_over_cula",
+                                    ratio=round(res[peer] / res["cula"], 3)))
+        records.append(dict(op="kda_fwd", config=config, impl="cula_kernel", name=kernel, **check))
+        rows.append((name, res, floor, kernel, check))
+        prog.step(f"{name}: cula {res['cula']:.3f} ms")
+        del sets
+        torch.cuda.empty_cache()
+    os.makedirs(out_dir, exist_ok=True)
+    meta = dict(gpu=gpu_name or props.name, copy_gb_per_s=round(bw, 1), torch=torch.__version__,
+                fla=_version("fla-core"), flashkda=_version("flash_kda") if flash_fn else None,
+                date=time.strftime("%Y-%m-%d"), method=f"median of {REPS} single calls (CUDA events) after 3 warm-up "
+                "calls, alternating two input sets; FLA with FLA_FLASH_KDA=0, under torch.inference_mode")
+    with open(os.path.join(out_dir, "kda_fwd.json"), "w") as f:
+        json.dump(dict(meta=meta, records=records), f, indent=1)
+    peers = [p for p in ("fla_triton", "flashkda", "torch_sdpa") if any(p in r[1] for r in rows)]
+    lines = [f"# KDA chunked forward, bf16, K=V=128, gate in kernel (lb {LOWER_BOUND}), l2norm, beta sigmoid "
+             f"({meta['gpu']})", "", f"{meta['method']}. Copy bandwidth {bw:.0f} GB/s. Times in ms; ratios are "
+             "peer time / cula time (> 1: cula faster).", "",
+             "| config | floor | cula | " + " | ".join(peers) + " | " + " | ".join(f"{p}/cula" for p in peers) +
+             " | cula kernel | rel. diff vs FLA |",
+             "|---" * (4 + 2 * len(peers) + 1) + "|"]
+    geo = {p: [] for p in peers}
+    for name, res, floor, kernel, check in rows:
+        cells = [f"{res[p]:.3f}" if p in res else "-" for p in peers]
+        ratios = []
+        for p in peers:
+            if p in res:
+                geo[p].append(res[p] / res["cula"])
+                ratios.append(f"{res[p] / res['cula']:.2f}x")
+            else:
+                ratios.append("-")
+        lines.append(f"| {name} | {floor:.3f} | {res['cula']:.3f} | " + " | ".join(cells) + " | " + " | ".join(ratios) +
+                     f" | {kernel} | {check.get('rel_vs_fla', float('nan')):.1e} |")
+    lines.append("")
+    for p in peers:
+        if geo[p]:
+            gm = 1.0
+            for r in geo[p]:
+                gm *= r
+            gm **= 1 / len(geo[p])
+            lines.append(f"- geometric mean {p}/cula: {gm:.2f}x (worst {min(geo[p]):.2f}x)")
+            records.append(dict(op="kda_fwd", config="grid", impl=f"geomean_{p}_over_cula", ratio=round(gm, 3),
+                                worst=round(min(geo[p]), 3)))
+    with open(os.path.join(out_dir, "kda_fwd.json"), "w") as f:
+        json.dump(dict(meta=meta, records=records), f, indent=1)
+    with open(os.path.join(out_dir, "kda_fwd.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(11, 4))
+        names = [r[0] for r in rows]
+        allimpl = ["floor", "cula"] + peers
+        w = 0.8 / len(allimpl)
+        for j, impl in enumerate(allimpl):
+            vals = [r[2] if impl == "floor" else r[1].get(impl, 0) for r in rows]
+            ax.bar([i + j * w for i in range(len(rows))], vals, w, label=impl)
+        ax.set_xticks([i + 0.4 for i in range(len(rows))], names, rotation=30, ha="right", fontsize=7)
+        ax.set_ylabel("ms")
+        ax.set_title(f"KDA chunked forward ({meta['gpu']})")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "kda_fwd.png"), dpi=110)
+    except Exception as e:
+        print(f"no plot ({e})")
+    print("\n".join(lines))
+    return 0

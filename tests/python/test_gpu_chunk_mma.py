@@ -1,0 +1,132 @@
+"""The tensor-core chunked forward (cuda_mma) against the float64 reference over a randomized grid
+of shapes and options, with poisoned outputs and states. Skipped without a CUDA device."""
+
+import numpy as np
+import pytest
+from conftest import rel
+
+import cula
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+if not torch.cuda.is_available() or cula._lib.LIB.cula_cuda_device_count() == 0:
+    pytest.skip("no CUDA device visible to torch and cula", allow_module_level=True)
+
+TOL = 5e-3  # SPEC §5 for bf16 inputs
+
+
+def _draw(rng):
+    """One random configuration of everything the kernel takes."""
+    K = int(rng.choice([64, 128]))
+    varlen = bool(rng.random() < 0.4)
+    seqlens = [int(x) for x in rng.choice([0, 1, 63, 64, 65, 130, 200], size=int(rng.integers(2, 5)))]
+    if sum(seqlens) == 0:
+        seqlens.append(64)  # at least one token, so there is something to dispatch
+    return dict(
+        K=K, V=int(rng.choice([64, 128])), H=int(rng.choice([1, 2])), group=int(rng.choice([1, 2])),
+        seqlens=seqlens if varlen else None,
+        B=int(rng.integers(1, 3)), T=int(rng.choice([1, 17, 64, 100, 192, 257])),
+        layout=str(rng.choice(["k_last", "k_first"])), sdt=rng.choice([torch.float32, torch.bfloat16]),
+        gdt=rng.choice([torch.float32, torch.bfloat16]), l2=bool(rng.random() < 0.8), bsig=bool(rng.random() < 0.7),
+        lb=float(rng.choice([-5.0, -2.0, -0.5])), h0=bool(rng.random() < 0.7),
+        inter=(not varlen) and bool(rng.random() < 0.4),
+    )
+
+
+def _inputs(rng, c):
+    H, HV, K, V = c["H"], c["H"] * c["group"], c["K"], c["V"]
+    if c["seqlens"] is not None:
+        B, T, N = 1, int(sum(c["seqlens"])), len(c["seqlens"])
+    else:
+        B, T, N = c["B"], c["T"], c["B"]
+    t = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32))  # noqa: E731
+    kscale = 1.0 if c["l2"] else K ** -0.5  # keep the delta rule contractive without normalisation
+    d = dict(q=t(B, T, H, K).bfloat16(), k=(t(B, T, H, K) * kscale).bfloat16(), v=t(B, T, HV, V).bfloat16(),
+             g=t(B, T, HV, K).to(c["gdt"]),
+             beta=t(B, T, HV) if c["bsig"] else torch.from_numpy(rng.uniform(0.05, 1.0, (B, T, HV)).astype(np.float32)),
+             A_log=torch.from_numpy(rng.uniform(-1, 0.5, HV).astype(np.float32)), dt_bias=t(HV * K) * 0.5)
+    if c["h0"]:
+        shape = (N, HV, V, K) if c["layout"] == "k_last" else (N, HV, K, V)
+        d["initial_state"] = (t(*shape) * 0.3).to(c["sdt"])
+    cu = torch.tensor(np.cumsum([0] + c["seqlens"]), dtype=torch.int32) if c["seqlens"] is not None else None
+    kw = dict(use_qk_l2norm_in_kernel=c["l2"], use_gate_in_kernel=True, lower_bound=c["lb"], safe_gate=True,
+              use_beta_sigmoid_in_kernel=c["bsig"], output_final_state=True, state_layout=c["layout"],
+              return_intermediate_states=c["inter"])
+    return d, cu, kw
+
+
+def _check(rng, c):
+    d, cu, kw = _inputs(rng, c)
+    ref = cula.chunk_kda(**{n: (x.float() if n in "qkv" else x) for n, x in d.items()}, cu_seqlens=cu,
+                         backend="reference", **kw)
+    dev = {n: x.cuda() for n, x in d.items()}
+    out = torch.full(d["v"].shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    final = torch.full(ref[1].shape, float("nan"), dtype=c["sdt"] if not c["h0"] else d["initial_state"].dtype,
+                       device="cuda")
+    got = cula.chunk_kda(**dev, cu_seqlens=None if cu is None else cu.cuda(), out=out, final_state_out=final, **kw)
+    torch.cuda.synchronize()
+    assert cula.last_kernel() == "cuda_mma", f"dispatch chose {cula.last_kernel()!r}"
+    assert torch.isfinite(out.float()).all(), "unwritten or non-finite output"
+    assert torch.isfinite(final.float()).all(), "unwritten or non-finite final state"
+    errs = [rel(out.float().cpu().numpy(), ref[0].float().numpy()), rel(final.float().cpu().numpy(), ref[1].float().numpy())]
+    if kw["return_intermediate_states"]:
+        errs.append(rel(got[2].float().cpu().numpy(), ref[2].float().numpy()))
+    print(c, errs)
+    assert max(errs) < TOL, (c, errs)
+
+
+@pytest.mark.parametrize("draw", range(12))
+def test_mma_forward_matches_reference_on_random_configs(rng, draw):
+    _check(rng, _draw(rng))
+
+
+@pytest.mark.parametrize("K,V", [(64, 64), (128, 128), (64, 128), (128, 64)])
+def test_mma_forward_head_sizes_with_varlen_and_gva(rng, K, V):
+    _check(rng, dict(K=K, V=V, H=2, group=2, seqlens=[65, 0, 1, 200, 64], B=1, T=0, layout="k_last",
+                     sdt=torch.float32, gdt=torch.bfloat16, l2=True, bsig=True, lb=-5.0, h0=True, inter=False))
+
+
+def test_mma_forward_state_pool_in_place(rng):
+    H, K, V, P = 2, 128, 128, 6
+    q, k, v = (torch.randn(1, 300, H, K, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    g = torch.randn(1, 300, H, K, device="cuda")
+    beta = torch.randn(1, 300, H, device="cuda")
+    cu = torch.tensor([0, 100, 130, 300], device="cuda", dtype=torch.int32)
+    pool = torch.randn(P, H, V, K, device="cuda") * 0.3
+    idx = torch.tensor([4, -1, 1], device="cuda", dtype=torch.int32)
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0, safe_gate=True,
+              use_beta_sigmoid_in_kernel=True, A_log=torch.zeros(H, device="cuda"))
+    host = dict(q=q.cpu().float(), k=k.cpu().float(), v=v.cpu().float(), g=g.cpu(), beta=beta.cpu(), **{
+        n: x.cpu() for n, x in kw.items() if torch.is_tensor(x)})
+    pool_ref = pool.cpu().clone()
+    ref = cula.chunk_kda(**host, cu_seqlens=cu.cpu(), state_pool=pool_ref, state_indices=idx.cpu(), backend="reference",
+                         **{n: x for n, x in kw.items() if not torch.is_tensor(x)})
+    before = pool.clone()
+    o, _ = cula.chunk_kda(q, k, v, g, beta, cu_seqlens=cu, state_pool=pool, state_indices=idx, **kw)
+    torch.cuda.synchronize()
+    assert cula.last_kernel() == "cuda_mma"
+    for untouched in (0, 2, 3, 5):
+        assert torch.equal(pool[untouched], before[untouched]), f"slot {untouched} not named but changed"
+    assert rel(o.float().cpu().numpy(), ref[0].float().numpy()) < TOL
+    assert rel(pool[[4, 1]].cpu().numpy(), pool_ref[[4, 1]].numpy()) < TOL
+
+
+def test_mma_forward_long_sequence_at_lower_bound(rng):
+    """64k tokens with every gate at the lower bound: finite, and equal to the recurrent kernel."""
+    T, H, K = 65536, 1, 128
+    q, k, v = (torch.randn(1, T, H, K, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    g = torch.full((1, T, H, K), 30.0, device="cuda")  # sigmoid -> 1: every gate at the lower bound
+    beta = torch.randn(1, T, H, device="cuda")
+    kw = dict(use_gate_in_kernel=True, lower_bound=-5.0, safe_gate=True, A_log=torch.zeros(H, device="cuda"),
+              use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, output_final_state=True)
+    o, s = cula.chunk_kda(q, k, v, g, beta, **kw)
+    torch.cuda.synchronize()
+    assert cula.last_kernel() == "cuda_mma"
+    assert torch.isfinite(o.float()).all() and torch.isfinite(s).all()
+    # same call with an unaligned v view: the dispatch falls back to the recurrent kernel
+    v2 = torch.empty(1, T, H, K + 1, device="cuda", dtype=torch.bfloat16)[..., 1:]
+    v2.copy_(v)
+    o2, s2 = cula.chunk_kda(q, k, v2, g, beta, **kw)
+    torch.cuda.synchronize()
+    assert cula.last_kernel() == "cuda"
+    assert rel(o.float().cpu().numpy(), o2.float().cpu().numpy()) < TOL
+    assert rel(s.cpu().numpy(), s2.cpu().numpy()) < TOL
