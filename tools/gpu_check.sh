@@ -3,7 +3,7 @@
 # installs the wheels that travel in .whl/ (fla-core), runs the C++ tests, the whole pytest
 # suite (GPU tests and the FLA convention checks included) and compute-sanitizer memcheck and
 # racecheck on small shapes of the CUDA kernels; with a second argument "bench", the GPU
-# benchmarks as well. Logs and results go to the directory given (default: logs/).
+# benchmarks as well ("bench-kda": the KDA chunked forward benchmark only). Logs and results go to the directory given (default: logs/).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG=${1:-logs}
@@ -22,11 +22,17 @@ build/cula_tests --gtest_brief=1 2>&1 | tee "$LOG/ctest.txt" | tail -3 || status
 python3 -m pytest -q -rs -s -p no:cacheprovider tests/python 2>&1 | tee "$LOG/pytest.txt" | tail -25 || status=1
 for tool in memcheck racecheck; do
   compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
-    tests/python/test_gpu.py tests/python/test_gpu_decode.py tests/python/test_gpu_prefill.py -k "shape0 or shape1 or written or rejects or reference" 2>&1 | tee -a "$LOG/sanitizer.txt" | tail -4
+    tests/python/test_gpu.py tests/python/test_gpu_decode.py tests/python/test_gpu_prefill.py tests/python/test_gpu_chunk_mma.py \
+    -k "shape0 or shape1 or written or rejects or reference or head_sizes or pool" 2>&1 | tee -a "$LOG/sanitizer.txt" | tail -4
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done
 if [ "${2:-}" = "bench" ]; then
   python3 -m cula bench decode --out "$LOG/results" 2>&1 | tee "$LOG/bench_decode.txt" | tail -25 || status=1
+fi
+if [ "${2:-}" = "bench" ] || [ "${2:-}" = "bench-kda" ]; then
+  # FlashKDA joins when importable (built by hand from its public source; FLASHKDA_PATH names it)
+  PYTHONPATH=$PYTHONPATH${FLASHKDA_PATH:+:$FLASHKDA_PATH} python3 -m cula bench kda --out "$LOG/results" 2>&1 \
+    | tee "$LOG/bench_kda.txt" | tail -25 || status=1
 fi
 echo "gpu_check status: $status" | tee -a "$LOG/summary.txt"
 exit $status

@@ -97,8 +97,10 @@ void dispatch(const Kernel<Args> (&table)[N], const char* op, const Recurrence& 
 
 template <typename Args, size_t N>
 const char* first_name(const Kernel<Args> (&table)[N], int32_t device_type) {
+  // The backend (not the kernel row: several rows may share one backend, see cula_last_kernel).
   for (const auto& k : table)
-    if (k.device_type == device_type) return k.name;
+    if (k.device_type == device_type)
+      return k.backend == CULA_BACKEND_CUDA ? "cuda" : k.backend == CULA_BACKEND_CPU ? "cpu" : "reference";
   return "none";
 }
 
