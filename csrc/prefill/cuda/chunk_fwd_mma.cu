@@ -10,11 +10,13 @@
 //      one 16-token block);  A[i,j] = sum_c (k_i el_i E_IJ)[c] Kr_j[c], E_IJ = e^{G_bI - G_bJ}:
 //      every exponent splits through the first token of i's block, so no factor overflows.
 //      M = I + diag(beta) strict_lower(A_kk); Minv by 16x16 blocks (diagonal blocks by substitution
-//      in fp32, the rest by products); T = Minv diag(beta).
-//    It writes per chunk: W = -T (k e^G), U = T v, Qg = q e^G, Kd = k e^{G_last - G}, tril(A_qk)
-//    (bf16) and e^{G_last} (fp32): 72.5 KB for K = V = 128.
+//      in fp32, the rest by products).
+//    It writes per chunk: W = -Minv (beta k e^G), U = Minv (beta v), Qg = q e^G,
+//    Kd = k e^{G_last - G} (bf16), tril(A_qk) as bf16 hi + lo (it scales whole rows of o, so it
+//    keeps ~16 bits) and e^{G_last} (fp32): 80.5 KB for K = V = 128.
 //  scan (one CTA per sequence, value head and VB columns of V, chunks in order, the state slice
-//    S (K x VB, fp32) in registers): Vnew = U + W S;  o = Qg S + tril(A_qk) Vnew;
+//    S (K x VB, fp32) in registers; 8 warps, the second four on the other half of the columns):
+//    Vnew = U + W S;  o = Qg S + tril(A_qk) Vnew;
 //    S = e^{G_last} S + Kd^T Vnew. The next chunk's workspace streams in by cp.async (2 stages).
 // The in-block exponent bound (<= 15 |lower_bound|) is why the dispatch table sends only bounded
 // gates (lower_bound >= -5) here; unbounded gates take the recurrent kernel.
@@ -24,8 +26,8 @@
 // the block sums meet in shared memory. Shared buffers (K = V = 128: ~74 KB, three CTAs per SM):
 // R1 q tile -> q el -> M (fp32); KRAW k tile -> k el -> k e^G; KR Kr -> v tile; TB Minv;
 // TAB per-channel exponent rows; BT block sums.
-// scan: 4 warps; warp w owns rows 16w.. of the token-side products and channels w*K/4.. of the
-// state. Two stages of (W, Qg, Kd, tril(A_qk), U slice, e^{G_last}), S (bf16) and Vnew (bf16).
+// scan: 8 warps; warp w owns rows 16(w%4).. of the token-side products and channels (w%4)*K/4..
+// of the state, for half w/4 of the slice's columns. Two stages of (W, Qg, Kd, tril(A_qk), U slice, e^{G_last}), S (bf16) and Vnew (bf16).
 #include <cub/block/block_scan.cuh>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -48,7 +50,8 @@ using mma::pack;
 using mma::unpack;
 
 constexpr int kBT = 64;
-constexpr int kThreads = 128;
+constexpr int kThreads = 128;      // prep
+constexpr int kScanThreads = 256;  // scan
 
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
 
@@ -56,7 +59,7 @@ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 template <int K, int V>
 struct Work {
   static constexpr int oW = 0, oQ = oW + kBT * K * 2, oKd = oQ + kBT * K * 2, oA = oKd + kBT * K * 2,
-                       oU = oA + kBT * kBT * 2, oDL = oU + kBT * V * 2, bytes = oDL + K * 4;
+                       oU = oA + 2 * kBT * kBT * 2, oDL = oU + kBT * V * 2, bytes = oDL + K * 4;
   static_assert(bytes % 16 == 0, "16-byte aligned blocks");
 };
 
@@ -71,14 +74,15 @@ struct PrepLayout {
   static constexpr int oBT = oTAB + 15 * K * 4;  // per block: gate sum and first gate, per channel
   static constexpr int oBETA = oBT + 9 * K * 4;
   static constexpr int oGS = oBETA + kBT * 4;
-  static constexpr int bytes = oGS + kBT * 4;
+  static constexpr int oQK = oGS + kBT * 4;  // q.k of each row, fp32 (the diagonal of A_qk)
+  static constexpr int bytes = oQK + kBT * 4;
 };
 
 template <int K, int VB>
 struct ScanLayout {
   static constexpr int LDK = K + 8, LDV = VB + 8, LDT = kBT + 8;
   static constexpr int sW = 0, sQ = sW + kBT * LDK * 2, sKd = sQ + kBT * LDK * 2, sA = sKd + kBT * LDK * 2,
-                       sU = sA + kBT * LDT * 2, sDL = sU + kBT * LDV * 2, stage = sDL + K * 4;
+                       sU = sA + 2 * kBT * LDT * 2, sDL = sU + kBT * LDV * 2, stage = sDL + K * 4;
   static constexpr int oS = 2 * stage, oVN = oS + K * LDV * 2, bytes = oVN + kBT * LDV * 2;
 };
 
@@ -133,7 +137,6 @@ __global__ void __launch_bounds__(kThreads, 3)
   using Wk = Work<K, V>;
   constexpr int LDK = Ly::LDK, LDV = Ly::LDV, LDT = Ly::LDT, MS = Ly::MS;
   constexpr int KS = K / 16;
-  constexpr int NTV = V / 8;
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* q_s = reinterpret_cast<bf16*>(smem + Ly::oR1);
   float* m_s = reinterpret_cast<float*>(smem + Ly::oR1);
@@ -148,6 +151,7 @@ __global__ void __launch_bounds__(kThreads, 3)
   float* tab = reinterpret_cast<float*>(smem + Ly::oTAB);
   float* beta_s = reinterpret_cast<float*>(smem + Ly::oBETA);
   float* gs_s = reinterpret_cast<float*>(smem + Ly::oGS);
+  float* qk_s = reinterpret_cast<float*>(smem + Ly::oQK);
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int I = warp, bI = 16 * warp;
@@ -234,9 +238,9 @@ __global__ void __launch_bounds__(kThreads, 3)
   __syncthreads();  // B_a0: tiles landed
 
   // ---- row norms of this warp's rows (before the tiles are scaled in place)
-  float qs[2], ks[2], bt[2];
+  float qs[2], ks[2];
   {
-    float q2[2] = {0.0f, 0.0f}, k2[2] = {0.0f, 0.0f};
+    float q2[2] = {0.0f, 0.0f}, k2[2] = {0.0f, 0.0f}, qk[2] = {0.0f, 0.0f};
 #pragma unroll 1
     for (int kk = 0; kk < KS; ++kk)
 #pragma unroll
@@ -245,6 +249,7 @@ __global__ void __launch_bounds__(kThreads, 3)
         const float2 qv = bf2(q_s + row * LDK + col), kv = bf2(k_s + row * LDK + col);
         q2[rr & 1] += qv.x * qv.x + qv.y * qv.y;
         k2[rr & 1] += kv.x * kv.x + kv.y * kv.y;
+        qk[rr & 1] += qv.x * kv.x + qv.y * kv.y;
       }
 #pragma unroll
     for (int x = 0; x < 2; ++x) {
@@ -252,9 +257,13 @@ __global__ void __launch_bounds__(kThreads, 3)
       q2[x] += __shfl_xor_sync(0xffffffffu, q2[x], 2);
       k2[x] += __shfl_xor_sync(0xffffffffu, k2[x], 1);
       k2[x] += __shfl_xor_sync(0xffffffffu, k2[x], 2);
+      qk[x] += __shfl_xor_sync(0xffffffffu, qk[x], 1);
+      qk[x] += __shfl_xor_sync(0xffffffffu, qk[x], 2);
       qs[x] = p.l2norm ? p.scale * rsqrtf(q2[x] + 1e-6f) : p.scale;
       ks[x] = p.l2norm ? rsqrtf(k2[x] + 1e-6f) : 1.0f;
-      bt[x] = beta_s[bI + g + 8 * x];
+      // The diagonal of A_qk in fp32 from the unrounded rows: for short sequences it is most of o,
+      // and q.k of two nearly orthogonal rows loses its digits to bf16 rounding of q el and Kr.
+      if (t == 0) qk_s[bI + g + 8 * x] = qs[x] * ks[x] * qk[x];
     }
   }
 
@@ -330,67 +339,90 @@ __global__ void __launch_bounds__(kThreads, 3)
   }
   __syncthreads();  // B_c: Kr and the table visible
 
-    // ---- pair products A_kk, A_qk (row block I, column blocks J <= I) and q e^G fragments
-    float akk[4][2][4], aqk[4][2][4];
+    // ---- pair products A_kk, A_qk over the ten lower block pairs (Ib, Jb), dealt to the warps
+    // round-robin (three or two each, so the triangle costs every warp about the same); the left
+    // operands (k el, q el of rows Ib, scaled by E_{Ib,Jb} off the diagonal) come from shared
+    // memory. Qg = q el e^{G_bI} of this warp's rows goes straight out.
+    // (0,0) (1,0) (1,1) (2,0) (2,1) (2,2) (3,0) (3,1) (3,2) (3,3), pair q of warp w is number w + 4q
+    int pi[3], pj[3];
 #pragma unroll
-    for (int J = 0; J < 4; ++J)
+    for (int q = 0; q < 3; ++q) {
+      const int m = warp + 4 * q;
+      pi[q] = m < 1 ? 0 : m < 3 ? 1 : m < 6 ? 2 : m < 10 ? 3 : -1;
+      pj[q] = pi[q] < 0 ? -1 : m - pi[q] * (pi[q] + 1) / 2;
+    }
+    float akk[3][2][4], aqk[3][2][4];
+#pragma unroll
+    for (int q = 0; q < 3; ++q)
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) akk[J][nt][r] = 0.0f, aqk[J][nt][r] = 0.0f;
+        for (int r = 0; r < 4; ++r) akk[q][nt][r] = 0.0f, aqk[q][nt][r] = 0.0f;
     bf16* qgo = reinterpret_cast<bf16*>(blk + Wk::oQ);
 #pragma unroll 1
     for (int kk = 0; kk < KS; ++kk) {
-      uint32_t kl[4], ql[4];
 #pragma unroll
       for (int rr = 0; rr < 4; ++rr) {
         const int row = bI + g + 8 * (rr & 1), col = 16 * kk + 2 * t + 8 * (rr >> 1);
-        kl[rr] = *reinterpret_cast<const uint32_t*>(k_s + row * LDK + col);
-        ql[rr] = *reinterpret_cast<const uint32_t*>(q_s + row * LDK + col);
-        const float2 eb = *reinterpret_cast<const float2*>(tab + (kTabEb + I) * K + col), qv = unpack(ql[rr]);
+        const float2 eb = *reinterpret_cast<const float2*>(tab + (kTabEb + I) * K + col);
+        const float2 qv = bf2(q_s + row * LDK + col);
         u32at(qgo + row * K + col) = pack(qv.x * eb.x, qv.y * eb.y);
       }
 #pragma unroll
-      for (int J = 0; J < 4; ++J) {
-        if (J > I) continue;
-        uint32_t ak[4], aq[4];
+      for (int q = 0; q < 3; ++q) {
+        if (pi[q] < 0) continue;
+        const int Ib = pi[q], Jb = pj[q];
+        uint32_t ak[4], aq[4], b[4];
+        mma::ldsm_x4(ak, k_s + (16 * Ib + mma::a_row(lane)) * LDK + 16 * kk + mma::a_col(lane));
+        mma::ldsm_x4(aq, q_s + (16 * Ib + mma::a_row(lane)) * LDK + 16 * kk + mma::a_col(lane));
+        if (Jb < Ib) {
 #pragma unroll
-        for (int rr = 0; rr < 4; ++rr) {
-          if (J == I) {
-            ak[rr] = kl[rr], aq[rr] = ql[rr];
-          } else {
-            const float2 e = *reinterpret_cast<const float2*>(tab + tab_pair(I, J) * K + 16 * kk + 2 * t + 8 * (rr >> 1));
-            const float2 kv = unpack(kl[rr]), qv = unpack(ql[rr]);
+          for (int rr = 0; rr < 4; ++rr) {
+            const float2 e = *reinterpret_cast<const float2*>(tab + tab_pair(Ib, Jb) * K + 16 * kk + 2 * t + 8 * (rr >> 1));
+            const float2 kv = unpack(ak[rr]), qv = unpack(aq[rr]);
             ak[rr] = pack(kv.x * e.x, kv.y * e.y);
             aq[rr] = pack(qv.x * e.x, qv.y * e.y);
           }
         }
-        uint32_t b[4];
-        mma::ldsm_x4(b, kr_s + (16 * J + mma::bn_row(lane)) * LDK + 16 * kk + mma::bn_col(lane));
+        mma::ldsm_x4(b, kr_s + (16 * Jb + mma::bn_row(lane)) * LDK + 16 * kk + mma::bn_col(lane));
         if (DELTA) {
-          mma::mma16816(akk[J][0], ak, b[0], b[1]);
-          mma::mma16816(akk[J][1], ak, b[2], b[3]);
+          mma::mma16816(akk[q][0], ak, b[0], b[1]);
+          mma::mma16816(akk[q][1], ak, b[2], b[3]);
         }
-        mma::mma16816(aqk[J][0], aq, b[0], b[1]);
-        mma::mma16816(aqk[J][1], aq, b[2], b[3]);
+        mma::mma16816(aqk[q][0], aq, b[0], b[1]);
+        mma::mma16816(aqk[q][1], aq, b[2], b[3]);
       }
     }
+    __syncthreads();  // B_c2: every warp done with the k el tile (it becomes k e^G next)
     // k e^G = Kl e^{G_bI} for this warp's rows, in place of Kl
     if (DELTA)
-      for (int idx = lane; idx < 16 * (K / 2); idx += 32) {
-        const int row = bI + idx / (K / 2), c2 = (idx % (K / 2)) * 2;
-        const float2 kv = bf2(k_s + row * LDK + c2);
-        const float2 eb = *reinterpret_cast<const float2*>(tab + (kTabEb + I) * K + c2);
-        u32at(ck_s + row * LDK + c2) = pack(kv.x * eb.x, kv.y * eb.y);
+      for (int idx = lane; idx < 16 * (K / 8); idx += 32) {
+        const int row = bI + idx / (K / 8), c8 = (idx % (K / 8)) * 8;
+        uint4 kv = *reinterpret_cast<const uint4*>(k_s + row * LDK + c8);
+        const float* eb = tab + (kTabEb + I) * K + c8;
+        const float b = beta_s[row];
+        uint32_t* w = reinterpret_cast<uint32_t*>(&kv);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 x = unpack(w[j]);
+          w[j] = pack(x.x * eb[2 * j] * b, x.y * eb[2 * j + 1] * b);
+        }
+        *reinterpret_cast<uint4*>(ck_s + row * LDK + c8) = kv;
       }
     // Kd = Kr e^{G_last - G_bI} for this warp's rows, straight to the workspace
     {
       bf16* kdo = reinterpret_cast<bf16*>(blk + Wk::oKd);
-      for (int idx = lane; idx < 16 * (K / 2); idx += 32) {
-        const int row = bI + idx / (K / 2), c2 = (idx % (K / 2)) * 2;
-        const float2 kv = bf2(kr_s + row * LDK + c2);
-        const float2 ed = *reinterpret_cast<const float2*>(tab + (kTabEd + I) * K + c2);
-        u32at(kdo + row * K + c2) = pack(kv.x * ed.x, kv.y * ed.y);
+      for (int idx = lane; idx < 16 * (K / 8); idx += 32) {
+        const int row = bI + idx / (K / 8), c8 = (idx % (K / 8)) * 8;
+        uint4 kv = *reinterpret_cast<const uint4*>(kr_s + row * LDK + c8);
+        const float* ed = tab + (kTabEd + I) * K + c8;
+        uint32_t* w = reinterpret_cast<uint32_t*>(&kv);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 x = unpack(w[j]);
+          w[j] = pack(x.x * ed[2 * j], x.y * ed[2 * j + 1]);
+        }
+        *reinterpret_cast<uint4*>(kdo + row * K + c8) = kv;
       }
       if (tid < K) reinterpret_cast<float*>(blk + Wk::oDL)[tid] = tab[kTabLast * K + tid];
     }
@@ -410,36 +442,42 @@ __global__ void __launch_bounds__(kThreads, 3)
       mma::cp_async_commit();
     }
 
-    // ---- M = I + diag(beta) strict_lower(A_kk); tril(A_qk) as bf16 A fragments
-    uint32_t aqf[4][4];
-#pragma unroll
-    for (int J = 0; J < 4; ++J) {
-      if (J > I) continue;
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int gi = bI + g + 8 * (r >> 1), gj = 16 * J + nt * 8 + 2 * t + (r & 1);
-          if (gj > gi) aqk[J][nt][r] = 0.0f;
-          if (DELTA) m_s[gi * MS + gj] = gj < gi ? bt[r >> 1] * akk[J][nt][r] : (gj == gi ? 1.0f : 0.0f);
-        }
-      aqf[J][0] = pack(aqk[J][0][0], aqk[J][0][1]);
-      aqf[J][1] = pack(aqk[J][0][2], aqk[J][0][3]);
-      aqf[J][2] = pack(aqk[J][1][0], aqk[J][1][1]);
-      aqf[J][3] = pack(aqk[J][1][2], aqk[J][1][3]);
-    }
-
+    // ---- M = I + diag(beta) strict_lower(A_kk) for this warp's pairs; tril(A_qk) out (blocks
+    // above the diagonal of this warp's row block are zeros)
     {
       bf16* aqo = reinterpret_cast<bf16*>(blk + Wk::oA);
 #pragma unroll
-      for (int J = 0; J < 4; ++J) {
-        // blocks above the diagonal are zero
+      for (int q = 0; q < 3; ++q) {
+        if (pi[q] < 0) continue;
+        const int Ib = pi[q], Jb = pj[q];
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh)
+        for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-          for (int nt = 0; nt < 2; ++nt)
-            u32at(aqo + (bI + g + 8 * hh) * kBT + 16 * J + nt * 8 + 2 * t) = J > I ? 0u : aqf[J][2 * nt + hh];
+          for (int hh = 0; hh < 2; ++hh) {
+            const int gi = 16 * Ib + g + 8 * hh, gj = 16 * Jb + nt * 8 + 2 * t;
+            const float a0 = gj > gi ? 0.0f : gj == gi ? qk_s[gi] : aqk[q][nt][2 * hh];
+            const float a1 = gj + 1 > gi ? 0.0f : gj + 1 == gi ? qk_s[gi] : aqk[q][nt][2 * hh + 1];
+            const uint32_t hi = pack(a0, a1);
+            const float2 h2 = unpack(hi);
+            u32at(aqo + gi * kBT + gj) = hi;  // hi + lo carries A_qk to ~16 bits: it scales whole rows of o
+            u32at(aqo + kBT * kBT + gi * kBT + gj) = pack(a0 - h2.x, a1 - h2.y);
+            if (DELTA) {
+              const float b = beta_s[gi];
+              m_s[gi * MS + gj] = gj < gi ? b * akk[q][nt][2 * hh] : (gj == gi ? 1.0f : 0.0f);
+              m_s[gi * MS + gj + 1] = gj + 1 < gi ? b * akk[q][nt][2 * hh + 1] : (gj + 1 == gi ? 1.0f : 0.0f);
+            }
+          }
       }
+#pragma unroll
+      for (int J = 0; J < 4; ++J)
+        if (J > I)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+              u32at(aqo + (bI + g + 8 * hh) * kBT + 16 * J + nt * 8 + 2 * t) = 0u;
+              u32at(aqo + kBT * kBT + (bI + g + 8 * hh) * kBT + 16 * J + nt * 8 + 2 * t) = 0u;
+            }
     }
 
     bf16* uo = reinterpret_cast<bf16*>(blk + Wk::oU);
@@ -499,53 +537,74 @@ __global__ void __launch_bounds__(kThreads, 3)
       mma::cp_async_wait_all();
       __syncthreads();  // B_g: Minv complete, v landed
 
-      // ---- T = Minv diag(beta) as A fragments; U = T v; W = -T (k e^G)
-      uint32_t ta[4][4];
+      // ---- Minv, all ten lower blocks as A fragments; U = Minv (beta v), W = -Minv (beta k e^G). Each warp takes a quarter of
+      // the columns of U = T v and of W = -T (k e^G) for all rows, so the triangle costs every
+      // warp the same; a B tile is loaded once and serves the row blocks at or below it.
+      uint32_t ta[4][4][4];
 #pragma unroll
-      for (int Jb = 0; Jb < 4; ++Jb) {
-        if (Jb > I) continue;
-        mma::ldsm_x4(ta[Jb], t_s + (bI + mma::a_row(lane)) * LDT + 16 * Jb + mma::a_col(lane));
+      for (int Ib = 0; Ib < 4; ++Ib)
 #pragma unroll
-        for (int rr = 0; rr < 4; ++rr) {
-          const int col = 16 * Jb + 2 * t + 8 * (rr >> 1);
-          const float2 x = unpack(ta[Jb][rr]);
-          ta[Jb][rr] = pack(x.x * beta_s[col], x.y * beta_s[col + 1]);
+        for (int Jb = 0; Jb <= Ib; ++Jb) {
+          mma::ldsm_x4(ta[Ib][Jb], t_s + (16 * Ib + mma::a_row(lane)) * LDT + 16 * Jb + mma::a_col(lane));
         }
+      // beta v, row by row in fp32 (beta folded into T's bf16 columns would scale whole rows by a
+      // rounded factor)
+      for (int idx = tid; idx < kBT * (V / 8); idx += kThreads) {
+        const int r = idx / (V / 8), c8 = (idx % (V / 8)) * 8;
+        uint4 x = *reinterpret_cast<const uint4*>(v_s + r * LDV + c8);
+        uint32_t* w = reinterpret_cast<uint32_t*>(&x);
+        const float b = beta_s[r];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 y = unpack(w[j]);
+          w[j] = pack(y.x * b, y.y * b);
+        }
+        *reinterpret_cast<uint4*>(v_s + r * LDV + c8) = x;
       }
-#pragma unroll 1
-      for (int np = 0; np < NTV / 2; ++np) {
-        float u[2][4] = {};
+      __syncthreads();  // beta v complete
+      // acc[Ib] += T_{Ib,Jb} B_Jb over Jb, for the 16 columns at c0 of src (row-major, leading dim ld)
+      auto tri_product = [&](const bf16* src, int ld, int c0, float (&acc)[4][2][4]) {
+#pragma unroll
+        for (int Ib = 0; Ib < 4; ++Ib)
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) acc[Ib][nt][r] = 0.0f;
 #pragma unroll
         for (int Jb = 0; Jb < 4; ++Jb) {
-          if (Jb > I) continue;
           uint32_t b[4];
-          mma::ldsm_x4_t(b, v_s + (16 * Jb + mma::bk_row(lane)) * LDV + 16 * np + mma::bk_col(lane));
-          mma::mma16816(u[0], ta[Jb], b[0], b[1]);
-          mma::mma16816(u[1], ta[Jb], b[2], b[3]);
+          mma::ldsm_x4_t(b, src + (16 * Jb + mma::bk_row(lane)) * ld + c0 + mma::bk_col(lane));
+#pragma unroll
+          for (int Ib = Jb; Ib < 4; ++Ib) {
+            mma::mma16816(acc[Ib][0], ta[Ib][Jb], b[0], b[1]);
+            mma::mma16816(acc[Ib][1], ta[Ib][Jb], b[2], b[3]);
+          }
         }
+      };
+#pragma unroll 1
+      for (int c0 = warp * (V / 4); c0 < (warp + 1) * (V / 4); c0 += 16) {
+        float u[4][2][4];
+        tri_product(v_s, LDV, c0, u);
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
+        for (int Ib = 0; Ib < 4; ++Ib)
 #pragma unroll
-          for (int hh = 0; hh < 2; ++hh)
-            u32at(uo + (bI + g + 8 * hh) * V + 16 * np + 8 * nt + 2 * t) = pack(u[nt][2 * hh], u[nt][2 * hh + 1]);
+          for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh)
+              u32at(uo + (16 * Ib + g + 8 * hh) * V + c0 + 8 * nt + 2 * t) = pack(u[Ib][nt][2 * hh], u[Ib][nt][2 * hh + 1]);
       }
       bf16* wo = reinterpret_cast<bf16*>(blk + Wk::oW);
 #pragma unroll 1
-      for (int kk = 0; kk < KS; ++kk) {
-        float w[2][4] = {};
+      for (int c0 = warp * (K / 4); c0 < (warp + 1) * (K / 4); c0 += 16) {
+        float w[4][2][4];
+        tri_product(ck_s, LDK, c0, w);
 #pragma unroll
-        for (int Jb = 0; Jb < 4; ++Jb) {
-          if (Jb > I) continue;
-          uint32_t b[4];
-          mma::ldsm_x4_t(b, ck_s + (16 * Jb + mma::bk_row(lane)) * LDK + 16 * kk + mma::bk_col(lane));
-          mma::mma16816(w[0], ta[Jb], b[0], b[1]);
-          mma::mma16816(w[1], ta[Jb], b[2], b[3]);
-        }
+        for (int Ib = 0; Ib < 4; ++Ib)
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
+          for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-          for (int hh = 0; hh < 2; ++hh)
-            u32at(wo + (bI + g + 8 * hh) * K + 16 * kk + 8 * nt + 2 * t) = pack(-w[nt][2 * hh], -w[nt][2 * hh + 1]);
+            for (int hh = 0; hh < 2; ++hh)
+              u32at(wo + (16 * Ib + g + 8 * hh) * K + c0 + 8 * nt + 2 * t) = pack(-w[Ib][nt][2 * hh], -w[Ib][nt][2 * hh + 1]);
       }
     } else {
       mma::cp_async_wait_all();
@@ -558,20 +617,21 @@ __global__ void __launch_bounds__(kThreads, 3)
 }
 
 template <int K, int V, int VB, bool DELTA>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kScanThreads, 1)
     chunk_scan_kernel(const FwdParams p, const int32_t* __restrict__ chunk_base, const unsigned char* __restrict__ work) {
   using Ly = ScanLayout<K, VB>;
   using Wk = Work<K, V>;
   constexpr int LDK = Ly::LDK, LDV = Ly::LDV, LDT = Ly::LDT;
   constexpr int KS = K / 16;
   constexpr int NT = VB / 8;
+  constexpr int NTH = NT / 2;  // n-tiles per warp: warps 4..7 take the second half of the columns
   constexpr int MT = K / 64;
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* s_s = reinterpret_cast<bf16*>(smem + Ly::oS);
   bf16* vn_s = reinterpret_cast<bf16*>(smem + Ly::oVN);
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int I = warp, bI = 16 * warp;
+  const int I = warp & 3, bI = 16 * I, hc0 = (warp >> 2) * (VB / 2);
   const int nvb = p.V / VB;
   const int vb = static_cast<int>(blockIdx.x % nvb);
   const int hv = static_cast<int>((blockIdx.x / nvb) % p.HV);
@@ -582,19 +642,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int nchunks = static_cast<int>((len + kBT - 1) / kBT);
   const int64_t cbase = chunk_base ? chunk_base[n] : static_cast<int64_t>(n) * chunks_of(p);
 
-  // State slice: element (mt, nt, r) = channel cw + mt*16 + g + 8(r>>1), column v0 + nt*8 + 2t + (r&1).
-  const int cw = warp * (K / 4);
-  float s[MT][NT][4];
+  // State slice: element (mt, nt, r) = channel cw + mt*16 + g + 8(r>>1), column v0 + hc0 + nt*8 + 2t + (r&1).
+  const int cw = I * (K / 4);
+  float s[MT][NTH][4];
   int64_t slot = -1;
   if (p.pool) slot = p.pool_idx ? p.pool_idx[n] : n;
   if (slot >= p.P) slot = -1;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+    for (int nt = 0; nt < NTH; ++nt)
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
-        const int c = cw + mt * 16 + g + 8 * (r >> 1), j = v0 + nt * 8 + 2 * t + (r & 1);
+        const int c = cw + mt * 16 + g + 8 * (r >> 1), j = v0 + hc0 + nt * 8 + 2 * t + (r & 1);
         float x = 0.0f;
         if (p.h0) x = dev::ld(p.h0, p.h0_dt, state_elem(p, n, hv, j, c));
         else if (slot >= 0) x = dev::ld(p.pool, p.pool_dt, state_elem(p, slot, hv, j, c));
@@ -606,20 +666,20 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (c < nchunks) {
       const unsigned char* blk = work + ((cbase + c) * p.HV + hv) * Wk::bytes;
       unsigned char* dst = smem + st * Ly::stage;
-      for (int idx = tid; idx < 3 * kBT * (K / 8); idx += kThreads) {
+      for (int idx = tid; idx < 3 * kBT * (K / 8); idx += kScanThreads) {
         const int m = idx / (kBT * (K / 8)), rem = idx % (kBT * (K / 8)), r = rem / (K / 8), c8 = (rem % (K / 8)) * 8;
         const int so = m == 0 ? Ly::sW : m == 1 ? Ly::sQ : Ly::sKd, go = m == 0 ? Wk::oW : m == 1 ? Wk::oQ : Wk::oKd;
         mma::cp_async16(dst + so + (r * LDK + c8) * 2, blk + go + (r * K + c8) * 2);
       }
-      for (int idx = tid; idx < kBT * (kBT / 8); idx += kThreads) {
-        const int r = idx / (kBT / 8), c8 = (idx % (kBT / 8)) * 8;
+      for (int idx = tid; idx < 2 * kBT * (kBT / 8); idx += kScanThreads) {
+        const int r = idx / (kBT / 8), c8 = (idx % (kBT / 8)) * 8;  // rows 64..127: the lo plane
         mma::cp_async16(dst + Ly::sA + (r * LDT + c8) * 2, blk + Wk::oA + (r * kBT + c8) * 2);
       }
-      for (int idx = tid; idx < kBT * (VB / 8); idx += kThreads) {
+      for (int idx = tid; idx < kBT * (VB / 8); idx += kScanThreads) {
         const int r = idx / (VB / 8), c8 = (idx % (VB / 8)) * 8;
         mma::cp_async16(dst + Ly::sU + (r * LDV + c8) * 2, blk + Wk::oU + (r * V + v0 + c8) * 2);
       }
-      for (int idx = tid; idx < K / 4; idx += kThreads)
+      for (int idx = tid; idx < K / 4; idx += kScanThreads)
         mma::cp_async16(dst + Ly::sDL + idx * 16, blk + Wk::oDL + idx * 16);
     }
     mma::cp_async_commit();
@@ -644,31 +704,31 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
+      for (int nt = 0; nt < NTH; ++nt)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
-          u32at(s_s + (cw + mt * 16 + g + 8 * hh) * LDV + nt * 8 + 2 * t) = pack(s[mt][nt][2 * hh], s[mt][nt][2 * hh + 1]);
+          u32at(s_s + (cw + mt * 16 + g + 8 * hh) * LDV + hc0 + nt * 8 + 2 * t) = pack(s[mt][nt][2 * hh], s[mt][nt][2 * hh + 1]);
     if (p.inter) {
       const int64_t row = cbase + c;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+        for (int nt = 0; nt < NTH; ++nt)
 #pragma unroll
           for (int r = 0; r < 4; ++r)
             dev::st(p.inter, p.inter_dt,
-                    state_elem(p, row, hv, v0 + nt * 8 + 2 * t + (r & 1), cw + mt * 16 + g + 8 * (r >> 1)), s[mt][nt][r]);
+                    state_elem(p, row, hv, v0 + hc0 + nt * 8 + 2 * t + (r & 1), cw + mt * 16 + g + 8 * (r >> 1)), s[mt][nt][r]);
     }
     asm volatile("cp.async.wait_group 1;\n" ::: "memory");
     __syncthreads();  // B1: this chunk's stage landed; S visible
 
     // Vnew = U + W S and o = Qg S, sharing the S fragments
-    float vn[NT][4], o[NT][4];
+    float vn[NTH][4], o[NTH][4];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+    for (int nt = 0; nt < NTH; ++nt)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
-        const float2 u = bf2(u_s + (bI + g + 8 * hh) * LDV + nt * 8 + 2 * t);
+        const float2 u = bf2(u_s + (bI + g + 8 * hh) * LDV + hc0 + nt * 8 + 2 * t);
         vn[nt][2 * hh] = DELTA ? u.x : 0.0f, vn[nt][2 * hh + 1] = DELTA ? u.y : 0.0f;
         o[nt][2 * hh] = 0.0f, o[nt][2 * hh + 1] = 0.0f;
       }
@@ -678,9 +738,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (DELTA) mma::ldsm_x4(aw, w_s + (bI + mma::a_row(lane)) * LDK + 16 * kk + mma::a_col(lane));
       mma::ldsm_x4(aq, qg_s + (bI + mma::a_row(lane)) * LDK + 16 * kk + mma::a_col(lane));
 #pragma unroll
-      for (int np = 0; np < NT / 2; ++np) {
+      for (int np = 0; np < NTH / 2; ++np) {
         uint32_t b[4];
-        mma::ldsm_x4_t(b, s_s + (16 * kk + mma::bk_row(lane)) * LDV + 16 * np + mma::bk_col(lane));
+        mma::ldsm_x4_t(b, s_s + (16 * kk + mma::bk_row(lane)) * LDV + hc0 + 16 * np + mma::bk_col(lane));
         if (DELTA) {
           mma::mma16816(vn[2 * np], aw, b[0], b[1]);
           mma::mma16816(vn[2 * np + 1], aw, b[2], b[3]);
@@ -692,10 +752,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     const bf16* vsrc = DELTA ? vn_s : u_s;  // without the delta rule Vnew = U = v
     if (DELTA) {
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
+      for (int nt = 0; nt < NTH; ++nt)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
-          u32at(vn_s + (bI + g + 8 * hh) * LDV + nt * 8 + 2 * t) = pack(vn[nt][2 * hh], vn[nt][2 * hh + 1]);
+          u32at(vn_s + (bI + g + 8 * hh) * LDV + hc0 + nt * 8 + 2 * t) = pack(vn[nt][2 * hh], vn[nt][2 * hh + 1]);
       __syncthreads();  // B2: Vnew visible
     }
 
@@ -703,23 +763,26 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int Jb = 0; Jb < 4; ++Jb) {
       if (Jb > I) continue;
-      uint32_t a[4];
+      uint32_t a[4], alo[4];
       mma::ldsm_x4(a, a_s + (bI + mma::a_row(lane)) * LDT + 16 * Jb + mma::a_col(lane));
+      mma::ldsm_x4(alo, a_s + (kBT + bI + mma::a_row(lane)) * LDT + 16 * Jb + mma::a_col(lane));
 #pragma unroll
-      for (int np = 0; np < NT / 2; ++np) {
+      for (int np = 0; np < NTH / 2; ++np) {
         uint32_t b[4];
-        mma::ldsm_x4_t(b, vsrc + (16 * Jb + mma::bk_row(lane)) * LDV + 16 * np + mma::bk_col(lane));
+        mma::ldsm_x4_t(b, vsrc + (16 * Jb + mma::bk_row(lane)) * LDV + hc0 + 16 * np + mma::bk_col(lane));
         mma::mma16816(o[2 * np], a, b[0], b[1]);
         mma::mma16816(o[2 * np + 1], a, b[2], b[3]);
+        mma::mma16816(o[2 * np], alo, b[0], b[1]);
+        mma::mma16816(o[2 * np + 1], alo, b[2], b[3]);
       }
     }
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int row = bI + g + 8 * hh;
       if (row >= Lc) continue;
-      bf16* dst = og + sq.b_row * p.out_s[0] + (t0 + row) * p.out_s[1] + hv * p.out_s[2] + v0 + 2 * t;
+      bf16* dst = og + sq.b_row * p.out_s[0] + (t0 + row) * p.out_s[1] + hv * p.out_s[2] + v0 + hc0 + 2 * t;
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) u32at(dst + nt * 8) = pack(o[nt][2 * hh], o[nt][2 * hh + 1]);
+      for (int nt = 0; nt < NTH; ++nt) u32at(dst + nt * 8) = pack(o[nt][2 * hh], o[nt][2 * hh + 1]);
     }
 
     // S = e^{G_last} S + Kd^T Vnew
@@ -728,7 +791,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int cb = cw + mt * 16;
       const float d0 = dl_s[cb + g], d1 = dl_s[cb + g + 8];
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
+      for (int nt = 0; nt < NTH; ++nt) {
         s[mt][nt][0] *= d0, s[mt][nt][1] *= d0;
         s[mt][nt][2] *= d1, s[mt][nt][3] *= d1;
       }
@@ -737,9 +800,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         uint32_t a[4];
         mma::ldsm_x4_t(a, kd_s + (16 * kj + mma::at_row(lane)) * LDK + cb + mma::at_col(lane));
 #pragma unroll
-        for (int np = 0; np < NT / 2; ++np) {
+        for (int np = 0; np < NTH / 2; ++np) {
           uint32_t b[4];
-          mma::ldsm_x4_t(b, vsrc + (16 * kj + mma::bk_row(lane)) * LDV + 16 * np + mma::bk_col(lane));
+          mma::ldsm_x4_t(b, vsrc + (16 * kj + mma::bk_row(lane)) * LDV + hc0 + 16 * np + mma::bk_col(lane));
           mma::mma16816(s[mt][2 * np], a, b[0], b[1]);
           mma::mma16816(s[mt][2 * np + 1], a, b[2], b[3]);
         }
@@ -753,10 +816,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
+      for (int nt = 0; nt < NTH; ++nt)
 #pragma unroll
         for (int r = 0; r < 4; ++r)
-          dev::st(dst, dt, state_elem(p, sl, hv, v0 + nt * 8 + 2 * t + (r & 1), cw + mt * 16 + g + 8 * (r >> 1)), s[mt][nt][r]);
+          dev::st(dst, dt, state_elem(p, sl, hv, v0 + hc0 + nt * 8 + 2 * t + (r & 1), cw + mt * 16 + g + 8 * (r >> 1)), s[mt][nt][r]);
   };
   if (p.ht) store_state(p.ht, p.ht_dt, n);
   if (slot >= 0) store_state(p.pool, p.pool_dt, slot);
@@ -811,7 +874,7 @@ void run(const Recurrence& r, const FwdParams& p, int device, cudaStream_t strea
       <<<static_cast<unsigned>(prep_blocks), kThreads, PrepLayout<K, V>::bytes, stream>>>(p, chunk_base, work);
   allow_smem(chunk_scan_kernel<K, V, VB, DELTA>, ScanLayout<K, VB>::bytes);
   chunk_scan_kernel<K, V, VB, DELTA>
-      <<<static_cast<unsigned>(scan_blocks), kThreads, ScanLayout<K, VB>::bytes, stream>>>(p, chunk_base, work);
+      <<<static_cast<unsigned>(scan_blocks), kScanThreads, ScanLayout<K, VB>::bytes, stream>>>(p, chunk_base, work);
   const cudaError_t launched = cudaGetLastError();
   check(cudaFreeAsync(ws, stream), "workspace release");
   check(launched, "kernel launch");
