@@ -115,3 +115,21 @@ def test_cli_demo_quick():
     assert r.returncode == 0, r.stdout + r.stderr
     assert "all families match the float64 reference" in r.stdout
     assert "softmax" in r.stdout
+
+
+def test_last_kernel_names_the_row_that_ran(rng):
+    B, T, H, K = 1, 40, 2, 32
+    q, k, v = (rng.standard_normal((B, T, H, K)).astype(np.float32) for _ in range(3))
+    g = -rng.uniform(0.01, 0.3, (B, T, H, K)).astype(np.float32)
+    beta = rng.uniform(0.1, 0.9, (B, T, H)).astype(np.float32)
+    cula.chunk_kda(q, k, v, g, beta)
+    assert cula.last_kernel() == "cpu"
+    cula.chunk_kda(*(x.astype(np.float64) for x in (q, k, v, g, beta)))
+    assert cula.last_kernel() == "reference"  # float64 in: float64 arithmetic
+    cula.chunk_kda(*(x.astype(np.float64) for x in (q, k, v, g, beta)), backend="cpu")
+    assert cula.last_kernel() == "cpu"  # an explicit backend runs even where AUTO would not pick it
+    cula.decode(q[:, :1].reshape(1, 1, H, K), k[:, :1].reshape(1, 1, H, K), v[:, :1].reshape(1, 1, H, K),
+                np.zeros((1, H, K, K), np.float32), mode="kda", g=g[:, :1].reshape(1, 1, H, K),
+                beta=beta[:, :1].reshape(1, 1, H))
+    assert cula.last_kernel() == "cpu"
+    assert cula.backend_for("chunk_fwd", "cpu") == "cpu"
