@@ -13,9 +13,12 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                            use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
                            state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
                            cp_context=None, **kwargs):
-    """FLA ``chunk_gated_delta_rule``: scalar log-gate g [B, T, HV], beta [B, T, HV]."""
+    """FLA ``chunk_gated_delta_rule``: scalar log-gate g [B, T, HV], beta [B, T, HV]; like FLA it also
+    takes ``use_gate_in_kernel`` with ``A_log`` [HV] and ``dt_bias`` [HV] through its keywords (g raw)."""
     state_v_first = resolve_state_layout("chunk_gated_delta_rule", state_v_first, kwargs)
     chunk_size = kwargs.pop("chunk_size", 64)
+    use_gate_in_kernel = kwargs.pop("use_gate_in_kernel", False)
+    A_log, dt_bias = kwargs.pop("A_log", None), kwargs.pop("dt_bias", None)
     reject_unknown("chunk_gated_delta_rule", kwargs)
     unsupported("chunk_gated_delta_rule", cp_context=cp_context)
     del chunk_indices  # FLA's precomputed chunk bookkeeping: cula derives its own
@@ -23,7 +26,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                  output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                  use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
                  chunk_size=chunk_size, cu_seqlens=cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens,
-                 state_layout="k_last" if state_v_first else "k_first")
+                 state_layout="k_last" if state_v_first else "k_first", use_gate_in_kernel=use_gate_in_kernel,
+                 A_log=A_log, dt_bias=dt_bias)
 
 
 def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None, initial_state=None,

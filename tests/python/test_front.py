@@ -162,3 +162,21 @@ def test_dropin_chunk_kda_autograd_matches_torch_autograd(rng):
     grads_ref = torch.autograd.grad((o_ref * do).sum() + (s_ref * ds).sum(), (q, k, v, graw, braw, h0))
     for name, a, b in zip(("q", "k", "v", "g", "beta", "h0"), grads, grads_ref):
         assert rel(a.numpy(), b.numpy()) < 1e-10, name
+
+
+def test_gdn_dropin_gate_in_kernel_equals_precomputed_log_gate(rng):
+    """FLA's chunk_gated_delta_rule takes use_gate_in_kernel/A_log/dt_bias through its keywords."""
+    from cula.gated_delta_rule import chunk_gated_delta_rule
+
+    B, T, H, K = 1, 70, 2, 32
+    q, k, v = (rng.standard_normal((B, T, H, K)).astype(np.float32) for _ in range(3))
+    g = rng.standard_normal((B, T, H)).astype(np.float32)
+    beta = rng.uniform(0.1, 0.9, (B, T, H)).astype(np.float32)
+    A_log = rng.uniform(-1, 0.5, H).astype(np.float32)
+    dt_bias = (rng.standard_normal(H) * 0.1).astype(np.float32)
+    o1, _ = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                   A_log=A_log, dt_bias=dt_bias)
+    x = (g + dt_bias).astype(np.float64)
+    a = -np.exp(A_log.astype(np.float64)) * np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20))))
+    o2, _ = chunk_gated_delta_rule(q, k, v, a.astype(np.float32), beta, use_qk_l2norm_in_kernel=True)
+    assert rel(o1, o2) < 1e-5

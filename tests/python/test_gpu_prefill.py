@@ -203,3 +203,46 @@ def test_dropin_chunk_kda_matches_fla_triton_over_options(rng, monkeypatch, o):
     e = (rel(o1.float().cpu().numpy(), o2.float().cpu().numpy()), rel(s1.cpu().numpy(), s2.cpu().numpy()))
     print(o, kernel, "cula vs FLA Triton (o, final state):", e)
     assert max(e) < 1e-2, (o, kernel, e)  # both carry bf16 rounding; each is held to 5e-3 against float64
+
+
+GDN_GRID = [
+    dict(gate_in_kernel=False, l2=True, h0=True, varlen=True),
+    dict(gate_in_kernel=True, l2=True, h0=False, varlen=False),
+    dict(gate_in_kernel=False, l2=False, h0=True, varlen=False),
+]
+
+
+@pytest.mark.parametrize("o", GDN_GRID, ids=["-".join(f"{k}={v}" for k, v in o.items()) for o in GDN_GRID])
+def test_dropin_chunk_gated_delta_rule_matches_fla_triton(rng, monkeypatch, o):
+    monkeypatch.setenv("FLA_CULA", "0")
+    pytest.importorskip("fla", reason="fla-core is not installed")
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_gdn
+
+    from cula.gated_delta_rule import chunk_gated_delta_rule
+
+    H, K = 4, 128
+    seqlens = [200, 37, 64, 130] if o["varlen"] else None
+    B, T = (1, sum(seqlens)) if seqlens else (2, 257)
+    dev = "cuda"
+    q, k, v = (torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    if not o["l2"]:
+        q, k = q * K ** -0.5, k * K ** -0.5
+    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=o["l2"])
+    if o["gate_in_kernel"]:
+        g = torch.randn(B, T, H, device=dev)
+        kw.update(use_gate_in_kernel=True, A_log=torch.rand(H, device=dev) - 0.5, dt_bias=torch.randn(H, device=dev) * 0.1)
+    else:
+        g = -torch.rand(B, T, H, device=dev) * 0.5
+    beta = torch.rand(B, T, H, device=dev)
+    N = len(seqlens) if seqlens else B
+    if o["h0"]:
+        kw["initial_state"] = torch.randn(N, H, K, K, device=dev) * 0.3
+    if seqlens:
+        kw["cu_seqlens"] = torch.tensor(np.cumsum([0] + seqlens), device=dev, dtype=torch.int64)
+    with torch.inference_mode():
+        o1, s1 = chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+        kernel = cula.last_kernel()
+        o2, s2 = fla_gdn(q, k, v, g, beta, **kw)
+    e = (rel(o1.float().cpu().numpy(), o2.float().cpu().numpy()), rel(s1.cpu().numpy(), s2.cpu().numpy()))
+    print(o, kernel, "cula vs FLA Triton GDN (o, final state):", e)
+    assert max(e) < 1e-2, (o, kernel, e)
