@@ -17,3 +17,8 @@ def rng(request):
 def rel(a, b):
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
+
+
+def worst(errs):
+    """The largest of several relative errors, NaN counting as infinite (max() would skip a NaN)."""
+    return max(float("inf") if not np.isfinite(x) else float(x) for x in errs)

@@ -4,7 +4,7 @@ not importable (CI has neither; tools/gpu_check.sh runs it on the GPU machine)."
 
 import numpy as np
 import pytest
-from conftest import rel
+from conftest import rel, worst
 
 import cula
 
@@ -40,7 +40,7 @@ def test_kda_matches_fla_naive_recurrent_and_chunk(rng):
                           state_layout="k_first", backend="reference")
     e = [rel(o, _np(o_fla)), rel(s, _np(s_fla)), rel(o, _np(o_fc)), rel(s, _np(s_fc))]
     print("KDA vs FLA naive (recurrent o, state; chunk o, state):", e)
-    assert max(e) < 1e-6
+    assert worst(e) < 1e-6
 
 
 def test_kda_gate_and_options_match_fla_formulas(rng):
@@ -65,7 +65,7 @@ def test_kda_gate_and_options_match_fla_formulas(rng):
                               output_final_state=True, state_layout="k_first", state_dtype="float64", backend="reference")
         e = (rel(o, _np(o_fla)), rel(s, _np(s_fla)))
         print(f"KDA gate-in-kernel lb={lb} vs FLA:", e)
-        assert max(e) < 1e-5  # FLA's l2norm has eps inside the sqrt as well; its q here is pre-normalised
+        assert worst(e) < 1e-5  # FLA's l2norm has eps inside the sqrt as well; its q here is pre-normalised
 
 
 def test_gdn_matches_fla_naive(rng):
@@ -81,7 +81,7 @@ def test_gdn_matches_fla_naive(rng):
                           backend="reference")
     e = (rel(o, _np(o_fla)), rel(s, _np(s_fla)))
     print("GDN vs FLA naive:", e)
-    assert max(e) < 1e-5  # FLA's naive computes in float32
+    assert worst(e) < 1e-5  # FLA's naive computes in float32
 
 
 def test_gla_and_simple_gla_and_lightning_match_fla_naive(rng):

@@ -3,7 +3,7 @@ and a poisoned pool whose unnamed slots must stay bit-identical. Skipped without
 
 import numpy as np
 import pytest
-from conftest import rel
+from conftest import rel, worst
 
 import cula
 
@@ -110,7 +110,7 @@ def test_cuda_decode_matches_fla_fused_recurrent_kda(rng):
     torch.cuda.synchronize()
     e = (rel(o.float().cpu().numpy(), o_fla.view(N, 1, H, V).float().cpu().numpy()), rel(p1.cpu().numpy(), p2.cpu().numpy()))
     print("cula decode vs FLA fused_recurrent_kda (o, pool):", e)
-    assert max(e) < 5e-3
+    assert worst(e) < 5e-3
 
 
 def test_cuda_decode_in_a_cuda_graph(rng):

@@ -3,7 +3,7 @@ over families and options, with poisoned outputs. Skipped without a CUDA device.
 
 import numpy as np
 import pytest
-from conftest import rel
+from conftest import rel, worst
 
 import cula
 
@@ -109,7 +109,7 @@ def test_dropin_chunk_kda_on_gpu_matches_fla_triton(rng, monkeypatch):
     assert cula.fla_backend.calls["chunk_kda"] == served, "FLA's call was served by cula, not by FLA"
     e = (rel(o1.float().cpu().numpy(), o2.float().cpu().numpy()), rel(s1.cpu().numpy(), s2.cpu().numpy()))
     print("cula CUDA chunk_kda vs FLA Triton chunk_kda (o, final state):", e)
-    assert max(e) < 1e-2  # both sides carry bf16 rounding; each is held to 5e-3 against the float64 reference
+    assert worst(e) < 1e-2  # both sides carry bf16 rounding; each is held to 5e-3 against the float64 reference
 
 
 def test_chunk_op_compiles_fullgraph_on_gpu(rng):
@@ -202,7 +202,7 @@ def test_dropin_chunk_kda_matches_fla_triton_over_options(rng, monkeypatch, o):
         o2, s2 = fla_chunk_kda(q, k, v, g, beta, **kw)
     e = (rel(o1.float().cpu().numpy(), o2.float().cpu().numpy()), rel(s1.cpu().numpy(), s2.cpu().numpy()))
     print(o, kernel, "cula vs FLA Triton (o, final state):", e)
-    assert max(e) < 1e-2, (o, kernel, e)  # both carry bf16 rounding; each is held to 5e-3 against float64
+    assert worst(e) < 1e-2, (o, kernel, e)  # both carry bf16 rounding; each is held to 5e-3 against float64
 
 
 GDN_GRID = [
@@ -245,4 +245,43 @@ def test_dropin_chunk_gated_delta_rule_matches_fla_triton(rng, monkeypatch, o):
         o2, s2 = fla_gdn(q, k, v, g, beta, **kw)
     e = (rel(o1.float().cpu().numpy(), o2.float().cpu().numpy()), rel(s1.cpu().numpy(), s2.cpu().numpy()))
     print(o, kernel, "cula vs FLA Triton GDN (o, final state):", e)
-    assert max(e) < 1e-2, (o, kernel, e)
+    assert worst(e) < 1e-2, (o, kernel, e)
+
+
+@pytest.mark.parametrize("family", ["gla", "simple_gla", "lightning"])
+@pytest.mark.parametrize("varlen", [False, True], ids=["batch", "varlen"])
+def test_dropins_gla_simple_gla_lightning_match_fla_triton(rng, monkeypatch, family, varlen):
+    monkeypatch.setenv("FLA_CULA", "0")
+    pytest.importorskip("fla", reason="fla-core is not installed")
+    import importlib
+
+    H, K = 4, 128
+    seqlens = [200, 37, 64, 130] if varlen else None
+    B, T = (1, sum(seqlens)) if seqlens else (2, 257)
+    dev = "cuda"
+    q, k, v = (torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16) * K ** -0.25 for _ in range(3))
+    N = len(seqlens) if seqlens else B
+    kw = dict(initial_state=torch.randn(N, H, K, K, device=dev) * 0.3, output_final_state=True)
+    if seqlens:
+        kw["cu_seqlens"] = torch.tensor(np.cumsum([0] + seqlens), device=dev, dtype=torch.int64)
+    if family == "gla":
+        args, name = (q, k, v, -torch.rand(B, T, H, K, device=dev) * 0.3), "chunk_gla"
+    elif family == "simple_gla":
+        args, name = (q, k, v, -torch.rand(B, T, H, device=dev) * 0.3), "chunk_simple_gla"
+    else:
+        args, name = (q, k, v, 3, 8), "chunk_lightning_attn"
+    fla_fn = getattr(importlib.import_module(f"fla.ops.{'lightning_attn' if family == 'lightning' else family}"), name)
+    cula_fn = getattr(importlib.import_module(f"cula.{'lightning_attn' if family == 'lightning' else family}"), name)
+    with torch.inference_mode():
+        o1, s1 = cula_fn(*args, **kw)
+        kernel = cula.last_kernel()
+        o2, s2 = fla_fn(*args, **kw)
+    assert torch.isfinite(o1.float()).all() and torch.isfinite(s1).all(), "cula's output or state is not finite"
+    # FLA's state is the reference where it is finite: with Lightning's steepest per-head decay
+    # (3.75 per token here) a head's state can come back non-finite from FLA's chunked kernel.
+    heads = torch.isfinite(s2.float()).flatten(2).all(-1)  # [N, H]
+    e = (rel(o1.float().cpu().numpy(), o2.float().cpu().numpy()),
+         rel(s1.float()[heads].cpu().numpy(), s2.float()[heads].cpu().numpy()))
+    print(family, varlen, kernel, "cula vs FLA Triton (o, final state):", e,
+          f"FLA state finite on {int(heads.sum())}/{heads.numel()} (sequence, head) pairs")
+    assert int(heads.sum()) > 0 and worst(e) < 1e-2, (family, varlen, kernel, e, int(heads.sum()))
