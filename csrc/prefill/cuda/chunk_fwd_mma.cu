@@ -21,13 +21,21 @@
 // The in-block exponent bound (<= 15 |lower_bound|) is why the dispatch table sends only bounded
 // gates (lower_bound >= -5) here; unbounded gates take the recurrent kernel.
 //
-// prep: 4 warps; warp w owns chunk rows 16w..16w+15. The gate goes from global memory into
-// registers in the A-fragment layout; its cumulative sum inside a 16-row block is a shuffle scan,
-// the block sums meet in shared memory. Shared buffers (K = V = 128: ~74 KB, three CTAs per SM):
-// R1 q tile -> q el -> M (fp32); KRAW k tile -> k el -> k e^G; KR Kr -> v tile; TB Minv;
-// TAB per-channel exponent rows; BT block sums.
+// prep: 4 warps; warp w owns chunk rows 16w..16w+15 for the element-wise work (norms, gate, el,
+// Kr, k e^G, Kd, Qg); the ten lower 16x16 block pairs of A are dealt round-robin to the warps and
+// U, W are split by column quarters, so the triangle costs every warp the same. The gate goes from
+// global memory into registers in the A-fragment layout; its cumulative sum inside a 16-row block
+// is a shuffle scan, the block sums meet in shared memory. The code is kept small on purpose
+// (rolled k-step loops): a fully unrolled body thrashed the instruction cache (docs/NOTES.md).
+// Shared buffers (K = V = 128: ~75 KB, three CTAs per SM): R1 q tile -> q el -> M (fp32);
+// KRAW k tile -> k el -> beta k e^G; KR Kr -> v tile (-> beta v); TB Minv; TAB per-channel
+// exponent rows; BT block sums and dt_bias; per-row beta, scalar gate and fp32 q.k.
+// Barriers: B_a0 tiles in; B_b block sums; B_c Kr and table; B_c2 pair products done; B_d tiles
+// free; B_e M; B_f diagonal inverses; B_g Minv and v in; one more after beta v.
 // scan: 8 warps; warp w owns rows 16(w%4).. of the token-side products and channels (w%4)*K/4..
-// of the state, for half w/4 of the slice's columns. Two stages of (W, Qg, Kd, tril(A_qk), U slice, e^{G_last}), S (bf16) and Vnew (bf16).
+// of the state, for half w/4 of the slice's columns. Two stages of (W, Qg, Kd, tril(A_qk) hi and
+// lo, U slice, e^{G_last}), S (bf16) and Vnew (bf16): 188 KB for K = 128, VB = 64, one CTA per SM.
+// Barriers per chunk: B1 stage in and S written; B2 Vnew written; B3 stage, S and Vnew free.
 #include <cub/block/block_scan.cuh>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
