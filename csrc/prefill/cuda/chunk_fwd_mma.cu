@@ -347,281 +347,281 @@ __global__ void __launch_bounds__(kThreads, 3)
   }
   __syncthreads();  // B_c: Kr and the table visible
 
-    // ---- pair products A_kk, A_qk over the ten lower block pairs (Ib, Jb), dealt to the warps
-    // round-robin (three or two each, so the triangle costs every warp about the same); the left
-    // operands (k el, q el of rows Ib, scaled by E_{Ib,Jb} off the diagonal) come from shared
-    // memory. Qg = q el e^{G_bI} of this warp's rows goes straight out.
-    // (0,0) (1,0) (1,1) (2,0) (2,1) (2,2) (3,0) (3,1) (3,2) (3,3), pair q of warp w is number w + 4q
-    int pi[3], pj[3];
+  // ---- pair products A_kk, A_qk over the ten lower block pairs (Ib, Jb), dealt to the warps
+  // round-robin (three or two each, so the triangle costs every warp about the same); the left
+  // operands (k el, q el of rows Ib, scaled by E_{Ib,Jb} off the diagonal) come from shared
+  // memory. Qg = q el e^{G_bI} of this warp's rows goes straight out.
+  // (0,0) (1,0) (1,1) (2,0) (2,1) (2,2) (3,0) (3,1) (3,2) (3,3), pair q of warp w is number w + 4q
+  int pi[3], pj[3];
+#pragma unroll
+  for (int q = 0; q < 3; ++q) {
+    const int m = warp + 4 * q;
+    pi[q] = m < 1 ? 0 : m < 3 ? 1 : m < 6 ? 2 : m < 10 ? 3 : -1;
+    pj[q] = pi[q] < 0 ? -1 : m - pi[q] * (pi[q] + 1) / 2;
+  }
+  float akk[3][2][4], aqk[3][2][4];
+#pragma unroll
+  for (int q = 0; q < 3; ++q)
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) akk[q][nt][r] = 0.0f, aqk[q][nt][r] = 0.0f;
+  bf16* qgo = reinterpret_cast<bf16*>(blk + Wk::oQ);
+#pragma unroll 1
+  for (int kk = 0; kk < KS; ++kk) {
+#pragma unroll
+    for (int rr = 0; rr < 4; ++rr) {
+      const int row = bI + g + 8 * (rr & 1), col = 16 * kk + 2 * t + 8 * (rr >> 1);
+      const float2 eb = *reinterpret_cast<const float2*>(tab + (kTabEb + I) * K + col);
+      const float2 qv = bf2(q_s + row * LDK + col);
+      u32at(qgo + row * K + col) = pack(qv.x * eb.x, qv.y * eb.y);
+    }
 #pragma unroll
     for (int q = 0; q < 3; ++q) {
-      const int m = warp + 4 * q;
-      pi[q] = m < 1 ? 0 : m < 3 ? 1 : m < 6 ? 2 : m < 10 ? 3 : -1;
-      pj[q] = pi[q] < 0 ? -1 : m - pi[q] * (pi[q] + 1) / 2;
-    }
-    float akk[3][2][4], aqk[3][2][4];
+      if (pi[q] < 0) continue;
+      const int Ib = pi[q], Jb = pj[q];
+      uint32_t ak[4], aq[4], b[4];
+      mma::ldsm_x4(ak, k_s + (16 * Ib + mma::a_row(lane)) * LDK + 16 * kk + mma::a_col(lane));
+      mma::ldsm_x4(aq, q_s + (16 * Ib + mma::a_row(lane)) * LDK + 16 * kk + mma::a_col(lane));
+      if (Jb < Ib) {
 #pragma unroll
-    for (int q = 0; q < 3; ++q)
+        for (int rr = 0; rr < 4; ++rr) {
+          const float2 e = *reinterpret_cast<const float2*>(tab + tab_pair(Ib, Jb) * K + 16 * kk + 2 * t + 8 * (rr >> 1));
+          const float2 kv = unpack(ak[rr]), qv = unpack(aq[rr]);
+          ak[rr] = pack(kv.x * e.x, kv.y * e.y);
+          aq[rr] = pack(qv.x * e.x, qv.y * e.y);
+        }
+      }
+      mma::ldsm_x4(b, kr_s + (16 * Jb + mma::bn_row(lane)) * LDK + 16 * kk + mma::bn_col(lane));
+      if (DELTA) {
+        mma::mma16816(akk[q][0], ak, b[0], b[1]);
+        mma::mma16816(akk[q][1], ak, b[2], b[3]);
+      }
+      mma::mma16816(aqk[q][0], aq, b[0], b[1]);
+      mma::mma16816(aqk[q][1], aq, b[2], b[3]);
+    }
+  }
+  __syncthreads();  // B_c2: every warp done with the k el tile (it becomes k e^G next)
+  // k e^G = Kl e^{G_bI} for this warp's rows, in place of Kl
+  if (DELTA)
+    for (int idx = lane; idx < 16 * (K / 8); idx += 32) {
+      const int row = bI + idx / (K / 8), c8 = (idx % (K / 8)) * 8;
+      uint4 kv = *reinterpret_cast<const uint4*>(k_s + row * LDK + c8);
+      const float* eb = tab + (kTabEb + I) * K + c8;
+      const float b = beta_s[row];
+      uint32_t* w = reinterpret_cast<uint32_t*>(&kv);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 x = unpack(w[j]);
+        w[j] = pack(x.x * eb[2 * j] * b, x.y * eb[2 * j + 1] * b);
+      }
+      *reinterpret_cast<uint4*>(ck_s + row * LDK + c8) = kv;
+    }
+  // Kd = Kr e^{G_last - G_bI} for this warp's rows, straight to the workspace
+  {
+    bf16* kdo = reinterpret_cast<bf16*>(blk + Wk::oKd);
+    for (int idx = lane; idx < 16 * (K / 8); idx += 32) {
+      const int row = bI + idx / (K / 8), c8 = (idx % (K / 8)) * 8;
+      uint4 kv = *reinterpret_cast<const uint4*>(kr_s + row * LDK + c8);
+      const float* ed = tab + (kTabEd + I) * K + c8;
+      uint32_t* w = reinterpret_cast<uint32_t*>(&kv);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 x = unpack(w[j]);
+        w[j] = pack(x.x * ed[2 * j], x.y * ed[2 * j + 1]);
+      }
+      *reinterpret_cast<uint4*>(kdo + row * K + c8) = kv;
+    }
+    if (tid < K) reinterpret_cast<float*>(blk + Wk::oDL)[tid] = tab[kTabLast * K + tid];
+  }
+  __syncthreads();  // B_d: q tile and Kr no longer read (they take M and v)
+
+  // v tile into the Kr buffer, behind the inverse
+  {
+    const bf16* vg = static_cast<const bf16*>(p.v);
+    for (int idx = tid; idx < kBT * (V / 8); idx += kThreads) {
+      const int r = idx / (V / 8), c8 = (idx % (V / 8)) * 8;
+      bf16* dv = v_s + r * LDV + c8;
+      if (r < Lc)
+        mma::cp_async16(dv, vg + b_row * p.v_s[0] + (t0 + r) * p.v_s[1] + hv * p.v_s[2] + c8);
+      else
+        *reinterpret_cast<uint4*>(dv) = zero4;
+    }
+    mma::cp_async_commit();
+  }
+
+  // ---- M = I + diag(beta) strict_lower(A_kk) for this warp's pairs; tril(A_qk) out (blocks
+  // above the diagonal of this warp's row block are zeros)
+  {
+    bf16* aqo = reinterpret_cast<bf16*>(blk + Wk::oA);
+#pragma unroll
+    for (int q = 0; q < 3; ++q) {
+      if (pi[q] < 0) continue;
+      const int Ib = pi[q], Jb = pj[q];
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) akk[q][nt][r] = 0.0f, aqk[q][nt][r] = 0.0f;
-    bf16* qgo = reinterpret_cast<bf16*>(blk + Wk::oQ);
-#pragma unroll 1
-    for (int kk = 0; kk < KS; ++kk) {
-#pragma unroll
-      for (int rr = 0; rr < 4; ++rr) {
-        const int row = bI + g + 8 * (rr & 1), col = 16 * kk + 2 * t + 8 * (rr >> 1);
-        const float2 eb = *reinterpret_cast<const float2*>(tab + (kTabEb + I) * K + col);
-        const float2 qv = bf2(q_s + row * LDK + col);
-        u32at(qgo + row * K + col) = pack(qv.x * eb.x, qv.y * eb.y);
-      }
-#pragma unroll
-      for (int q = 0; q < 3; ++q) {
-        if (pi[q] < 0) continue;
-        const int Ib = pi[q], Jb = pj[q];
-        uint32_t ak[4], aq[4], b[4];
-        mma::ldsm_x4(ak, k_s + (16 * Ib + mma::a_row(lane)) * LDK + 16 * kk + mma::a_col(lane));
-        mma::ldsm_x4(aq, q_s + (16 * Ib + mma::a_row(lane)) * LDK + 16 * kk + mma::a_col(lane));
-        if (Jb < Ib) {
-#pragma unroll
-          for (int rr = 0; rr < 4; ++rr) {
-            const float2 e = *reinterpret_cast<const float2*>(tab + tab_pair(Ib, Jb) * K + 16 * kk + 2 * t + 8 * (rr >> 1));
-            const float2 kv = unpack(ak[rr]), qv = unpack(aq[rr]);
-            ak[rr] = pack(kv.x * e.x, kv.y * e.y);
-            aq[rr] = pack(qv.x * e.x, qv.y * e.y);
+        for (int hh = 0; hh < 2; ++hh) {
+          const int gi = 16 * Ib + g + 8 * hh, gj = 16 * Jb + nt * 8 + 2 * t;
+          const float a0 = gj > gi ? 0.0f : gj == gi ? qk_s[gi] : aqk[q][nt][2 * hh];
+          const float a1 = gj + 1 > gi ? 0.0f : gj + 1 == gi ? qk_s[gi] : aqk[q][nt][2 * hh + 1];
+          const uint32_t hi = pack(a0, a1);
+          const float2 h2 = unpack(hi);
+          u32at(aqo + gi * kBT + gj) = hi;  // hi + lo carries A_qk to ~16 bits: it scales whole rows of o
+          u32at(aqo + kBT * kBT + gi * kBT + gj) = pack(a0 - h2.x, a1 - h2.y);
+          if (DELTA) {
+            const float b = beta_s[gi];
+            m_s[gi * MS + gj] = gj < gi ? b * akk[q][nt][2 * hh] : (gj == gi ? 1.0f : 0.0f);
+            m_s[gi * MS + gj + 1] = gj + 1 < gi ? b * akk[q][nt][2 * hh + 1] : (gj + 1 == gi ? 1.0f : 0.0f);
           }
         }
-        mma::ldsm_x4(b, kr_s + (16 * Jb + mma::bn_row(lane)) * LDK + 16 * kk + mma::bn_col(lane));
-        if (DELTA) {
-          mma::mma16816(akk[q][0], ak, b[0], b[1]);
-          mma::mma16816(akk[q][1], ak, b[2], b[3]);
-        }
-        mma::mma16816(aqk[q][0], aq, b[0], b[1]);
-        mma::mma16816(aqk[q][1], aq, b[2], b[3]);
-      }
     }
-    __syncthreads();  // B_c2: every warp done with the k el tile (it becomes k e^G next)
-    // k e^G = Kl e^{G_bI} for this warp's rows, in place of Kl
-    if (DELTA)
-      for (int idx = lane; idx < 16 * (K / 8); idx += 32) {
-        const int row = bI + idx / (K / 8), c8 = (idx % (K / 8)) * 8;
-        uint4 kv = *reinterpret_cast<const uint4*>(k_s + row * LDK + c8);
-        const float* eb = tab + (kTabEb + I) * K + c8;
-        const float b = beta_s[row];
-        uint32_t* w = reinterpret_cast<uint32_t*>(&kv);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 x = unpack(w[j]);
-          w[j] = pack(x.x * eb[2 * j] * b, x.y * eb[2 * j + 1] * b);
-        }
-        *reinterpret_cast<uint4*>(ck_s + row * LDK + c8) = kv;
-      }
-    // Kd = Kr e^{G_last - G_bI} for this warp's rows, straight to the workspace
-    {
-      bf16* kdo = reinterpret_cast<bf16*>(blk + Wk::oKd);
-      for (int idx = lane; idx < 16 * (K / 8); idx += 32) {
-        const int row = bI + idx / (K / 8), c8 = (idx % (K / 8)) * 8;
-        uint4 kv = *reinterpret_cast<const uint4*>(kr_s + row * LDK + c8);
-        const float* ed = tab + (kTabEd + I) * K + c8;
-        uint32_t* w = reinterpret_cast<uint32_t*>(&kv);
+    for (int J = 0; J < 4; ++J)
+      if (J > I)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 x = unpack(w[j]);
-          w[j] = pack(x.x * ed[2 * j], x.y * ed[2 * j + 1]);
-        }
-        *reinterpret_cast<uint4*>(kdo + row * K + c8) = kv;
-      }
-      if (tid < K) reinterpret_cast<float*>(blk + Wk::oDL)[tid] = tab[kTabLast * K + tid];
-    }
-    __syncthreads();  // B_d: q tile and Kr no longer read (they take M and v)
-
-    // v tile into the Kr buffer, behind the inverse
-    {
-      const bf16* vg = static_cast<const bf16*>(p.v);
-      for (int idx = tid; idx < kBT * (V / 8); idx += kThreads) {
-        const int r = idx / (V / 8), c8 = (idx % (V / 8)) * 8;
-        bf16* dv = v_s + r * LDV + c8;
-        if (r < Lc)
-          mma::cp_async16(dv, vg + b_row * p.v_s[0] + (t0 + r) * p.v_s[1] + hv * p.v_s[2] + c8);
-        else
-          *reinterpret_cast<uint4*>(dv) = zero4;
-      }
-      mma::cp_async_commit();
-    }
-
-    // ---- M = I + diag(beta) strict_lower(A_kk) for this warp's pairs; tril(A_qk) out (blocks
-    // above the diagonal of this warp's row block are zeros)
-    {
-      bf16* aqo = reinterpret_cast<bf16*>(blk + Wk::oA);
+        for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
-      for (int q = 0; q < 3; ++q) {
-        if (pi[q] < 0) continue;
-        const int Ib = pi[q], Jb = pj[q];
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const int gi = 16 * Ib + g + 8 * hh, gj = 16 * Jb + nt * 8 + 2 * t;
-            const float a0 = gj > gi ? 0.0f : gj == gi ? qk_s[gi] : aqk[q][nt][2 * hh];
-            const float a1 = gj + 1 > gi ? 0.0f : gj + 1 == gi ? qk_s[gi] : aqk[q][nt][2 * hh + 1];
-            const uint32_t hi = pack(a0, a1);
-            const float2 h2 = unpack(hi);
-            u32at(aqo + gi * kBT + gj) = hi;  // hi + lo carries A_qk to ~16 bits: it scales whole rows of o
-            u32at(aqo + kBT * kBT + gi * kBT + gj) = pack(a0 - h2.x, a1 - h2.y);
-            if (DELTA) {
-              const float b = beta_s[gi];
-              m_s[gi * MS + gj] = gj < gi ? b * akk[q][nt][2 * hh] : (gj == gi ? 1.0f : 0.0f);
-              m_s[gi * MS + gj + 1] = gj + 1 < gi ? b * akk[q][nt][2 * hh + 1] : (gj + 1 == gi ? 1.0f : 0.0f);
-            }
+          for (int nt = 0; nt < 2; ++nt) {
+            u32at(aqo + (bI + g + 8 * hh) * kBT + 16 * J + nt * 8 + 2 * t) = 0u;
+            u32at(aqo + kBT * kBT + (bI + g + 8 * hh) * kBT + 16 * J + nt * 8 + 2 * t) = 0u;
           }
+  }
+
+  bf16* uo = reinterpret_cast<bf16*>(blk + Wk::oU);
+  if (DELTA) {
+    __syncthreads();  // B_e: M complete
+    // Diagonal blocks of Minv: lane c < 16 solves column c by substitution, in fp32.
+    if (lane < 16) {
+      float xcol[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        float acc = i == lane ? 1.0f : 0.0f;
+#pragma unroll
+        for (int l = 0; l < i; ++l) acc -= m_s[(bI + i) * MS + bI + l] * xcol[l];
+        xcol[i] = acc;
       }
 #pragma unroll
-      for (int J = 0; J < 4; ++J)
-        if (J > I)
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh)
-#pragma unroll
-            for (int nt = 0; nt < 2; ++nt) {
-              u32at(aqo + (bI + g + 8 * hh) * kBT + 16 * J + nt * 8 + 2 * t) = 0u;
-              u32at(aqo + kBT * kBT + (bI + g + 8 * hh) * kBT + 16 * J + nt * 8 + 2 * t) = 0u;
-            }
+      for (int i = 0; i < 16; ++i) t_s[(bI + i) * LDT + bI + lane] = __float2bfloat16_rn(xcol[i]);
     }
-
-    bf16* uo = reinterpret_cast<bf16*>(blk + Wk::oU);
-    if (DELTA) {
-      __syncthreads();  // B_e: M complete
-      // Diagonal blocks of Minv: lane c < 16 solves column c by substitution, in fp32.
-      if (lane < 16) {
-        float xcol[16];
+    __syncthreads();  // B_f: diagonal inverses visible
+    // Off-diagonal blocks, column block J = warp: Minv_IJ = -Minv_II sum_{L=J}^{I-1} M_IL Minv_LJ.
+    const int J = warp, bJ = 16 * warp;
+    for (int Ib = J + 1; Ib < 4; ++Ib) {
+      const int bIb = 16 * Ib;
+      float x[2][4] = {};
+      for (int Lb = J; Lb < Ib; ++Lb) {
+        uint32_t a[4];
 #pragma unroll
-        for (int i = 0; i < 16; ++i) {
-          float acc = i == lane ? 1.0f : 0.0f;
-#pragma unroll
-          for (int l = 0; l < i; ++l) acc -= m_s[(bI + i) * MS + bI + l] * xcol[l];
-          xcol[i] = acc;
+        for (int rr = 0; rr < 4; ++rr) {
+          const float2 mv = *reinterpret_cast<const float2*>(m_s + (bIb + g + 8 * (rr & 1)) * MS + 16 * Lb + 2 * t + 8 * (rr >> 1));
+          a[rr] = pack(mv.x, mv.y);
         }
-#pragma unroll
-        for (int i = 0; i < 16; ++i) t_s[(bI + i) * LDT + bI + lane] = __float2bfloat16_rn(xcol[i]);
+        uint32_t b[4];
+        mma::ldsm_x4_t(b, t_s + (16 * Lb + mma::bk_row(lane)) * LDT + bJ + mma::bk_col(lane));
+        mma::mma16816(x[0], a, b[0], b[1]);
+        mma::mma16816(x[1], a, b[2], b[3]);
       }
-      __syncthreads();  // B_f: diagonal inverses visible
-      // Off-diagonal blocks, column block J = warp: Minv_IJ = -Minv_II sum_{L=J}^{I-1} M_IL Minv_LJ.
-      const int J = warp, bJ = 16 * warp;
-      for (int Ib = J + 1; Ib < 4; ++Ib) {
-        const int bIb = 16 * Ib;
-        float x[2][4] = {};
-        for (int Lb = J; Lb < Ib; ++Lb) {
-          uint32_t a[4];
 #pragma unroll
-          for (int rr = 0; rr < 4; ++rr) {
-            const float2 mv = *reinterpret_cast<const float2*>(m_s + (bIb + g + 8 * (rr & 1)) * MS + 16 * Lb + 2 * t + 8 * (rr >> 1));
-            a[rr] = pack(mv.x, mv.y);
-          }
-          uint32_t b[4];
-          mma::ldsm_x4_t(b, t_s + (16 * Lb + mma::bk_row(lane)) * LDT + bJ + mma::bk_col(lane));
-          mma::mma16816(x[0], a, b[0], b[1]);
-          mma::mma16816(x[1], a, b[2], b[3]);
-        }
+      for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
+        for (int hh = 0; hh < 2; ++hh)
+          u32at(t_s + (bIb + g + 8 * hh) * LDT + bJ + nt * 8 + 2 * t) = pack(x[nt][2 * hh], x[nt][2 * hh + 1]);
+      __syncwarp();
+      uint32_t a[4], b[4];
+      mma::ldsm_x4(a, t_s + (bIb + mma::a_row(lane)) * LDT + bIb + mma::a_col(lane));
+      mma::ldsm_x4_t(b, t_s + (bIb + mma::bk_row(lane)) * LDT + bJ + mma::bk_col(lane));
+      float y[2][4] = {};
+      mma::mma16816(y[0], a, b[0], b[1]);
+      mma::mma16816(y[1], a, b[2], b[3]);
+      __syncwarp();
 #pragma unroll
-          for (int hh = 0; hh < 2; ++hh)
-            u32at(t_s + (bIb + g + 8 * hh) * LDT + bJ + nt * 8 + 2 * t) = pack(x[nt][2 * hh], x[nt][2 * hh + 1]);
-        __syncwarp();
-        uint32_t a[4], b[4];
-        mma::ldsm_x4(a, t_s + (bIb + mma::a_row(lane)) * LDT + bIb + mma::a_col(lane));
-        mma::ldsm_x4_t(b, t_s + (bIb + mma::bk_row(lane)) * LDT + bJ + mma::bk_col(lane));
-        float y[2][4] = {};
-        mma::mma16816(y[0], a, b[0], b[1]);
-        mma::mma16816(y[1], a, b[2], b[3]);
-        __syncwarp();
+      for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh)
-            u32at(t_s + (bIb + g + 8 * hh) * LDT + bJ + nt * 8 + 2 * t) = pack(-y[nt][2 * hh], -y[nt][2 * hh + 1]);
-        __syncwarp();
-      }
-      mma::cp_async_wait_all();
-      __syncthreads();  // B_g: Minv complete, v landed
+        for (int hh = 0; hh < 2; ++hh)
+          u32at(t_s + (bIb + g + 8 * hh) * LDT + bJ + nt * 8 + 2 * t) = pack(-y[nt][2 * hh], -y[nt][2 * hh + 1]);
+      __syncwarp();
+    }
+    mma::cp_async_wait_all();
+    __syncthreads();  // B_g: Minv complete, v landed
 
-      // ---- Minv, all ten lower blocks as A fragments; U = Minv (beta v), W = -Minv (beta k e^G). Each warp takes a quarter of
-      // the columns of U = T v and of W = -T (k e^G) for all rows, so the triangle costs every
-      // warp the same; a B tile is loaded once and serves the row blocks at or below it.
-      uint32_t ta[4][4][4];
+    // ---- Minv, all ten lower blocks as A fragments; U = Minv (beta v), W = -Minv (beta k e^G). Each
+    // warp takes a quarter of the columns of U and of W for all rows, so the triangle costs every
+    // warp the same; a B tile is loaded once and serves the row blocks at or below it.
+    uint32_t ta[4][4][4];
+#pragma unroll
+    for (int Ib = 0; Ib < 4; ++Ib)
+#pragma unroll
+      for (int Jb = 0; Jb <= Ib; ++Jb) {
+        mma::ldsm_x4(ta[Ib][Jb], t_s + (16 * Ib + mma::a_row(lane)) * LDT + 16 * Jb + mma::a_col(lane));
+      }
+    // beta v, row by row in fp32 (beta folded into Minv's bf16 columns would scale whole rows by a
+    // rounded factor)
+    for (int idx = tid; idx < kBT * (V / 8); idx += kThreads) {
+      const int r = idx / (V / 8), c8 = (idx % (V / 8)) * 8;
+      uint4 x = *reinterpret_cast<const uint4*>(v_s + r * LDV + c8);
+      uint32_t* w = reinterpret_cast<uint32_t*>(&x);
+      const float b = beta_s[r];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 y = unpack(w[j]);
+        w[j] = pack(y.x * b, y.y * b);
+      }
+      *reinterpret_cast<uint4*>(v_s + r * LDV + c8) = x;
+    }
+    __syncthreads();  // beta v complete
+    // acc[Ib] = sum over Jb <= Ib of Minv_{Ib,Jb} src_Jb, for the 16 columns at c0 of src (leading dim ld)
+    auto tri_product = [&](const bf16* src, int ld, int c0, float (&acc)[4][2][4]) {
 #pragma unroll
       for (int Ib = 0; Ib < 4; ++Ib)
 #pragma unroll
-        for (int Jb = 0; Jb <= Ib; ++Jb) {
-          mma::ldsm_x4(ta[Ib][Jb], t_s + (16 * Ib + mma::a_row(lane)) * LDT + 16 * Jb + mma::a_col(lane));
-        }
-      // beta v, row by row in fp32 (beta folded into T's bf16 columns would scale whole rows by a
-      // rounded factor)
-      for (int idx = tid; idx < kBT * (V / 8); idx += kThreads) {
-        const int r = idx / (V / 8), c8 = (idx % (V / 8)) * 8;
-        uint4 x = *reinterpret_cast<const uint4*>(v_s + r * LDV + c8);
-        uint32_t* w = reinterpret_cast<uint32_t*>(&x);
-        const float b = beta_s[r];
+        for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 y = unpack(w[j]);
-          w[j] = pack(y.x * b, y.y * b);
+          for (int r = 0; r < 4; ++r) acc[Ib][nt][r] = 0.0f;
+#pragma unroll
+      for (int Jb = 0; Jb < 4; ++Jb) {
+        uint32_t b[4];
+        mma::ldsm_x4_t(b, src + (16 * Jb + mma::bk_row(lane)) * ld + c0 + mma::bk_col(lane));
+#pragma unroll
+        for (int Ib = Jb; Ib < 4; ++Ib) {
+          mma::mma16816(acc[Ib][0], ta[Ib][Jb], b[0], b[1]);
+          mma::mma16816(acc[Ib][1], ta[Ib][Jb], b[2], b[3]);
         }
-        *reinterpret_cast<uint4*>(v_s + r * LDV + c8) = x;
       }
-      __syncthreads();  // beta v complete
-      // acc[Ib] += T_{Ib,Jb} B_Jb over Jb, for the 16 columns at c0 of src (row-major, leading dim ld)
-      auto tri_product = [&](const bf16* src, int ld, int c0, float (&acc)[4][2][4]) {
-#pragma unroll
-        for (int Ib = 0; Ib < 4; ++Ib)
-#pragma unroll
-          for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) acc[Ib][nt][r] = 0.0f;
-#pragma unroll
-        for (int Jb = 0; Jb < 4; ++Jb) {
-          uint32_t b[4];
-          mma::ldsm_x4_t(b, src + (16 * Jb + mma::bk_row(lane)) * ld + c0 + mma::bk_col(lane));
-#pragma unroll
-          for (int Ib = Jb; Ib < 4; ++Ib) {
-            mma::mma16816(acc[Ib][0], ta[Ib][Jb], b[0], b[1]);
-            mma::mma16816(acc[Ib][1], ta[Ib][Jb], b[2], b[3]);
-          }
-        }
-      };
+    };
 #pragma unroll 1
-      for (int c0 = warp * (V / 4); c0 < (warp + 1) * (V / 4); c0 += 16) {
-        float u[4][2][4];
-        tri_product(v_s, LDV, c0, u);
+    for (int c0 = warp * (V / 4); c0 < (warp + 1) * (V / 4); c0 += 16) {
+      float u[4][2][4];
+      tri_product(v_s, LDV, c0, u);
 #pragma unroll
-        for (int Ib = 0; Ib < 4; ++Ib)
+      for (int Ib = 0; Ib < 4; ++Ib)
 #pragma unroll
-          for (int nt = 0; nt < 2; ++nt)
+        for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-            for (int hh = 0; hh < 2; ++hh)
-              u32at(uo + (16 * Ib + g + 8 * hh) * V + c0 + 8 * nt + 2 * t) = pack(u[Ib][nt][2 * hh], u[Ib][nt][2 * hh + 1]);
-      }
-      bf16* wo = reinterpret_cast<bf16*>(blk + Wk::oW);
-#pragma unroll 1
-      for (int c0 = warp * (K / 4); c0 < (warp + 1) * (K / 4); c0 += 16) {
-        float w[4][2][4];
-        tri_product(ck_s, LDK, c0, w);
-#pragma unroll
-        for (int Ib = 0; Ib < 4; ++Ib)
-#pragma unroll
-          for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh)
-              u32at(wo + (16 * Ib + g + 8 * hh) * K + c0 + 8 * nt + 2 * t) = pack(-w[Ib][nt][2 * hh], -w[Ib][nt][2 * hh + 1]);
-      }
-    } else {
-      mma::cp_async_wait_all();
-      __syncthreads();  // v landed
-      for (int idx = tid; idx < kBT * (V / 8); idx += kThreads) {
-        const int r = idx / (V / 8), c8 = (idx % (V / 8)) * 8;
-        *reinterpret_cast<uint4*>(uo + r * V + c8) = *reinterpret_cast<const uint4*>(v_s + r * LDV + c8);
-      }
+          for (int hh = 0; hh < 2; ++hh)
+            u32at(uo + (16 * Ib + g + 8 * hh) * V + c0 + 8 * nt + 2 * t) = pack(u[Ib][nt][2 * hh], u[Ib][nt][2 * hh + 1]);
     }
+    bf16* wo = reinterpret_cast<bf16*>(blk + Wk::oW);
+#pragma unroll 1
+    for (int c0 = warp * (K / 4); c0 < (warp + 1) * (K / 4); c0 += 16) {
+      float w[4][2][4];
+      tri_product(ck_s, LDK, c0, w);
+#pragma unroll
+      for (int Ib = 0; Ib < 4; ++Ib)
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh)
+            u32at(wo + (16 * Ib + g + 8 * hh) * K + c0 + 8 * nt + 2 * t) = pack(-w[Ib][nt][2 * hh], -w[Ib][nt][2 * hh + 1]);
+    }
+  } else {
+    mma::cp_async_wait_all();
+    __syncthreads();  // v landed
+    for (int idx = tid; idx < kBT * (V / 8); idx += kThreads) {
+      const int r = idx / (V / 8), c8 = (idx % (V / 8)) * 8;
+      *reinterpret_cast<uint4*>(uo + r * V + c8) = *reinterpret_cast<const uint4*>(v_s + r * LDV + c8);
+    }
+  }
 }
 
 template <int K, int V, int VB, bool DELTA>
