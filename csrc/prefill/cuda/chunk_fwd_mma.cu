@@ -43,6 +43,7 @@
 #include <initializer_list>
 #include <mutex>
 #include <string>
+#include <type_traits>
 
 #include "common/error.h"
 #include "cuda/device_helpers.cuh"
@@ -589,31 +590,27 @@ __global__ void __launch_bounds__(kThreads, 3)
         }
       }
     };
+    // this warp's quarter of the ncols columns of Minv src (negated when neg is std::true_type), as
+    // bf16 rows into dst
+    auto tri_out = [&](auto neg, const bf16* src, int ld, int ncols, bf16* dst) {
 #pragma unroll 1
-    for (int c0 = warp * (V / 4); c0 < (warp + 1) * (V / 4); c0 += 16) {
-      float u[4][2][4];
-      tri_product(v_s, LDV, c0, u);
+      for (int c0 = warp * (ncols / 4); c0 < (warp + 1) * (ncols / 4); c0 += 16) {
+        float acc[4][2][4];
+        tri_product(src, ld, c0, acc);
 #pragma unroll
-      for (int Ib = 0; Ib < 4; ++Ib)
+        for (int Ib = 0; Ib < 4; ++Ib)
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
+          for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-          for (int hh = 0; hh < 2; ++hh)
-            u32at(uo + (16 * Ib + g + 8 * hh) * V + c0 + 8 * nt + 2 * t) = pack(u[Ib][nt][2 * hh], u[Ib][nt][2 * hh + 1]);
-    }
-    bf16* wo = reinterpret_cast<bf16*>(blk + Wk::oW);
-#pragma unroll 1
-    for (int c0 = warp * (K / 4); c0 < (warp + 1) * (K / 4); c0 += 16) {
-      float w[4][2][4];
-      tri_product(ck_s, LDK, c0, w);
-#pragma unroll
-      for (int Ib = 0; Ib < 4; ++Ib)
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh)
-            u32at(wo + (16 * Ib + g + 8 * hh) * K + c0 + 8 * nt + 2 * t) = pack(-w[Ib][nt][2 * hh], -w[Ib][nt][2 * hh + 1]);
-    }
+            for (int hh = 0; hh < 2; ++hh) {
+              const float x0 = acc[Ib][nt][2 * hh], x1 = acc[Ib][nt][2 * hh + 1];
+              u32at(dst + (16 * Ib + g + 8 * hh) * ncols + c0 + 8 * nt + 2 * t) =
+                  decltype(neg)::value ? pack(-x0, -x1) : pack(x0, x1);
+            }
+      }
+    };
+    tri_out(std::false_type{}, v_s, LDV, V, uo);
+    tri_out(std::true_type{}, ck_s, LDK, K, reinterpret_cast<bf16*>(blk + Wk::oW));
   } else {
     mma::cp_async_wait_all();
     __syncthreads();  // v landed
