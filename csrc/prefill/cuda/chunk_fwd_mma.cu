@@ -104,18 +104,6 @@ constexpr int kTabLast = 14;  // e^{G_last}
 __device__ __forceinline__ uint32_t& u32at(bf16* p) { return *reinterpret_cast<uint32_t*>(p); }
 __device__ __forceinline__ float2 bf2(const bf16* p) { return unpack(*reinterpret_cast<const uint32_t*>(p)); }
 
-// Sequence bounds as the kernels see them: device offsets are clamped so nothing is read out of
-// bounds (they are not checked on the host).
-struct Seq {
-  int64_t bos, eos;
-  int b_row;
-};
-__device__ __forceinline__ Seq seq_of(const FwdParams& p, int n) {
-  if (!p.cu) return Seq{0, p.T, n};
-  const int64_t bos = min(max(cu_at(p, n), int64_t{0}), static_cast<int64_t>(p.T));
-  return Seq{bos, min(max(cu_at(p, n + 1), bos), static_cast<int64_t>(p.T)), 0};
-}
-
 // chunk_base[n] = sum over m < n of ceil(len_m / 64), for varlen calls (one CTA).
 __global__ void __launch_bounds__(1024) chunk_base_kernel(const FwdParams p, int32_t* chunk_base) {
   using Scan = cub::BlockScan<int32_t, 1024>;

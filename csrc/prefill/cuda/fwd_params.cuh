@@ -44,6 +44,18 @@ __device__ __forceinline__ int64_t cu_at(const FwdParams& p, int i) {
   return p.cu64 ? static_cast<const int64_t*>(p.cu)[i] : static_cast<const int32_t*>(p.cu)[i];
 }
 
+// Sequence bounds as the kernels see them: device offsets are clamped so nothing is read out of
+// bounds (they are not checked on the host).
+struct Seq {
+  int64_t bos, eos;
+  int b_row;
+};
+__device__ __forceinline__ Seq seq_of(const FwdParams& p, int n) {
+  if (!p.cu) return Seq{0, p.T, n};
+  const int64_t bos = min(max(cu_at(p, n), int64_t{0}), static_cast<int64_t>(p.T));
+  return Seq{bos, min(max(cu_at(p, n + 1), bos), static_cast<int64_t>(p.T)), 0};
+}
+
 inline void strides4(const cula_tensor* t, int64_t (&s)[4]) {
   for (int i = 0; i < 4; ++i) s[i] = t && i < t->ndim ? t->strides[i] : 0;
 }

@@ -52,17 +52,9 @@ __global__ void __launch_bounds__(kWarps * 32) recurrent_fwd_kernel(const FwdPar
   const int j0 = tile * kTileRows + warp * kRows;
   if (j0 >= p.V) return;
   const int k0 = lane * EPL;
-  int64_t bos, eos;
-  int b_row;  // batch row of the tokens
-  if (p.cu) {  // device-side offsets are not checked on the host: clamp them so nothing is read out of bounds
-    bos = min(max(cu_at(p, n), int64_t{0}), static_cast<int64_t>(p.T));
-    eos = min(max(cu_at(p, n + 1), bos), static_cast<int64_t>(p.T));
-    b_row = 0;
-  } else {
-    bos = 0;
-    eos = p.T;
-    b_row = n;
-  }
+  const Seq sq = seq_of(p, n);
+  const int64_t bos = sq.bos, eos = sq.eos;
+  const int b_row = sq.b_row;  // batch row of the tokens
   int64_t chunk_base = 0;  // first intermediate-state index of this sequence
   if (p.inter && p.cu)
     for (int m = 0; m < n; ++m) chunk_base += (cu_at(p, m + 1) - cu_at(p, m) + p.chunk - 1) / p.chunk;
