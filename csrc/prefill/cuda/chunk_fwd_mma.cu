@@ -46,6 +46,7 @@
 #include <type_traits>
 
 #include "common/error.h"
+#include "cuda/cuda_ops.h"
 #include "cuda/device_helpers.cuh"
 #include "cuda/mma.cuh"
 #include "prefill/cuda/chunk_fwd_mma.h"
@@ -894,9 +895,7 @@ bool chunk_fwd_mma_accepts(const Recurrence& r, const cula_chunk_fwd_args& a) {
     if (t->dtype != CULA_BFLOAT16 || !aligned16(t)) return false;
   if ((a.g->dtype != CULA_BFLOAT16 && a.g->dtype != CULA_FLOAT32) || !aligned16(a.g)) return false;
   if (a.initial_state && !is_contiguous(*a.initial_state)) return false;
-  int major = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, a.q->device_id) != cudaSuccess) return false;
-  return major >= 8;
+  return cuda_device_arch(a.q->device_id) >= 80;  // mma.sync bf16, ldmatrix, cp.async
 }
 
 template <int K, int V, bool DELTA>
