@@ -28,6 +28,7 @@
 #include <string>
 
 #include "common/error.h"
+#include "cuda/check.cuh"
 #include "cuda/device_helpers.cuh"
 #include "decode/cuda/decode_cuda.h"
 
@@ -302,9 +303,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
   }
 }
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw Error(CULA_ERROR_CUDA, std::string("decode: ") + what + ": " + cudaGetErrorString(e));
-}
+void check(cudaError_t e, const char* what) { cuda_check(e, "decode", what); }
 
 // Tile rows: 16 KB of state per CTA, so that a dozen CTAs per SM keep ~200 KB of loads in flight.
 template <int EPL, typename S, bool KLAST, bool kServing, bool kKdaServing = false>

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "common/error.h"
+#include "cuda/check.cuh"
 #include "cuda/cuda_ops.h"
 
 namespace cula {
@@ -49,9 +50,7 @@ __global__ void kda_gate_kernel(const Tin* __restrict__ g, const float* __restri
   }
 }
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw Error(CULA_ERROR_CUDA, std::string("kda_gate: ") + what + ": " + cudaGetErrorString(e));
-}
+void check(cudaError_t e, const char* what) { cuda_check(e, "kda_gate", what); }
 
 template <typename Tin, typename Tout>
 void launch(const cula_kda_gate_args& a, int64_t n, int64_t HV, int64_t K) {

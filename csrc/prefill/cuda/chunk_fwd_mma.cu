@@ -46,6 +46,7 @@
 #include <type_traits>
 
 #include "common/error.h"
+#include "cuda/check.cuh"
 #include "cuda/cuda_ops.h"
 #include "cuda/device_helpers.cuh"
 #include "cuda/mma.cuh"
@@ -819,9 +820,7 @@ __global__ void __launch_bounds__(kScanThreads, 1)
   if (slot >= 0) store_state(p.pool, p.pool_dt, slot);
 }
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw Error(CULA_ERROR_CUDA, std::string("chunk_fwd: ") + what + ": " + cudaGetErrorString(e));
-}
+void check(cudaError_t e, const char* what) { cuda_check(e, "chunk_fwd", what); }
 
 template <typename Kernel>
 void allow_smem(Kernel kernel, int bytes) {

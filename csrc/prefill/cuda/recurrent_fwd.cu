@@ -20,6 +20,7 @@
 #include <utility>
 
 #include "common/error.h"
+#include "cuda/check.cuh"
 #include "cuda/device_helpers.cuh"
 #include "prefill/cuda/fwd_params.cuh"
 #include "prefill/cuda/recurrent_fwd.h"
@@ -152,9 +153,7 @@ __global__ void __launch_bounds__(kWarps * 32) recurrent_fwd_kernel(const FwdPar
   if (slot >= 0) store_state(p.pool, p.pool_dt, [&](int j, int kk) { return state_elem(p, slot, hv, j, kk); });
 }
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw Error(CULA_ERROR_CUDA, std::string("chunk_fwd: ") + what + ": " + cudaGetErrorString(e));
-}
+void check(cudaError_t e, const char* what) { cuda_check(e, "chunk_fwd", what); }
 
 }  // namespace
 
