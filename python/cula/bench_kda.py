@@ -10,6 +10,7 @@ per call with CUDA events (median of 20 after warm-up), alternating between two 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import statistics
@@ -105,7 +106,7 @@ def bench_kda(out_dir: str, gpu_name: str | None = None, configs=None) -> int:
                              out=torch.empty(B, T, H, V, device=dev, dtype=torch.bfloat16)))
         A_log = torch.rand(H, device=dev) - 0.5
         dt_bias = torch.randn(H, K, device=dev) * 0.1
-        cu64 = torch.tensor([0] + list(__import__("itertools").accumulate(seqlens)), device=dev,
+        cu64 = torch.tensor([0] + list(itertools.accumulate(seqlens)), device=dev,
                             dtype=torch.int64) if seqlens else None
         gate = dict(use_gate_in_kernel=True, safe_gate=True, lower_bound=LOWER_BOUND, A_log=A_log,
                     use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
@@ -149,7 +150,6 @@ def bench_kda(out_dir: str, gpu_name: str | None = None, configs=None) -> int:
             for impl, fn in impls:
                 res[impl] = _time_ms(torch, fn)
                 records.append(dict(op="kda_fwd", config=config, impl=impl, median_ms=round(res[impl], 4), reps=REPS))
-            kernel = None
             run_cula(0)
             kernel = ops.last_kernel()
             check = {}
@@ -176,8 +176,6 @@ def bench_kda(out_dir: str, gpu_name: str | None = None, configs=None) -> int:
                 fla=_version("fla-core"), flashkda=_version("flash_kda") if flash_fn else None,
                 date=time.strftime("%Y-%m-%d"), method=f"median of {REPS} single calls (CUDA events) after 3 warm-up "
                 "calls, alternating two input sets; FLA with FLA_FLASH_KDA=0, under torch.inference_mode")
-    with open(os.path.join(out_dir, "kda_fwd.json"), "w") as f:
-        json.dump(dict(meta=meta, records=records), f, indent=1)
     peers = [p for p in ("fla_triton", "flashkda", "torch_sdpa") if any(p in r[1] for r in rows)]
     lines = [f"# KDA chunked forward, bf16, K=V=128, gate in kernel (lb {LOWER_BOUND}), l2norm, beta sigmoid "
              f"({meta['gpu']})", "", f"{meta['method']}. Copy bandwidth {bw:.0f} GB/s. Times in ms; ratios are "
