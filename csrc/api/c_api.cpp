@@ -41,6 +41,7 @@ bool not_float64(const Recurrence& r, const Args&) {
 
 // Tables are ordered best first; AUTO takes the first row for the tensors' device.
 const Kernel<cula_chunk_fwd_args> kChunkFwd[] = {
+    {CULA_BACKEND_CUDA, CULA_CUDA, "cuda_fused", cuda_chunk_fwd_fused, chunk_fwd_fused_accepts},
     {CULA_BACKEND_CUDA, CULA_CUDA, "cuda_mma", cuda_chunk_fwd_mma, chunk_fwd_mma_accepts},
     {CULA_BACKEND_CUDA, CULA_CUDA, "cuda", cuda_recurrent_fwd},
     {CULA_BACKEND_CPU, CULA_CPU, "cpu", cpu_chunk_fwd, not_float64},

@@ -1,6 +1,9 @@
 // Chunked forward (WY/UT form) on tensor cores, sm_80 instruction set (mma.sync, ldmatrix,
-// cp.async); runs on Ampere, Hopper and Blackwell. Families with a per-channel gate (KDA with the
-// delta rule, GLA without) share this engine; DELTA switches the delta-rule parts.
+// cp.async); runs on Ampere, Hopper and Blackwell. The delta-rule families share this engine: KDA
+// (per-channel gate, bounded) and GDN (scalar gate: the pair products take e^{G_i - G_j} per
+// element, exact for any decay). DELTA switches the delta-rule parts off; the dispatch sends the
+// families without the delta rule and with a scalar decay to chunk_fwd_fused.cu instead, which
+// needs no workspace.
 //
 // Two kernels and a workspace (plus a prefix sum of chunk counts for varlen):
 //  prep (one CTA per chunk of 64 tokens and value head, all chunks in parallel): everything of a
@@ -51,6 +54,7 @@
 #include "cuda/device_helpers.cuh"
 #include "cuda/mma.cuh"
 #include "prefill/cuda/chunk_fwd_mma.h"
+#include "prefill/cuda/chunk_common.cuh"
 #include "prefill/cuda/fwd_params.cuh"
 
 namespace cula {
@@ -60,7 +64,7 @@ using bf16 = __nv_bfloat16;
 using mma::pack;
 using mma::unpack;
 
-constexpr int kBT = 64;
+constexpr int kBT = kChunk;
 constexpr int kThreads = 128;      // prep
 constexpr int kScanThreads = 256;  // scan
 
@@ -106,30 +110,7 @@ constexpr int kTabLast = 14;  // e^{G_last}
 __device__ __forceinline__ uint32_t& u32at(bf16* p) { return *reinterpret_cast<uint32_t*>(p); }
 __device__ __forceinline__ float2 bf2(const bf16* p) { return unpack(*reinterpret_cast<const uint32_t*>(p)); }
 
-// chunk_base[n] = sum over m < n of ceil(len_m / 64), for varlen calls (one CTA).
-__global__ void __launch_bounds__(1024) chunk_base_kernel(const FwdParams p, int32_t* chunk_base) {
-  using Scan = cub::BlockScan<int32_t, 1024>;
-  __shared__ typename Scan::TempStorage tmp;
-  int32_t carry = 0;
-  for (int base = 0; base < p.N; base += 1024) {
-    const int n = base + static_cast<int>(threadIdx.x);
-    int32_t c = 0;
-    if (n < p.N) {
-      const Seq s = seq_of(p, n);
-      c = static_cast<int32_t>((s.eos - s.bos + kBT - 1) / kBT);
-    }
-    int32_t excl, total;
-    Scan(tmp).ExclusiveSum(c, excl, total);
-    if (n < p.N) chunk_base[n] = carry + excl;
-    carry += total;
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) chunk_base[p.N] = carry;
-}
-
-__device__ __forceinline__ int chunks_of(const FwdParams& p) { return (p.T + kBT - 1) / kBT; }
-
-template <int K, int V, bool DELTA>
+template <int K, int V, bool DELTA, bool SCALAR>
 __global__ void __launch_bounds__(kThreads, 3)
     chunk_prep_kernel(const FwdParams p, const int32_t* __restrict__ chunk_base, unsigned char* __restrict__ work) {
   using Ly = PrepLayout<K, V>;
@@ -151,24 +132,17 @@ __global__ void __launch_bounds__(kThreads, 3)
   float* beta_s = reinterpret_cast<float*>(smem + Ly::oBETA);
   float* gs_s = reinterpret_cast<float*>(smem + Ly::oGS);
   float* qk_s = reinterpret_cast<float*>(smem + Ly::oQK);
+  // scalar gates: cumulative gate, q and k row factors (the per-channel block-sum area is free)
+  float* grow_s = bsum_s;
+  float* qsc_s = bsum_s + kBT;
+  float* ksc_s = bsum_s + 2 * kBT;
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int I = warp, bI = 16 * warp;
   const int hv = static_cast<int>(blockIdx.x % p.HV);
   const int cidx = static_cast<int>(blockIdx.x / p.HV);  // global chunk index
   int n, ci;
-  if (chunk_base) {
-    if (cidx >= chunk_base[p.N]) return;
-    int lo = 0, hi = p.N - 1;  // last n with chunk_base[n] <= cidx
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (chunk_base[mid] <= cidx) lo = mid;
-      else hi = mid - 1;
-    }
-    n = lo, ci = cidx - chunk_base[lo];
-  } else {
-    n = cidx / chunks_of(p), ci = cidx % chunks_of(p);
-  }
+  if (!chunk::locate(p, chunk_base, cidx, n, ci)) return;
   const Seq sq = seq_of(p, n);
   const int64_t t0 = sq.bos + static_cast<int64_t>(ci) * kBT;
   const int Lc = static_cast<int>(min(int64_t{kBT}, sq.eos - t0));
@@ -181,6 +155,12 @@ __global__ void __launch_bounds__(kThreads, 3)
   const float const_decay =
       p.gate_kind == 2 ? -dev::ld(p.decay, p.decay_dt, p.decay_heads == p.HV ? hv : (hv / (p.HV / p.H))) : 0.0f;
   const uint4 zero4 = make_uint4(0, 0, 0, 0);
+  // log-decay of one element from its raw gate (SPEC §2)
+  auto activate = [&](float x) {
+    if (p.gate_in_kernel && p.gate_kind != 2)
+      x = p.has_lb ? __fdividef(p.lb, 1.0f + __expf(-eA * x)) : -eA * (x > 20.0f ? x : log1pf(__expf(x)));
+    return x;
+  };
 
   // ---- q, k (and per-channel gate) tiles; rows past the sequence are zeros
   {
@@ -223,7 +203,7 @@ __global__ void __launch_bounds__(kThreads, 3)
     for (int rr = 0; rr < 4; ++rr) {
       const int row = bI + g + 8 * (rr & 1), col = 16 * kk + 2 * t + 8 * (rr >> 1);
       float2 v = make_float2(0.0f, 0.0f);
-      if (p.gate_kind == 0 && row < Lc) {
+      if (!SCALAR && row < Lc) {
         const int64_t off = b_row * p.g_s[0] + (t0 + row) * p.g_s[1] + hv * p.g_s[2] + col;
         v = p.g_dt == CULA_FLOAT32 ? *reinterpret_cast<const float2*>(static_cast<const float*>(p.g) + off)
                                    : bf2(static_cast<const bf16*>(p.g) + off);
@@ -232,7 +212,7 @@ __global__ void __launch_bounds__(kThreads, 3)
     }
   };
   float gnext[8];
-  load_gate(0, gnext);
+  if (!SCALAR) load_gate(0, gnext);
   mma::cp_async_wait_all();
   __syncthreads();  // B_a0: tiles landed
 
@@ -262,9 +242,33 @@ __global__ void __launch_bounds__(kThreads, 3)
       ks[x] = p.l2norm ? rsqrtf(k2[x] + 1e-6f) : 1.0f;
       // The diagonal of A_qk in fp32 from the unrounded rows: for short sequences it is most of o,
       // and q.k of two nearly orthogonal rows loses its digits to bf16 rounding of q el and Kr.
-      if (t == 0) qk_s[bI + g + 8 * x] = qs[x] * ks[x] * qk[x];
+      if (t == 0) {
+        qk_s[bI + g + 8 * x] = qs[x] * ks[x] * qk[x];
+        if (SCALAR) qsc_s[bI + g + 8 * x] = qs[x], ksc_s[bI + g + 8 * x] = ks[x];
+      }
     }
   }
+
+  if constexpr (SCALAR) {
+    // One log-decay per row: warp 0 scans the 64 rows (lane holds rows lane and lane + 32); rows
+    // past the sequence add nothing, so row 63 holds G_last.
+    if (warp == 0) {
+      float x[2];
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int row = lane + 32 * hh;
+        x[hh] = row < Lc ? activate(p.gate_kind == 1 ? gs_s[row] + head_bias : const_decay) : 0.0f;
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+          const float u = __shfl_up_sync(0xffffffffu, x[hh], d);
+          if (lane >= d) x[hh] += u;
+        }
+      }
+      x[1] += __shfl_sync(0xffffffffu, x[0], 31);
+      grow_s[lane] = x[0], grow_s[lane + 32] = x[1];
+    }
+    __syncthreads();  // B_b: row gates and row factors visible
+  } else {
 
   // ---- per k-step (a rolled loop keeps the code small): gate activation; cumulative sum inside
   // the 16-row block by shuffles (rows g and g + 8 of a channel live in the lanes with this t);
@@ -279,10 +283,7 @@ __global__ void __launch_bounds__(kThreads, 3)
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
       const int row = bI + g + 8 * ((e >> 1) & 1), col = 16 * kk + 2 * t + 8 * (e >> 2) + (e & 1);
-      float x = p.gate_kind == 0 ? a[e] + bias_s[col] : p.gate_kind == 1 ? gs_s[row] + head_bias : const_decay;
-      if (p.gate_in_kernel && p.gate_kind != 2)
-        x = p.has_lb ? __fdividef(p.lb, 1.0f + __expf(-eA * x)) : -eA * (x > 20.0f ? x : log1pf(__expf(x)));
-      a[e] = row < Lc ? x : 0.0f;
+      a[e] = row < Lc ? activate(a[e] + bias_s[col]) : 0.0f;
     }
 #pragma unroll
     for (int cs = 0; cs < 2; ++cs)
@@ -337,11 +338,14 @@ __global__ void __launch_bounds__(kThreads, 3)
     tab[kTabLast * K + tid] = __expf(gl);
   }
   __syncthreads();  // B_c: Kr and the table visible
+  }
 
   // ---- pair products A_kk, A_qk over the ten lower block pairs (Ib, Jb), dealt to the warps
   // round-robin (three or two each, so the triangle costs every warp about the same); the left
   // operands (k el, q el of rows Ib, scaled by E_{Ib,Jb} off the diagonal) come from shared
-  // memory. Qg = q el e^{G_bI} of this warp's rows goes straight out.
+  // memory. Qg = q el e^{G_bI} of this warp's rows goes straight out. Scalar gates multiply the
+  // plain products by e^{G_i - G_j} per pair afterwards (exact for any decay), so the operands
+  // are the raw q, k tiles.
   // (0,0) (1,0) (1,1) (2,0) (2,1) (2,2) (3,0) (3,1) (3,2) (3,3), pair q of warp w is number w + 4q
   int pi[3], pj[3];
 #pragma unroll
@@ -358,15 +362,17 @@ __global__ void __launch_bounds__(kThreads, 3)
 #pragma unroll
       for (int r = 0; r < 4; ++r) akk[q][nt][r] = 0.0f, aqk[q][nt][r] = 0.0f;
   bf16* qgo = reinterpret_cast<bf16*>(blk + Wk::oQ);
+  const bf16* right_s = SCALAR ? k_s : kr_s;
 #pragma unroll 1
   for (int kk = 0; kk < KS; ++kk) {
+    if (!SCALAR)
 #pragma unroll
-    for (int rr = 0; rr < 4; ++rr) {
-      const int row = bI + g + 8 * (rr & 1), col = 16 * kk + 2 * t + 8 * (rr >> 1);
-      const float2 eb = *reinterpret_cast<const float2*>(tab + (kTabEb + I) * K + col);
-      const float2 qv = bf2(q_s + row * LDK + col);
-      u32at(qgo + row * K + col) = pack(qv.x * eb.x, qv.y * eb.y);
-    }
+      for (int rr = 0; rr < 4; ++rr) {
+        const int row = bI + g + 8 * (rr & 1), col = 16 * kk + 2 * t + 8 * (rr >> 1);
+        const float2 eb = *reinterpret_cast<const float2*>(tab + (kTabEb + I) * K + col);
+        const float2 qv = bf2(q_s + row * LDK + col);
+        u32at(qgo + row * K + col) = pack(qv.x * eb.x, qv.y * eb.y);
+      }
 #pragma unroll
     for (int q = 0; q < 3; ++q) {
       if (pi[q] < 0) continue;
@@ -374,7 +380,7 @@ __global__ void __launch_bounds__(kThreads, 3)
       uint32_t ak[4], aq[4], b[4];
       mma::ldsm_x4(ak, k_s + (16 * Ib + mma::a_row(lane)) * LDK + 16 * kk + mma::a_col(lane));
       mma::ldsm_x4(aq, q_s + (16 * Ib + mma::a_row(lane)) * LDK + 16 * kk + mma::a_col(lane));
-      if (Jb < Ib) {
+      if (!SCALAR && Jb < Ib) {
 #pragma unroll
         for (int rr = 0; rr < 4; ++rr) {
           const float2 e = *reinterpret_cast<const float2*>(tab + tab_pair(Ib, Jb) * K + 16 * kk + 2 * t + 8 * (rr >> 1));
@@ -383,7 +389,7 @@ __global__ void __launch_bounds__(kThreads, 3)
           aq[rr] = pack(qv.x * e.x, qv.y * e.y);
         }
       }
-      mma::ldsm_x4(b, kr_s + (16 * Jb + mma::bn_row(lane)) * LDK + 16 * kk + mma::bn_col(lane));
+      mma::ldsm_x4(b, right_s + (16 * Jb + mma::bn_row(lane)) * LDK + 16 * kk + mma::bn_col(lane));
       if (DELTA) {
         mma::mma16816(akk[q][0], ak, b[0], b[1]);
         mma::mma16816(akk[q][1], ak, b[2], b[3]);
@@ -393,6 +399,33 @@ __global__ void __launch_bounds__(kThreads, 3)
     }
   }
   __syncthreads();  // B_c2: every warp done with the k el tile (it becomes k e^G next)
+  if constexpr (SCALAR) {
+    // This warp's rows, 16 bytes at a time: Qg = q qs e^{G_i} and Kd = k ks e^{G_last - G_i} out,
+    // beta k ks e^{G_i} in place (delta rule); e^{G_last} for every channel.
+    bf16* kdo = reinterpret_cast<bf16*>(blk + Wk::oKd);
+    const float glast = grow_s[kBT - 1];
+    for (int idx = lane; idx < 16 * (K / 8); idx += 32) {
+      const int row = bI + idx / (K / 8), c8 = (idx % (K / 8)) * 8;
+      const float eg = __expf(grow_s[row]), fq = qsc_s[row] * eg, fk = ksc_s[row];
+      const float fd = fk * __expf(glast - grow_s[row]), fw = fk * eg * beta_s[row];
+      const uint4 qv = *reinterpret_cast<const uint4*>(q_s + row * LDK + c8);
+      const uint4 kv = *reinterpret_cast<const uint4*>(k_s + row * LDK + c8);
+      uint4 oq, od, ow;
+      const uint32_t *qw = reinterpret_cast<const uint32_t*>(&qv), *kw = reinterpret_cast<const uint32_t*>(&kv);
+      uint32_t *oqw = reinterpret_cast<uint32_t*>(&oq), *odw = reinterpret_cast<uint32_t*>(&od), *oww = reinterpret_cast<uint32_t*>(&ow);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 x = unpack(qw[j]), y = unpack(kw[j]);
+        oqw[j] = pack(x.x * fq, x.y * fq);
+        odw[j] = pack(y.x * fd, y.y * fd);
+        oww[j] = pack(y.x * fw, y.y * fw);
+      }
+      *reinterpret_cast<uint4*>(qgo + row * K + c8) = oq;
+      *reinterpret_cast<uint4*>(kdo + row * K + c8) = od;
+      if (DELTA) *reinterpret_cast<uint4*>(ck_s + row * LDK + c8) = ow;
+    }
+    if (tid < K) reinterpret_cast<float*>(blk + Wk::oDL)[tid] = __expf(glast);
+  } else {
   // k e^G = Kl e^{G_bI} for this warp's rows, in place of Kl
   if (DELTA)
     for (int idx = lane; idx < 16 * (K / 8); idx += 32) {
@@ -425,6 +458,7 @@ __global__ void __launch_bounds__(kThreads, 3)
     }
     if (tid < K) reinterpret_cast<float*>(blk + Wk::oDL)[tid] = tab[kTabLast * K + tid];
   }
+  }
   __syncthreads();  // B_d: q tile and Kr no longer read (they take M and v)
 
   // v tile into the Kr buffer, behind the inverse
@@ -454,6 +488,13 @@ __global__ void __launch_bounds__(kThreads, 3)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           const int gi = 16 * Ib + g + 8 * hh, gj = 16 * Jb + nt * 8 + 2 * t;
+          if (SCALAR) {  // e^{G_i - G_j} <= 1 for j <= i, with the row factors of q_i, k_i, k_j
+            const float gri = grow_s[gi];
+            const float e0 = gj <= gi ? ksc_s[gj] * __expf(gri - grow_s[gj]) : 0.0f;
+            const float e1 = gj + 1 <= gi ? ksc_s[gj + 1] * __expf(gri - grow_s[gj + 1]) : 0.0f;
+            aqk[q][nt][2 * hh] *= qsc_s[gi] * e0, aqk[q][nt][2 * hh + 1] *= qsc_s[gi] * e1;
+            akk[q][nt][2 * hh] *= ksc_s[gi] * e0, akk[q][nt][2 * hh + 1] *= ksc_s[gi] * e1;
+          }
           const float a0 = gj > gi ? 0.0f : gj == gi ? qk_s[gi] : aqk[q][nt][2 * hh];
           const float a1 = gj + 1 > gi ? 0.0f : gj + 1 == gi ? qk_s[gi] : aqk[q][nt][2 * hh + 1];
           const uint32_t hi = pack(a0, a1);
@@ -635,7 +676,7 @@ __global__ void __launch_bounds__(kScanThreads, 1)
   const Seq sq = seq_of(p, n);
   const int64_t len = sq.eos - sq.bos;
   const int nchunks = static_cast<int>((len + kBT - 1) / kBT);
-  const int64_t cbase = chunk_base ? chunk_base[n] : static_cast<int64_t>(n) * chunks_of(p);
+  const int64_t cbase = chunk_base ? chunk_base[n] : static_cast<int64_t>(n) * chunk::chunks_of(p);
 
   // State slice: element (mt, nt, r) = channel cw + mt*16 + g + 8(r>>1), column v0 + hc0 + nt*8 + 2t + (r&1).
   const int cw = I * (K / 4);
@@ -820,17 +861,64 @@ __global__ void __launch_bounds__(kScanThreads, 1)
   if (slot >= 0) store_state(p.pool, p.pool_dt, slot);
 }
 
-void check(cudaError_t e, const char* what) { cuda_check(e, "chunk_fwd", what); }
-
-template <typename Kernel>
-void allow_smem(Kernel kernel, int bytes) {
-  // Per device; setting it on each call costs one driver call and keeps multi-device use correct.
-  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), "shared memory attribute");
+template <int K, int V, int VB, bool DELTA, bool SCALAR>
+void run(const Recurrence& r, const FwdParams& p, int device, cudaStream_t stream) {
+  const int64_t max_chunks = chunk::max_chunks(p), base_bytes = chunk::base_bytes(p);
+  const int64_t bytes = base_bytes + max_chunks * r.HV * Work<K, V>::bytes;
+  const int64_t prep_blocks = max_chunks * r.HV, scan_blocks = r.N * r.HV * (V / VB);
+  if (prep_blocks >= (int64_t{1} << 31) || scan_blocks >= (int64_t{1} << 31))
+    throw_unsupported("chunk_fwd", "too many chunks x heads for one launch");
+  if (max_chunks == 0) return;
+  void* ws = nullptr;
+  chunk::check(cudaMallocFromPoolAsync(&ws, static_cast<size_t>(bytes), chunk_workspace_pool(device), stream),
+        "workspace allocation");
+  int32_t* chunk_base = p.cu ? static_cast<int32_t*>(ws) : nullptr;
+  unsigned char* work = static_cast<unsigned char*>(ws) + base_bytes;
+  if (p.cu) chunk::launch_chunk_base(p, chunk_base, stream);
+  chunk::allow_smem(chunk_prep_kernel<K, V, DELTA, SCALAR>, PrepLayout<K, V>::bytes);
+  chunk_prep_kernel<K, V, DELTA, SCALAR>
+      <<<static_cast<unsigned>(prep_blocks), kThreads, PrepLayout<K, V>::bytes, stream>>>(p, chunk_base, work);
+  chunk::allow_smem(chunk_scan_kernel<K, V, VB, DELTA>, ScanLayout<K, VB>::bytes);
+  chunk_scan_kernel<K, V, VB, DELTA>
+      <<<static_cast<unsigned>(scan_blocks), kScanThreads, ScanLayout<K, VB>::bytes, stream>>>(p, chunk_base, work);
+  const cudaError_t launched = cudaGetLastError();
+  chunk::check(cudaFreeAsync(ws, stream), "workspace release");
+  chunk::check(launched, "kernel launch");
 }
 
-// Workspace memory: a pool per device that keeps what it has allocated, so steady-state calls
-// neither allocate from the driver nor synchronize (stream-ordered, graph-capturable).
-cudaMemPool_t workspace_pool(int device) {
+}  // namespace
+
+namespace chunk {
+namespace {
+// One CTA of 1024 threads: a block scan over the sequences' chunk counts.
+__global__ void __launch_bounds__(1024) chunk_base_kernel(const FwdParams p, int32_t* chunk_base) {
+  using Scan = cub::BlockScan<int32_t, 1024>;
+  __shared__ typename Scan::TempStorage tmp;
+  int32_t carry = 0;
+  for (int base = 0; base < p.N; base += 1024) {
+    const int n = base + static_cast<int>(threadIdx.x);
+    int32_t c = 0;
+    if (n < p.N) {
+      const Seq s = seq_of(p, n);
+      c = static_cast<int32_t>((s.eos - s.bos + kChunk - 1) / kChunk);
+    }
+    int32_t excl, total;
+    Scan(tmp).ExclusiveSum(c, excl, total);
+    if (n < p.N) chunk_base[n] = carry + excl;
+    carry += total;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) chunk_base[p.N] = carry;
+}
+
+}  // namespace
+
+void launch_chunk_base(const FwdParams& p, int32_t* chunk_base, cudaStream_t stream) {
+  chunk_base_kernel<<<1, 1024, 0, stream>>>(p, chunk_base);
+}
+}  // namespace chunk
+
+cudaMemPool_t chunk_workspace_pool(int device) {
   static cudaMemPool_t pools[64] = {};
   static std::once_flag once[64];
   if (device < 0 || device >= 64) throw_unsupported("chunk_fwd", "device index >= 64");
@@ -839,87 +927,60 @@ cudaMemPool_t workspace_pool(int device) {
     props.allocType = cudaMemAllocationTypePinned;
     props.location.type = cudaMemLocationTypeDevice;
     props.location.id = device;
-    check(cudaMemPoolCreate(&pools[device], &props), "workspace pool");
+    chunk::check(cudaMemPoolCreate(&pools[device], &props), "workspace pool");
     uint64_t keep = UINT64_MAX;
-    check(cudaMemPoolSetAttribute(pools[device], cudaMemPoolAttrReleaseThreshold, &keep), "workspace pool");
+    chunk::check(cudaMemPoolSetAttribute(pools[device], cudaMemPoolAttrReleaseThreshold, &keep), "workspace pool");
   });
   return pools[device];
 }
 
-template <int K, int V, int VB, bool DELTA>
-void run(const Recurrence& r, const FwdParams& p, int device, cudaStream_t stream) {
-  // An upper bound on the number of chunks: sum ceil(len / 64) <= T / 64 + N for varlen.
-  const int64_t max_chunks = p.cu ? p.T / kBT + r.N : r.N * ((p.T + kBT - 1) / kBT);
-  const int64_t base_bytes = p.cu ? ((r.N + 1) * 4 + 255) / 256 * 256 : 0;
-  const int64_t bytes = base_bytes + max_chunks * r.HV * Work<K, V>::bytes;
-  const int64_t prep_blocks = max_chunks * r.HV, scan_blocks = r.N * r.HV * (V / VB);
-  if (prep_blocks >= (int64_t{1} << 31) || scan_blocks >= (int64_t{1} << 31))
-    throw_unsupported("chunk_fwd", "too many chunks x heads for one launch");
-  if (max_chunks == 0) return;
-  void* ws = nullptr;
-  check(cudaMallocFromPoolAsync(&ws, static_cast<size_t>(bytes), workspace_pool(device), stream),
-        "workspace allocation");
-  int32_t* chunk_base = p.cu ? static_cast<int32_t*>(ws) : nullptr;
-  unsigned char* work = static_cast<unsigned char*>(ws) + base_bytes;
-  if (p.cu) chunk_base_kernel<<<1, 1024, 0, stream>>>(p, chunk_base);
-  allow_smem(chunk_prep_kernel<K, V, DELTA>, PrepLayout<K, V>::bytes);
-  chunk_prep_kernel<K, V, DELTA>
-      <<<static_cast<unsigned>(prep_blocks), kThreads, PrepLayout<K, V>::bytes, stream>>>(p, chunk_base, work);
-  allow_smem(chunk_scan_kernel<K, V, VB, DELTA>, ScanLayout<K, VB>::bytes);
-  chunk_scan_kernel<K, V, VB, DELTA>
-      <<<static_cast<unsigned>(scan_blocks), kScanThreads, ScanLayout<K, VB>::bytes, stream>>>(p, chunk_base, work);
-  const cudaError_t launched = cudaGetLastError();
-  check(cudaFreeAsync(ws, stream), "workspace release");
-  check(launched, "kernel launch");
-}
-
-bool aligned16(const cula_tensor* t) {
-  if (reinterpret_cast<uintptr_t>(t->data) % 16) return false;
-  const int64_t vec = 16 / dtype_size(t->dtype);
-  for (int i = 0; i + 1 < t->ndim; ++i)
-    if (t->strides[i] % vec) return false;
-  return t->strides[t->ndim - 1] == 1;
-}
-
-}  // namespace
-
 bool chunk_fwd_mma_accepts(const Recurrence& r, const cula_chunk_fwd_args& a) {
-  if (r.tr.gate != GateKind::PerChannel) return false;
-  // The in-block exponent bound: |G_i - G_j| <= 15 * |lower_bound| inside a 16-token block.
-  if (!(r.gate_in_kernel && r.has_lb && r.lb >= -5.0)) return false;
+  if (!r.tr.delta) return false;  // simple GLA and Lightning: chunk_fwd_fused; GLA: recurrent kernel
+  if (r.tr.gate == GateKind::PerChannel) {
+    // The in-block exponent bound: |G_i - G_j| <= 15 * |lower_bound| inside a 16-token block.
+    if (!(r.gate_in_kernel && r.has_lb && r.lb >= -5.0)) return false;
+    if ((a.g->dtype != CULA_BFLOAT16 && a.g->dtype != CULA_FLOAT32) || !chunk::aligned16(a.g)) return false;
+  }
+  // Scalar and constant gates: the exponent is taken per pair (any decay); g is read per element.
   if (r.K != 64 && r.K != 128) return false;
   if (r.V != 64 && r.V != 128) return false;
   if (a.chunk_size != 0 && a.chunk_size != kBT) return false;  // intermediate states are per 64 tokens
   for (const cula_tensor* t : std::initializer_list<const cula_tensor*>{a.q, a.k, a.v, a.out})
-    if (t->dtype != CULA_BFLOAT16 || !aligned16(t)) return false;
-  if ((a.g->dtype != CULA_BFLOAT16 && a.g->dtype != CULA_FLOAT32) || !aligned16(a.g)) return false;
+    if (t->dtype != CULA_BFLOAT16 || !chunk::aligned16(t)) return false;
   if (a.initial_state && !is_contiguous(*a.initial_state)) return false;
   return cuda_device_arch(a.q->device_id) >= 80;  // mma.sync bf16, ldmatrix, cp.async
 }
 
-template <int K, int V, bool DELTA>
+template <int K, int V, bool DELTA, bool SCALAR>
 void run_vb(const Recurrence& r, const FwdParams& p, int device, cudaStream_t stream) {
   // The scan has one CTA per (sequence, head, V slice), one CTA per SM: slices of 32 when those
   // still fit in one wave, else 64.
   int sms = 0;
-  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "device attribute");
+  chunk::check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "device attribute");
   if (r.N * r.HV * (V / 32) <= sms)
-    run<K, V, 32, DELTA>(r, p, device, stream);
+    run<K, V, 32, DELTA, SCALAR>(r, p, device, stream);
   else
-    run<K, V, 64, DELTA>(r, p, device, stream);
+    run<K, V, 64, DELTA, SCALAR>(r, p, device, stream);
+}
+
+template <int K, int V>
+void run_gate(bool scalar, const Recurrence& r, const FwdParams& p, int device, cudaStream_t stream) {
+  if (scalar) run_vb<K, V, true, true>(r, p, device, stream);
+  else run_vb<K, V, true, false>(r, p, device, stream);
 }
 
 void cuda_chunk_fwd_mma(const Recurrence& r, const cula_chunk_fwd_args& a) {
   const FwdParams p = make_fwd_params(r, a);
   if (r.N == 0) return;
   const int dev = a.q->device_id;
-  check(cudaSetDevice(dev), "cudaSetDevice");
+  chunk::check(cudaSetDevice(dev), "cudaSetDevice");
   const cudaStream_t stream = static_cast<cudaStream_t>(a.opt.stream);
-  const bool delta = r.tr.delta;
-  if (r.K == 64 && r.V == 64) delta ? run_vb<64, 64, true>(r, p, dev, stream) : run_vb<64, 64, false>(r, p, dev, stream);
-  else if (r.K == 64) delta ? run_vb<64, 128, true>(r, p, dev, stream) : run_vb<64, 128, false>(r, p, dev, stream);
-  else if (r.V == 64) delta ? run_vb<128, 64, true>(r, p, dev, stream) : run_vb<128, 64, false>(r, p, dev, stream);
-  else delta ? run_vb<128, 128, true>(r, p, dev, stream) : run_vb<128, 128, false>(r, p, dev, stream);
+  // Two engines: per-channel gate (KDA) and scalar gate (GDN), both with the delta rule.
+  const bool scalar = r.tr.gate != GateKind::PerChannel;
+  if (r.K == 64 && r.V == 64) run_gate<64, 64>(scalar, r, p, dev, stream);
+  else if (r.K == 64) run_gate<64, 128>(scalar, r, p, dev, stream);
+  else if (r.V == 64) run_gate<128, 64>(scalar, r, p, dev, stream);
+  else run_gate<128, 128>(scalar, r, p, dev, stream);
 }
 
 }  // namespace cula

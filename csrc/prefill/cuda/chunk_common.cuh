@@ -1,0 +1,71 @@
+// Pieces shared by the chunked forward kernels (chunk_fwd_mma.cu, chunk_fwd_fused.cu): the chunk
+// length, the varlen chunk numbering, the workspace pool and host-side checks.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/tensor.h"
+#include "cuda/check.cuh"
+#include "prefill/cuda/fwd_params.cuh"
+
+namespace cula {
+
+constexpr int kChunk = 64;  // tokens per chunk (intermediate states are per 64 tokens)
+
+// Workspace memory: a pool per device that keeps what it has allocated, so steady-state calls
+// neither allocate from the driver nor synchronize (stream-ordered, graph-capturable).
+cudaMemPool_t chunk_workspace_pool(int device);
+
+namespace chunk {
+
+__device__ __forceinline__ int chunks_of(const FwdParams& p) { return (p.T + kChunk - 1) / kChunk; }
+
+// chunk_base[n] = sum over m < n of ceil(len_m / 64) for n <= N, on the stream (varlen calls).
+void launch_chunk_base(const FwdParams& p, int32_t* chunk_base, cudaStream_t stream);
+
+// Sequence n and chunk ci of global chunk cidx; false past the last chunk of a varlen call.
+__device__ __forceinline__ bool locate(const FwdParams& p, const int32_t* chunk_base, int cidx, int& n, int& ci) {
+  if (chunk_base) {
+    if (cidx >= chunk_base[p.N]) return false;
+    int lo = 0, hi = p.N - 1;  // last n with chunk_base[n] <= cidx
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (chunk_base[mid] <= cidx) lo = mid;
+      else hi = mid - 1;
+    }
+    n = lo, ci = cidx - chunk_base[lo];
+  } else {
+    n = cidx / chunks_of(p), ci = cidx % chunks_of(p);
+  }
+  return true;
+}
+
+// An upper bound on the number of chunks: sum ceil(len / 64) <= T / 64 + N for varlen.
+inline int64_t max_chunks(const FwdParams& p) {
+  return p.cu ? p.T / kChunk + p.N : static_cast<int64_t>(p.N) * ((p.T + kChunk - 1) / kChunk);
+}
+
+// Bytes in front of the per-chunk workspace: the varlen chunk bases, 256-byte aligned.
+inline int64_t base_bytes(const FwdParams& p) { return p.cu ? ((p.N + 1) * 4 + 255) / 256 * 256 : 0; }
+
+inline void check(cudaError_t e, const char* what) { cuda_check(e, "chunk_fwd", what); }
+
+template <typename Kernel>
+void allow_smem(Kernel kernel, int bytes) {
+  // Per device; setting it on each call costs one driver call and keeps multi-device use correct.
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), "shared memory attribute");
+}
+
+// 16-byte aligned base and outer strides, unit last stride (vector loads and cp.async).
+inline bool aligned16(const cula_tensor* t) {
+  if (reinterpret_cast<uintptr_t>(t->data) % 16) return false;
+  const int64_t vec = 16 / dtype_size(t->dtype);
+  for (int i = 0; i + 1 < t->ndim; ++i)
+    if (t->strides[i] % vec) return false;
+  return t->strides[t->ndim - 1] == 1;
+}
+
+}  // namespace chunk
+}  // namespace cula

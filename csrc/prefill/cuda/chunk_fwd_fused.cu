@@ -1,0 +1,442 @@
+// Chunked forward for the families without the delta rule and with a scalar or constant decay
+// (simple GLA, Lightning), sm_80 instruction set (mma.sync, ldmatrix, cp.async). Without the delta
+// rule nothing of a chunk needs an inverse, so one kernel walks the chunks of a sequence and reads
+// q, k, v straight from the inputs: no per-chunk workspace beyond a few row factors.
+//
+//  factors (one warp per chunk of 64 tokens and value head, all chunks in parallel): G, the
+//    inclusive cumulative log-decay of each row from the chunk start (gate activation in kernel
+//    when asked), the row factors qs = scale (/ |q| with l2norm) and ks = 1 (/ |k|), and what the
+//    fused kernel needs of them per row (qs e^G, ks e^{G_last - G}, G - ln ks) plus e^{G_last}:
+//    1.3 KB per chunk and head.
+//  fused (one CTA per sequence, value head and VB columns of V, chunks in order, the state slice
+//    S (K x VB, fp32) in registers), per chunk:
+//      o_i = qs_i e^{G_i} (q_i S) + sum_{j<=i} qs_i ks_j e^{G_i - G_j} (q_i . k_j) v_j
+//      S   = e^{G_last} S + sum_j k_j^T (ks_j e^{G_last - G_j} v_j)
+//    Every exponent is of a difference G_i - G_j with j <= i, so no factor exceeds 1 and any decay
+//    is exact (no bound needed, unlike the per-channel engine).
+//
+// fused: 8 warps; warp w owns rows 16(w%4).. of o (and the block row of q k^T it needs) and
+// channels (w%4)*K/4.. of the state, for half w/4 of the slice's columns. The warp's q rows are
+// loaded once per chunk as A fragments and serve q S and every block of q k^T; q k^T is a chain in
+// registers: its accumulator pairs are the A fragments of the product with v (bf16 hi + lo, as the
+// per-channel engine keeps tril(A_qk)). Shared memory (K = 128, VB = 64: ~115 KB, one CTA per SM):
+// two stages of (q, k, v slice, factors), S (bf16), the scaled v (Vd, bf16).
+// Barriers per chunk: B1 stage in and S written; B2 Vd written and S read; B3 stage, S and Vd free.
+// Where the time goes (docs/NOTES.md): issue-latency bound, two warps per scheduler.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <initializer_list>
+
+#include "common/error.h"
+#include "cuda/check.cuh"
+#include "cuda/cuda_ops.h"
+#include "cuda/device_helpers.cuh"
+#include "cuda/mma.cuh"
+#include "prefill/cuda/chunk_common.cuh"
+#include "prefill/cuda/chunk_fwd_mma.h"
+#include "prefill/cuda/fwd_params.cuh"
+
+namespace cula {
+namespace {
+
+using bf16 = __nv_bfloat16;
+using mma::pack;
+using mma::unpack;
+
+constexpr int kBT = kChunk;
+constexpr int kThreads = 256;
+constexpr int kFactorWarps = 4;
+// Per chunk and head, per row: G; qs; qs e^{G}; ks e^{G_last - G}; G - ln ks (the pair factor
+// qs_i ks_j e^{G_i - G_j} is then qs_i e^{G_i - (G_j - ln ks_j)}: one exponential per pair, whose
+// argument G_i - G_j + ln ks_j stays below ln 1e3 as G_i <= G_j); then e^{G_last}.
+constexpr int kFG = 0, kFQS = kBT, kFO = 2 * kBT, kFV = 3 * kBT, kFP = 4 * kBT, kFL = 5 * kBT;
+constexpr int kFactorFloats = 5 * kBT + 4;  // 16-byte multiple
+
+template <int K, int VB>
+struct FusedLayout {
+  static constexpr int LDK = K + 8, LDV = VB + 8;
+  static constexpr int sQ = 0, sK = sQ + kBT * LDK * 2, sV = sK + kBT * LDK * 2, sF = sV + kBT * LDV * 2,
+                       stage = sF + kFactorFloats * 4;
+  static constexpr int oS = 2 * stage, oVD = oS + K * LDV * 2, bytes = oVD + kBT * LDV * 2;
+};
+
+__device__ __forceinline__ uint32_t& u32at(bf16* p) { return *reinterpret_cast<uint32_t*>(p); }
+
+// Row factors of every (chunk, value head): one warp each, lane holds rows lane and lane + 32.
+__global__ void __launch_bounds__(32 * kFactorWarps)
+    chunk_factor_kernel(const FwdParams p, const int32_t* __restrict__ chunk_base, float* __restrict__ fac, int pairs) {
+  const int lane = threadIdx.x & 31;
+  const int pair = static_cast<int>(blockIdx.x) * kFactorWarps + static_cast<int>(threadIdx.x >> 5);
+  if (pair >= pairs) return;
+  const int hv = pair % p.HV, cidx = pair / p.HV;
+  int n, ci;
+  if (!chunk::locate(p, chunk_base, cidx, n, ci)) return;
+  const Seq sq = seq_of(p, n);
+  const int64_t t0 = sq.bos + static_cast<int64_t>(ci) * kBT;
+  const int Lc = static_cast<int>(min(int64_t{kBT}, sq.eos - t0));
+  const int h = hv / (p.HV / p.H);
+  const float eA = (p.gate_in_kernel && p.A_log) ? __expf(dev::ld(p.A_log, p.A_dt, hv)) : 1.0f;
+  const float bias = (p.gate_in_kernel && p.dt_bias) ? dev::ld(p.dt_bias, p.bias_dt, hv) : 0.0f;
+  const float decay =
+      p.gate_kind == 2 ? -dev::ld(p.decay, p.decay_dt, p.decay_heads == p.HV ? hv : (hv / (p.HV / p.H))) : 0.0f;
+  float* f = fac + static_cast<int64_t>(pair) * kFactorFloats;
+  float x[2], qsr[2], ksr[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int row = lane + 32 * hh;
+    float a = 0.0f, qs = p.scale, ks = 1.0f;
+    if (row < Lc) {
+      const int64_t tok = t0 + row;
+      if (p.gate_kind == 2) {
+        a = decay;
+      } else {
+        a = dev::ld(p.g, p.g_dt, sq.b_row * p.g_s[0] + tok * p.g_s[1] + hv * p.g_s[2]);
+        if (p.gate_in_kernel) {
+          a += bias;
+          a = p.has_lb ? __fdividef(p.lb, 1.0f + __expf(-eA * a)) : -eA * (a > 20.0f ? a : log1pf(__expf(a)));
+        }
+      }
+      if (p.l2norm) {
+        const bf16* qr = static_cast<const bf16*>(p.q) + sq.b_row * p.q_s[0] + tok * p.q_s[1] + h * p.q_s[2];
+        const bf16* kr = static_cast<const bf16*>(p.k) + sq.b_row * p.k_s[0] + tok * p.k_s[1] + h * p.k_s[2];
+        float q2 = 0.0f, k2 = 0.0f;
+        for (int c8 = 0; c8 < p.K; c8 += 8) {
+          const uint4 qv = *reinterpret_cast<const uint4*>(qr + c8), kv = *reinterpret_cast<const uint4*>(kr + c8);
+          const uint32_t *qw = reinterpret_cast<const uint32_t*>(&qv), *kw = reinterpret_cast<const uint32_t*>(&kv);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float2 u = unpack(qw[j]), w = unpack(kw[j]);
+            q2 += u.x * u.x + u.y * u.y;
+            k2 += w.x * w.x + w.y * w.y;
+          }
+        }
+        qs *= rsqrtf(q2 + 1e-6f);
+        ks = rsqrtf(k2 + 1e-6f);
+      }
+    }
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const float u = __shfl_up_sync(0xffffffffu, a, d);
+      if (lane >= d) a += u;
+    }
+    x[hh] = a;
+    qsr[hh] = qs, ksr[hh] = ks;
+  }
+  x[1] += __shfl_sync(0xffffffffu, x[0], 31);
+  const float glast = __shfl_sync(0xffffffffu, x[1], 31);
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int row = lane + 32 * hh;
+    f[kFG + row] = x[hh];
+    f[kFQS + row] = qsr[hh];
+    f[kFO + row] = qsr[hh] * __expf(x[hh]);
+    f[kFV + row] = ksr[hh] * __expf(glast - x[hh]);
+    f[kFP + row] = x[hh] - __logf(ksr[hh]);
+  }
+  if (lane < 4) f[kFL + lane] = __expf(glast);
+}
+
+template <int K, int VB>
+__global__ void __launch_bounds__(kThreads, 1)
+    chunk_fused_kernel(const FwdParams p, const int32_t* __restrict__ chunk_base, const float* __restrict__ fac) {
+  using Ly = FusedLayout<K, VB>;
+  constexpr int LDK = Ly::LDK, LDV = Ly::LDV;
+  constexpr int KS = K / 16;
+  constexpr int NT = VB / 8;
+  constexpr int NTH = NT / 2;  // n-tiles per warp: warps 4..7 take the second half of the columns
+  constexpr int MT = K / 64;
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* s_s = reinterpret_cast<bf16*>(smem + Ly::oS);
+  bf16* vd_s = reinterpret_cast<bf16*>(smem + Ly::oVD);
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int I = warp & 3, bI = 16 * I, hc0 = (warp >> 2) * (VB / 2);
+  const int nvb = p.V / VB;
+  const int vb = static_cast<int>(blockIdx.x % nvb);
+  const int hv = static_cast<int>((blockIdx.x / nvb) % p.HV);
+  const int n = static_cast<int>(blockIdx.x / (static_cast<unsigned>(nvb) * p.HV));
+  const int h = hv / (p.HV / p.H);
+  const int v0 = vb * VB;
+  const Seq sq = seq_of(p, n);
+  const int64_t len = sq.eos - sq.bos;
+  const int nchunks = static_cast<int>((len + kBT - 1) / kBT);
+  const int64_t cbase = chunk_base ? chunk_base[n] : static_cast<int64_t>(n) * chunk::chunks_of(p);
+  const uint4 zero4 = make_uint4(0, 0, 0, 0);
+
+  // State slice: element (mt, nt, r) = channel cw + mt*16 + g + 8(r>>1), column v0 + hc0 + nt*8 + 2t + (r&1).
+  const int cw = I * (K / 4);
+  float s[MT][NTH][4];
+  int64_t slot = -1;
+  if (p.pool) slot = p.pool_idx ? p.pool_idx[n] : n;
+  if (slot >= p.P) slot = -1;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NTH; ++nt)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int c = cw + mt * 16 + g + 8 * (r >> 1), j = v0 + hc0 + nt * 8 + 2 * t + (r & 1);
+        float x = 0.0f;
+        if (p.h0) x = dev::ld(p.h0, p.h0_dt, state_elem(p, n, hv, j, c));
+        else if (slot >= 0) x = dev::ld(p.pool, p.pool_dt, state_elem(p, slot, hv, j, c));
+        s[mt][nt][r] = x;
+      }
+
+  // One chunk's q, k, v slice and factors into stage st (rows past the sequence are zeros; an
+  // empty commit group past the end).
+  const bf16* qg = static_cast<const bf16*>(p.q);
+  const bf16* kg = static_cast<const bf16*>(p.k);
+  const bf16* vg = static_cast<const bf16*>(p.v);
+  auto stage_in = [&](int c, int st) {
+    if (c < nchunks) {
+      unsigned char* dst = smem + st * Ly::stage;
+      const int64_t t0 = sq.bos + static_cast<int64_t>(c) * kBT;
+      const int Lc = static_cast<int>(min(int64_t{kBT}, sq.eos - t0));
+      for (int idx = tid; idx < 2 * kBT * (K / 8); idx += kThreads) {
+        const int m = idx / (kBT * (K / 8)), rem = idx % (kBT * (K / 8)), r = rem / (K / 8), c8 = (rem % (K / 8)) * 8;
+        bf16* d = reinterpret_cast<bf16*>(dst + (m ? Ly::sK : Ly::sQ)) + r * LDK + c8;
+        if (r < Lc) {
+          const int64_t tok = t0 + r;
+          mma::cp_async16(d, m ? kg + sq.b_row * p.k_s[0] + tok * p.k_s[1] + h * p.k_s[2] + c8
+                               : qg + sq.b_row * p.q_s[0] + tok * p.q_s[1] + h * p.q_s[2] + c8);
+        } else {
+          *reinterpret_cast<uint4*>(d) = zero4;
+        }
+      }
+      for (int idx = tid; idx < kBT * (VB / 8); idx += kThreads) {
+        const int r = idx / (VB / 8), c8 = (idx % (VB / 8)) * 8;
+        bf16* d = reinterpret_cast<bf16*>(dst + Ly::sV) + r * LDV + c8;
+        if (r < Lc)
+          mma::cp_async16(d, vg + sq.b_row * p.v_s[0] + (t0 + r) * p.v_s[1] + hv * p.v_s[2] + v0 + c8);
+        else
+          *reinterpret_cast<uint4*>(d) = zero4;
+      }
+      const float* f = fac + ((cbase + c) * p.HV + hv) * kFactorFloats;
+      for (int idx = tid; idx < kFactorFloats / 4; idx += kThreads)
+        mma::cp_async16(dst + Ly::sF + idx * 16, f + idx * 4);
+    }
+    mma::cp_async_commit();
+  };
+
+  stage_in(0, 0);
+  stage_in(1, 1);
+  bf16* og = static_cast<bf16*>(p.out);
+  for (int c = 0; c < nchunks; ++c) {
+    const int st = c & 1;
+    const unsigned char* base = smem + st * Ly::stage;
+    const bf16* q_s = reinterpret_cast<const bf16*>(base + Ly::sQ);
+    const bf16* k_s = reinterpret_cast<const bf16*>(base + Ly::sK);
+    const bf16* v_s = reinterpret_cast<const bf16*>(base + Ly::sV);
+    const float* F = reinterpret_cast<const float*>(base + Ly::sF);
+    const int64_t t0 = sq.bos + static_cast<int64_t>(c) * kBT;
+    const int Lc = static_cast<int>(min(int64_t{kBT}, sq.eos - t0));
+
+    // S (bf16) for the products; intermediate state (chunk start)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NTH; ++nt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+          u32at(s_s + (cw + mt * 16 + g + 8 * hh) * LDV + hc0 + nt * 8 + 2 * t) = pack(s[mt][nt][2 * hh], s[mt][nt][2 * hh + 1]);
+    if (p.inter) {
+      const int64_t row = cbase + c;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NTH; ++nt)
+#pragma unroll
+          for (int r = 0; r < 4; ++r)
+            dev::st(p.inter, p.inter_dt,
+                    state_elem(p, row, hv, v0 + hc0 + nt * 8 + 2 * t + (r & 1), cw + mt * 16 + g + 8 * (r >> 1)), s[mt][nt][r]);
+    }
+    asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+    __syncthreads();  // B1: this chunk's stage landed; S visible
+
+    // Vd = ks_j e^{G_last - G_j} v_j for this warp's rows and columns
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int row = bI + g + 8 * hh;
+      const float f = F[kFV + row];
+#pragma unroll
+      for (int nt = 0; nt < NTH; ++nt) {
+        const int col = hc0 + nt * 8 + 2 * t;
+        const float2 x = unpack(*reinterpret_cast<const uint32_t*>(v_s + row * LDV + col));
+        u32at(vd_s + row * LDV + col) = pack(x.x * f, x.y * f);
+      }
+    }
+
+    // This warp's q rows as A fragments, once for q S and every block of q k^T
+    uint32_t qf[KS][4];
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) mma::ldsm_x4(qf[kk], q_s + (bI + mma::a_row(lane)) * LDK + 16 * kk + mma::a_col(lane));
+
+    // o = qs_i e^{G_i} (q_i S)
+    float o[NTH][4];
+#pragma unroll
+    for (int nt = 0; nt < NTH; ++nt)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) o[nt][r] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk)
+#pragma unroll
+      for (int np = 0; np < NTH / 2; ++np) {
+        uint32_t b[4];
+        mma::ldsm_x4_t(b, s_s + (16 * kk + mma::bk_row(lane)) * LDV + hc0 + 16 * np + mma::bk_col(lane));
+        mma::mma16816(o[2 * np], qf[kk], b[0], b[1]);
+        mma::mma16816(o[2 * np + 1], qf[kk], b[2], b[3]);
+      }
+    float gi[2], qi[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int row = bI + g + 8 * hh;
+      gi[hh] = F[kFG + row], qi[hh] = F[kFQS + row];
+      const float f = F[kFO + row];
+#pragma unroll
+      for (int nt = 0; nt < NTH; ++nt) o[nt][2 * hh] *= f, o[nt][2 * hh + 1] *= f;
+    }
+
+    // o += A v block by block: A = (q k^T) scaled per pair, lower triangle only, kept in
+    // registers as bf16 hi + lo A fragments. Unrolled (two accumulator chains over the k-steps)
+    // so the blocks of a warp overlap.
+#pragma unroll
+    for (int Jb = 0; Jb < 4; ++Jb) {
+      if (Jb > I) continue;
+      float a[2][4] = {}, a2[2][4] = {};
+#pragma unroll
+      for (int kk = 0; kk < KS; ++kk) {
+        uint32_t b[4];
+        mma::ldsm_x4(b, k_s + (16 * Jb + mma::bn_row(lane)) * LDK + 16 * kk + mma::bn_col(lane));
+        mma::mma16816((kk & 1) ? a2[0] : a[0], qf[kk], b[0], b[1]);
+        mma::mma16816((kk & 1) ? a2[1] : a[1], qf[kk], b[2], b[3]);
+      }
+      uint32_t ahi[4], alo[4];
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const int j = 16 * Jb + nt * 8 + 2 * t;
+        const float2 pj = *reinterpret_cast<const float2*>(F + kFP + j);
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int i = bI + g + 8 * hh;
+          const float x0 = j <= i ? (a[nt][2 * hh] + a2[nt][2 * hh]) * qi[hh] * __expf(gi[hh] - pj.x) : 0.0f;
+          const float x1 = j + 1 <= i ? (a[nt][2 * hh + 1] + a2[nt][2 * hh + 1]) * qi[hh] * __expf(gi[hh] - pj.y) : 0.0f;
+          const uint32_t hi = pack(x0, x1);
+          const float2 h2 = unpack(hi);
+          ahi[2 * nt + hh] = hi;  // fragment a0..a3 = (row g, k lo), (row g+8, k lo), (row g, k hi), (row g+8, k hi)
+          alo[2 * nt + hh] = pack(x0 - h2.x, x1 - h2.y);
+        }
+      }
+#pragma unroll
+      for (int np = 0; np < NTH / 2; ++np) {
+        uint32_t b[4];
+        mma::ldsm_x4_t(b, v_s + (16 * Jb + mma::bk_row(lane)) * LDV + hc0 + 16 * np + mma::bk_col(lane));
+        mma::mma16816(o[2 * np], ahi, b[0], b[1]);
+        mma::mma16816(o[2 * np + 1], ahi, b[2], b[3]);
+        mma::mma16816(o[2 * np], alo, b[0], b[1]);
+        mma::mma16816(o[2 * np + 1], alo, b[2], b[3]);
+      }
+    }
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int row = bI + g + 8 * hh;
+      if (row >= Lc) continue;
+      bf16* dst = og + sq.b_row * p.out_s[0] + (t0 + row) * p.out_s[1] + hv * p.out_s[2] + v0 + hc0 + 2 * t;
+#pragma unroll
+      for (int nt = 0; nt < NTH; ++nt) u32at(dst + nt * 8) = pack(o[nt][2 * hh], o[nt][2 * hh + 1]);
+    }
+    __syncthreads();  // B2: Vd complete; every warp done reading S
+
+    // S = e^{G_last} S + k^T Vd
+    const float dl = F[kFL];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const int cb = cw + mt * 16;
+#pragma unroll
+      for (int nt = 0; nt < NTH; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) s[mt][nt][r] *= dl;
+#pragma unroll
+      for (int kj = 0; kj < kBT / 16; ++kj) {
+        uint32_t a[4];
+        mma::ldsm_x4_t(a, k_s + (16 * kj + mma::at_row(lane)) * LDK + cb + mma::at_col(lane));
+#pragma unroll
+        for (int np = 0; np < NTH / 2; ++np) {
+          uint32_t b[4];
+          mma::ldsm_x4_t(b, vd_s + (16 * kj + mma::bk_row(lane)) * LDV + hc0 + 16 * np + mma::bk_col(lane));
+          mma::mma16816(s[mt][2 * np], a, b[0], b[1]);
+          mma::mma16816(s[mt][2 * np + 1], a, b[2], b[3]);
+        }
+      }
+    }
+    __syncthreads();  // B3: stage st, S and Vd no longer read
+    stage_in(c + 2, st);
+  }
+
+  auto store_state = [&](void* dst, int dt, int64_t sl) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NTH; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+          dev::st(dst, dt, state_elem(p, sl, hv, v0 + hc0 + nt * 8 + 2 * t + (r & 1), cw + mt * 16 + g + 8 * (r >> 1)), s[mt][nt][r]);
+  };
+  if (p.ht) store_state(p.ht, p.ht_dt, n);
+  if (slot >= 0) store_state(p.pool, p.pool_dt, slot);
+}
+
+template <int K, int VB>
+void run(const Recurrence& r, const FwdParams& p, int device, cudaStream_t stream) {
+  const int64_t max_chunks = chunk::max_chunks(p), base_bytes = chunk::base_bytes(p);
+  const int64_t pairs = max_chunks * r.HV;
+  const int64_t bytes = base_bytes + pairs * kFactorFloats * 4;
+  const int64_t fused_blocks = r.N * r.HV * (r.V / VB);
+  if (pairs >= (int64_t{1} << 31) || fused_blocks >= (int64_t{1} << 31))
+    throw_unsupported("chunk_fwd", "too many chunks x heads for one launch");
+  if (max_chunks == 0) return;
+  void* ws = nullptr;
+  chunk::check(cudaMallocFromPoolAsync(&ws, static_cast<size_t>(bytes), chunk_workspace_pool(device), stream),
+               "workspace allocation");
+  int32_t* chunk_base = p.cu ? static_cast<int32_t*>(ws) : nullptr;
+  float* fac = reinterpret_cast<float*>(static_cast<unsigned char*>(ws) + base_bytes);
+  if (p.cu) chunk::launch_chunk_base(p, chunk_base, stream);
+  chunk_factor_kernel<<<static_cast<unsigned>((pairs + kFactorWarps - 1) / kFactorWarps), 32 * kFactorWarps, 0,
+                        stream>>>(p, chunk_base, fac, static_cast<int>(pairs));
+  chunk::allow_smem(chunk_fused_kernel<K, VB>, FusedLayout<K, VB>::bytes);
+  chunk_fused_kernel<K, VB>
+      <<<static_cast<unsigned>(fused_blocks), kThreads, FusedLayout<K, VB>::bytes, stream>>>(p, chunk_base, fac);
+  const cudaError_t launched = cudaGetLastError();
+  chunk::check(cudaFreeAsync(ws, stream), "workspace release");
+  chunk::check(launched, "kernel launch");
+}
+
+}  // namespace
+
+bool chunk_fwd_fused_accepts(const Recurrence& r, const cula_chunk_fwd_args& a) {
+  if (r.tr.delta || r.tr.gate == GateKind::PerChannel) return false;
+  if (r.K != 64 && r.K != 128) return false;
+  if (r.V != 64 && r.V != 128) return false;
+  if (a.chunk_size != 0 && a.chunk_size != kBT) return false;  // intermediate states are per 64 tokens
+  for (const cula_tensor* t : std::initializer_list<const cula_tensor*>{a.q, a.k, a.v, a.out})
+    if (t->dtype != CULA_BFLOAT16 || !chunk::aligned16(t)) return false;
+  if (a.initial_state && !is_contiguous(*a.initial_state)) return false;
+  return cuda_device_arch(a.q->device_id) >= 80;  // mma.sync bf16, ldmatrix, cp.async
+}
+
+void cuda_chunk_fwd_fused(const Recurrence& r, const cula_chunk_fwd_args& a) {
+  const FwdParams p = make_fwd_params(r, a);
+  if (r.N == 0) return;
+  const int dev = a.q->device_id;
+  chunk::check(cudaSetDevice(dev), "cudaSetDevice");
+  const cudaStream_t stream = static_cast<cudaStream_t>(a.opt.stream);
+  // One CTA per SM (~113 KB of shared memory at VB = 64): slices of 32 columns when those still fit
+  // in one wave, else 64.
+  int sms = 0;
+  chunk::check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "device attribute");
+  const bool narrow = r.N * r.HV * (r.V / 32) <= sms;
+  if (r.K == 64) narrow ? run<64, 32>(r, p, dev, stream) : run<64, 64>(r, p, dev, stream);
+  else narrow ? run<128, 32>(r, p, dev, stream) : run<128, 64>(r, p, dev, stream);
+}
+
+}  // namespace cula
