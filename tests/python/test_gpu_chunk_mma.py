@@ -1,5 +1,6 @@
-"""The tensor-core chunked forward (cuda_mma) against the float64 reference over a randomized grid
-of shapes and options, with poisoned outputs and states. Skipped without a CUDA device."""
+"""The tensor-core chunked forwards (cuda_mma, cuda_fused) against the float64 reference over a randomized grid
+of shapes, options and families (KDA with a bounded gate; GDN, simple GLA and Lightning with any
+decay), with poisoned outputs and states. Skipped without a CUDA device."""
 
 import numpy as np
 import pytest
@@ -14,7 +15,11 @@ if not torch.cuda.is_available() or cula._lib.LIB.cula_cuda_device_count() == 0:
 TOL = 5e-3  # SPEC §5 for bf16 inputs
 
 
-def _draw(rng):
+FAMILIES = ("kda", "gdn", "simple_gla", "lightning")
+KERNEL = dict(kda="cuda_mma", gdn="cuda_mma", simple_gla="cuda_fused", lightning="cuda_fused")
+
+
+def _draw(rng, family="kda"):
     """One random configuration of everything the kernel takes."""
     K = int(rng.choice([64, 128]))
     varlen = bool(rng.random() < 0.4)
@@ -22,7 +27,7 @@ def _draw(rng):
     if sum(seqlens) == 0:
         seqlens.append(64)  # at least one token, so there is something to dispatch
     return dict(
-        K=K, V=int(rng.choice([64, 128])), H=int(rng.choice([1, 2])), group=int(rng.choice([1, 2])),
+        family=family, gin=bool(rng.random() < 0.5), K=K, V=int(rng.choice([64, 128])), H=int(rng.choice([1, 2])), group=int(rng.choice([1, 2])),
         seqlens=seqlens if varlen else None,
         B=int(rng.integers(1, 3)), T=int(rng.choice([1, 17, 64, 100, 192, 257])),
         layout=str(rng.choice(["k_last", "k_first"])), sdt=rng.choice([torch.float32, torch.bfloat16]),
@@ -30,6 +35,31 @@ def _draw(rng):
         lb=float(rng.choice([-5.0, -2.0, -0.5])), h0=bool(rng.random() < 0.7),
         inter=(not varlen) and bool(rng.random() < 0.4),
     )
+
+
+def _family_inputs(rng, c, d, kw, B, T, HV):
+    """The gate arguments of the families with a scalar or constant decay: raw log-decays reach
+    -30 per token (exact per-pair exponents need no bound), in-kernel gates use A_log, dt_bias."""
+    fam = c["family"]
+    for n in ("g", "A_log", "dt_bias"):
+        d.pop(n)
+    for n in ("use_gate_in_kernel", "lower_bound", "safe_gate"):
+        kw.pop(n)
+    if fam != "gdn":
+        d.pop("beta")
+        kw.pop("use_qk_l2norm_in_kernel"), kw.pop("use_beta_sigmoid_in_kernel")
+    if fam == "lightning":
+        d["decay"] = torch.from_numpy(rng.uniform(0.0, 4.0, c["H"]).astype(np.float32))
+        return
+    if fam == "gdn" and c["gin"]:
+        d["g"] = torch.from_numpy(rng.standard_normal((B, T, HV)).astype(np.float32)).to(c["gdt"])
+        d["A_log"] = torch.from_numpy(rng.uniform(-1, 1.5, HV).astype(np.float32))
+        d["dt_bias"] = torch.from_numpy(rng.standard_normal(HV).astype(np.float32))
+        kw["use_gate_in_kernel"] = True
+        return
+    g = -rng.exponential(rng.choice([0.05, 0.5, 3.0]), (B, T, HV))
+    g[rng.random((B, T, HV)) < 0.02] = -30.0
+    d["g"] = torch.from_numpy(g.astype(np.float32)).to(c["gdt"])
 
 
 def _inputs(rng, c):
@@ -51,20 +81,23 @@ def _inputs(rng, c):
     kw = dict(use_qk_l2norm_in_kernel=c["l2"], use_gate_in_kernel=True, lower_bound=c["lb"], safe_gate=True,
               use_beta_sigmoid_in_kernel=c["bsig"], output_final_state=True, state_layout=c["layout"],
               return_intermediate_states=c["inter"])
+    if c.get("family", "kda") != "kda":
+        _family_inputs(rng, c, d, kw, B, T, HV)
     return d, cu, kw
 
 
 def _check(rng, c):
     d, cu, kw = _inputs(rng, c)
-    ref = cula.chunk_kda(**{n: (x.float() if n in "qkv" else x) for n, x in d.items()}, cu_seqlens=cu,
+    fam = c.get("family", "kda")
+    ref = cula.chunk_fwd(fam, **{n: (x.float() if n in "qkv" else x) for n, x in d.items()}, cu_seqlens=cu,
                          backend="reference", **kw)
     dev = {n: x.cuda() for n, x in d.items()}
     out = torch.full(d["v"].shape, float("nan"), dtype=torch.bfloat16, device="cuda")
     final = torch.full(ref[1].shape, float("nan"), dtype=c["sdt"] if not c["h0"] else d["initial_state"].dtype,
                        device="cuda")
-    got = cula.chunk_kda(**dev, cu_seqlens=None if cu is None else cu.cuda(), out=out, final_state_out=final, **kw)
+    got = cula.chunk_fwd(fam, **dev, cu_seqlens=None if cu is None else cu.cuda(), out=out, final_state_out=final, **kw)
     torch.cuda.synchronize()
-    assert cula.last_kernel() == "cuda_mma", f"dispatch chose {cula.last_kernel()!r}"
+    assert cula.last_kernel() == KERNEL[fam], f"dispatch chose {cula.last_kernel()!r}"
     assert torch.isfinite(out.float()).all(), "unwritten or non-finite output"
     assert torch.isfinite(final.float()).all(), "unwritten or non-finite final state"
     errs = [rel(out.float().cpu().numpy(), ref[0].float().numpy()), rel(final.float().cpu().numpy(), ref[1].float().numpy())]
@@ -75,13 +108,15 @@ def _check(rng, c):
 
 
 @pytest.mark.parametrize("draw", range(12))
-def test_mma_forward_matches_reference_on_random_configs(rng, draw):
-    _check(rng, _draw(rng))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mma_forward_matches_reference_on_random_configs(rng, family, draw):
+    _check(rng, _draw(rng, family))
 
 
 @pytest.mark.parametrize("K,V", [(64, 64), (128, 128), (64, 128), (128, 64)])
-def test_mma_forward_head_sizes_with_varlen_and_gva(rng, K, V):
-    _check(rng, dict(K=K, V=V, H=2, group=2, seqlens=[65, 0, 1, 200, 64], B=1, T=0, layout="k_last",
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mma_forward_head_sizes_with_varlen_and_gva(rng, family, K, V):
+    _check(rng, dict(family=family, gin=True, K=K, V=V, H=2, group=2, seqlens=[65, 0, 1, 200, 64], B=1, T=0, layout="k_last",
                      sdt=torch.float32, gdt=torch.bfloat16, l2=True, bsig=True, lb=-5.0, h0=True, inter=False))
 
 
@@ -130,3 +165,53 @@ def test_mma_forward_long_sequence_at_lower_bound(rng):
     assert cula.last_kernel() == "cuda"
     assert rel(o.float().cpu().numpy(), o2.float().cpu().numpy()) < TOL
     assert rel(s.cpu().numpy(), s2.cpu().numpy()) < TOL
+
+
+@pytest.mark.parametrize("family", ["gdn", "lightning"])
+def test_mma_forward_long_sequence_with_steep_decay(rng, family):
+    """32k tokens whose decay empties the state within a few tokens: finite, and equal to the
+    recurrent kernel (which the unaligned v view selects)."""
+    T, H, K = 32768, 2, 128
+    q, k, v = (torch.randn(1, T, H, K, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    if family == "gdn":
+        g = -torch.rand(1, T, H, device="cuda") * 40.0
+        args = dict(g=g, beta=torch.rand(1, T, H, device="cuda"), use_qk_l2norm_in_kernel=True)
+    else:
+        args = dict(decay=torch.tensor([0.01, 25.0], device="cuda"))
+    o, s = cula.chunk_fwd(family, q, k, v, output_final_state=True, **args)
+    torch.cuda.synchronize()
+    assert cula.last_kernel() == KERNEL[family]
+    assert torch.isfinite(o.float()).all() and torch.isfinite(s).all()
+    v2 = torch.empty(1, T, H, K + 1, device="cuda", dtype=torch.bfloat16)[..., 1:]
+    v2.copy_(v)
+    o2, s2 = cula.chunk_fwd(family, q, k, v2, output_final_state=True, **args)
+    torch.cuda.synchronize()
+    assert cula.last_kernel() == "cuda"
+    assert rel(o.float().cpu().numpy(), o2.float().cpu().numpy()) < TOL
+    assert rel(s.cpu().numpy(), s2.cpu().numpy()) < TOL
+
+
+@pytest.mark.parametrize("family", ["gdn", "lightning"])
+def test_mma_forward_state_pool_in_place_scalar_decay(rng, family):
+    """State pool read and written in place by the scalar-decay kernels; slots not named stay."""
+    H, K, V, P = 2, 128, 64, 5
+    t = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32))  # noqa: E731
+    q, k, v = t(1, 300, H, K).bfloat16(), (t(1, 300, H, K) * K ** -0.5).bfloat16(), t(1, 300, H, V).bfloat16()
+    extra = dict(g=torch.from_numpy(-rng.exponential(0.5, (1, 300, H)).astype(np.float32)),
+                 beta=torch.from_numpy(rng.uniform(0.1, 1.0, (1, 300, H)).astype(np.float32))) if family == "gdn" \
+        else dict(decay=torch.tensor([0.05, 1.5]))
+    cu = torch.tensor([0, 100, 130, 300], dtype=torch.int32)
+    pool = t(P, H, V, K) * 0.3
+    idx = torch.tensor([3, -1, 0], dtype=torch.int32)
+    pool_ref = pool.clone()
+    ref = cula.chunk_fwd(family, q.float(), k.float(), v.float(), cu_seqlens=cu, state_pool=pool_ref,
+                         state_indices=idx, backend="reference", **extra)
+    pool_dev = pool.cuda()
+    o, _ = cula.chunk_fwd(family, q.cuda(), k.cuda(), v.cuda(), cu_seqlens=cu.cuda(), state_pool=pool_dev,
+                          state_indices=idx.cuda(), **{n: x.cuda() for n, x in extra.items()})
+    torch.cuda.synchronize()
+    assert cula.last_kernel() == KERNEL[family]
+    for untouched in (1, 2, 4):
+        assert torch.equal(pool_dev[untouched].cpu(), pool[untouched]), f"slot {untouched} not named but changed"
+    assert rel(o.float().cpu().numpy(), ref[0].float().numpy()) < TOL
+    assert rel(pool_dev[[3, 0]].cpu().numpy(), pool_ref[[3, 0]].numpy()) < TOL
