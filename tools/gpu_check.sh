@@ -3,7 +3,9 @@
 # installs the wheels that travel in .whl/ (fla-core), runs the C++ tests, the whole pytest
 # suite (GPU tests and the FLA convention checks included) and compute-sanitizer memcheck and
 # racecheck on small shapes of the CUDA kernels; with a second argument "bench", the GPU
-# benchmarks as well ("bench-kda": the KDA chunked forward benchmark only). Logs and results go to the directory given (default: logs/).
+# benchmarks as well ("bench-kda": the KDA chunked forward benchmark only; "bench-fwd": the GDN,
+# GLA, simple GLA and Lightning chunked forward benchmarks only). Logs and results go to the
+# directory given (default: logs/).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG=${1:-logs}
@@ -33,6 +35,11 @@ if [ "${2:-}" = "bench" ] || [ "${2:-}" = "bench-kda" ]; then
   # FlashKDA joins when importable (built by hand from its public source; FLASHKDA_PATH names it)
   PYTHONPATH=$PYTHONPATH${FLASHKDA_PATH:+:$FLASHKDA_PATH} python3 -m cula bench kda --out "$LOG/results" 2>&1 \
     | tee "$LOG/bench_kda.txt" | tail -25 || status=1
+fi
+if [ "${2:-}" = "bench" ] || [ "${2:-}" = "bench-fwd" ]; then
+  for fam in gdn gla simple_gla lightning; do
+    python3 -m cula bench "$fam" --out "$LOG/results" 2>&1 | tee "$LOG/bench_$fam.txt" | tail -12 || status=1
+  done
 fi
 echo "gpu_check status: $status" | tee -a "$LOG/summary.txt"
 exit $status

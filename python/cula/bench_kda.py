@@ -11,11 +11,10 @@ per call with CUDA events (median of 20 after warm-up), alternating between two 
 from __future__ import annotations
 
 import itertools
-import json
 import os
-import statistics
 import time
 
+from .bench_common import REPS, time_ms, write_report
 from .bench_decode import _version, copy_bandwidth
 from .demo import Progress
 
@@ -36,24 +35,6 @@ CONFIGS = [
     ("varlen 8x1024 H64", 1, None, 64, [1024] * 8),
     ("varlen [512,7680] H64", 1, None, 64, [512, 7680]),
 ]
-REPS = 20
-
-
-def _time_ms(torch, fn, reps=REPS, warmup=3):
-    for i in range(warmup):
-        fn(i)
-    torch.cuda.synchronize()
-    times = []
-    for i in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn(i)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def _peers():
     """FLA's Triton chunk_kda (with FlashKDA dispatch off) and FlashKDA, each when importable."""
     os.environ["FLA_FLASH_KDA"] = "0"
@@ -148,7 +129,7 @@ def bench_kda(out_dir: str, gpu_name: str | None = None, configs=None) -> int:
         res = {}
         with torch.inference_mode():
             for impl, fn in impls:
-                res[impl] = _time_ms(torch, fn)
+                res[impl] = time_ms(torch, fn)
                 records.append(dict(op="kda_fwd", config=config, impl=impl, median_ms=round(res[impl], 4), reps=REPS))
             run_cula(0)
             kernel = ops.last_kernel()
@@ -171,64 +152,11 @@ def bench_kda(out_dir: str, gpu_name: str | None = None, configs=None) -> int:
         prog.step(f"{name}: cula {res['cula']:.3f} ms")
         del sets
         torch.cuda.empty_cache()
-    os.makedirs(out_dir, exist_ok=True)
     meta = dict(gpu=gpu_name or props.name, copy_gb_per_s=round(bw, 1), torch=torch.__version__,
                 fla=_version("fla-core"), flashkda=_version("flash_kda") if flash_fn else None,
                 date=time.strftime("%Y-%m-%d"), method=f"median of {REPS} single calls (CUDA events) after 3 warm-up "
                 "calls, alternating two input sets; FLA with FLA_FLASH_KDA=0, under torch.inference_mode")
     peers = [p for p in ("fla_triton", "flashkda", "torch_sdpa") if any(p in r[1] for r in rows)]
-    lines = [f"# KDA chunked forward, bf16, K=V=128, gate in kernel (lb {LOWER_BOUND}), l2norm, beta sigmoid "
-             f"({meta['gpu']})", "", f"{meta['method']}. Copy bandwidth {bw:.0f} GB/s. Times in ms; ratios are "
-             "peer time / cula time (> 1: cula faster).", "",
-             "| config | floor | cula | " + " | ".join(peers) + " | " + " | ".join(f"{p}/cula" for p in peers) +
-             " | cula kernel | rel. diff vs FLA |",
-             "|---" * (4 + 2 * len(peers) + 1) + "|"]
-    geo = {p: [] for p in peers}
-    for name, res, floor, kernel, check in rows:
-        cells = [f"{res[p]:.3f}" if p in res else "-" for p in peers]
-        ratios = []
-        for p in peers:
-            if p in res:
-                geo[p].append(res[p] / res["cula"])
-                ratios.append(f"{res[p] / res['cula']:.2f}x")
-            else:
-                ratios.append("-")
-        lines.append(f"| {name} | {floor:.3f} | {res['cula']:.3f} | " + " | ".join(cells) + " | " + " | ".join(ratios) +
-                     f" | {kernel} | {check.get('rel_vs_fla', float('nan')):.1e} |")
-    lines.append("")
-    for p in peers:
-        if geo[p]:
-            gm = 1.0
-            for r in geo[p]:
-                gm *= r
-            gm **= 1 / len(geo[p])
-            lines.append(f"- geometric mean {p}/cula: {gm:.2f}x (worst {min(geo[p]):.2f}x)")
-            records.append(dict(op="kda_fwd", config="grid", impl=f"geomean_{p}_over_cula", ratio=round(gm, 3),
-                                worst=round(min(geo[p]), 3)))
-    with open(os.path.join(out_dir, "kda_fwd.json"), "w") as f:
-        json.dump(dict(meta=meta, records=records), f, indent=1)
-    with open(os.path.join(out_dir, "kda_fwd.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(11, 4))
-        names = [r[0] for r in rows]
-        allimpl = ["floor", "cula"] + peers
-        w = 0.8 / len(allimpl)
-        for j, impl in enumerate(allimpl):
-            vals = [r[2] if impl == "floor" else r[1].get(impl, 0) for r in rows]
-            ax.bar([i + j * w for i in range(len(rows))], vals, w, label=impl)
-        ax.set_xticks([i + 0.4 for i in range(len(rows))], names, rotation=30, ha="right", fontsize=7)
-        ax.set_ylabel("ms")
-        ax.set_title(f"KDA chunked forward ({meta['gpu']})")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(os.path.join(out_dir, "kda_fwd.png"), dpi=110)
-    except Exception as e:
-        print(f"no plot ({e})")
-    print("\n".join(lines))
+    write_report(out_dir, "kda_fwd", f"KDA chunked forward, bf16, K=V=128, gate in kernel (lb {LOWER_BOUND}), l2norm, "
+                 "beta sigmoid", meta, rows, records, peers)
     return 0

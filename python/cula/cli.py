@@ -33,10 +33,12 @@ def main(argv=None) -> int:
     demo = sub.add_parser("demo", help="run every family on the best backend, check it, show linear vs softmax cost")
     demo.add_argument("--quick", action="store_true", help="smaller sizes (for tests)")
     bench = sub.add_parser("bench", help="benchmarks")
-    bench.add_argument("suite", choices=["cpu", "decode", "kda"],
+    bench.add_argument("suite", choices=["cpu", "decode", "kda", "gdn", "gla", "simple_gla", "lightning"],
                        help="cpu: fast CPU path vs the float64 reference; decode: CUDA decode vs FLA; kda: KDA chunked "
-                       "forward vs FLA, FlashKDA and SDPA (GPU suites need torch + a GPU)")
-    bench.add_argument("--only", default=None, help="kda: comma-separated config names to run (default: all)")
+                       "forward vs FLA, FlashKDA and SDPA; gdn, gla, simple_gla, lightning: that family's chunked "
+                       "forward vs FLA and SDPA (GPU suites need torch + a GPU)")
+    bench.add_argument("--only", default=None, help="chunked-forward suites: comma-separated config names to run "
+                       "(default: all)")
     bench.add_argument("--out", default=None, help="directory for the JSON and Markdown results "
                        "(default bench/results/cpu, or bench/results/<gpu> for GPU suites)")
     bench.add_argument("--reps", type=int, default=5)
@@ -57,6 +59,12 @@ def main(argv=None) -> int:
 
             only = set(args.only.split(",")) if args.only else None
             return bench_kda(args.out or "bench/results/gpu", configs=[c for c in CONFIGS if not only or c[0] in only])
+        if args.suite in ("gdn", "gla", "simple_gla", "lightning"):
+            from .bench_fwd import CONFIGS, bench_fwd
+
+            only = set(args.only.split(",")) if args.only else None
+            return bench_fwd(args.suite, args.out or "bench/results/gpu",
+                             configs=[c for c in CONFIGS if not only or c[0] in only])
         from .bench_decode import bench_decode
 
         return bench_decode(args.out or "bench/results/gpu")

@@ -1,0 +1,153 @@
+"""``cula bench gdn|gla|simple_gla|lightning``: a chunked forward side by side in one process with
+FLA's Triton kernel of the same name (called with the same arguments as cula's drop-in), torch
+SDPA (causal softmax attention, the baseline) and the floor (the bytes that must move, at the
+measured copy bandwidth).
+
+bf16 q/k/v, K = V = 128, no initial state. GDN: fp32 log-sigmoid gate, beta in (0, 1), q/k L2
+norm in kernel (as Qwen3-Next calls it); GLA: per-channel log-sigmoid gate / 16; simple GLA:
+scalar log-sigmoid gate; Lightning: layer 3 of 8 (FLA's per-head decay rates). Each
+implementation is timed alone per call with CUDA events (median of 20 after warm-up),
+alternating between two input sets.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import os
+import time
+
+from .bench_common import REPS, time_ms, write_report
+from .bench_decode import _version, copy_bandwidth
+from .demo import Progress
+
+K = V = 128
+CONFIGS = [
+    # (name, B, T, H, seqlens)
+    ("1x8192 H64", 1, 8192, 64, None),
+    ("2x8192 H32", 2, 8192, 32, None),
+    ("1x32768 H32", 1, 32768, 32, None),
+    ("4x4096 H64", 4, 4096, 64, None),
+    ("varlen6 H64", 1, None, 64, [1300, 547, 2048, 963, 271, 3063]),
+]
+FAMILIES = {
+    # family: (module under fla.ops and cula, function, description)
+    "gdn": ("gated_delta_rule", "chunk_gated_delta_rule", "Gated DeltaNet chunked forward, bf16, K=V=128, l2norm"),
+    "gla": ("gla", "chunk_gla", "GLA chunked forward, bf16, K=V=128"),
+    "simple_gla": ("simple_gla", "chunk_simple_gla", "simple GLA chunked forward, bf16, K=V=128"),
+    "lightning": ("lightning_attn", "chunk_lightning_attn", "Lightning attention chunked forward, bf16, K=V=128, "
+                  "layer 3 of 8"),
+}
+LAYER, LAYERS = 3, 8
+
+
+def _inputs(torch, family, B, T, H, dev):
+    import torch.nn.functional as F
+
+    x = dict(q=torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16),
+             k=torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16),
+             v=torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16))
+    if family == "gdn":
+        x["g"] = F.logsigmoid(torch.randn(B, T, H, device=dev))
+        x["beta"] = torch.rand(B, T, H, device=dev, dtype=torch.bfloat16)
+    elif family == "gla":
+        x["g"] = F.logsigmoid(torch.randn(B, T, H, K, device=dev)) / 16
+    elif family == "simple_gla":
+        x["g"] = F.logsigmoid(torch.randn(B, T, H, device=dev))
+    return x
+
+
+def _args(family, x):
+    """Positional arguments of the FLA function (and of cula's drop-in)."""
+    if family == "gdn":
+        return (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    if family == "lightning":
+        return (x["q"], x["k"], x["v"], LAYER, LAYERS)
+    return (x["q"], x["k"], x["v"], x["g"])
+
+
+def bench_fwd(family: str, out_dir: str, gpu_name: str | None = None, configs=None) -> int:
+    os.environ["FLA_FLASH_KDA"] = "0"
+    import torch
+    import torch.nn.functional as F
+
+    from . import ops
+
+    module, fname, title = FAMILIES[family]
+    cula_fn = getattr(importlib.import_module(f"cula.{module}"), fname)
+    try:
+        fla_fn = getattr(importlib.import_module(f"fla.ops.{module}"), fname)
+    except Exception as e:
+        print(f"FLA not importable ({e})")
+        fla_fn = None
+    op = f"{family}_fwd"
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    bw = copy_bandwidth(torch)
+    print(f"{props.name}: copy bandwidth {bw:.0f} GB/s (read + write)")
+    configs = configs or CONFIGS
+    records, rows = [], []
+    prog = Progress(len(configs), f"bench {family}")
+    for name, B, T, H, seqlens in configs:
+        if seqlens:
+            T = sum(seqlens)
+        scale = K ** -0.5
+        sets = [_inputs(torch, family, B, T, H, dev) for _ in range(2)]
+        cu64 = torch.tensor([0] + list(itertools.accumulate(seqlens)), device=dev,
+                            dtype=torch.int64) if seqlens else None
+        kw = dict(scale=scale, cu_seqlens=cu64)
+        if family == "gdn":
+            kw["use_qk_l2norm_in_kernel"] = True
+
+        def run_cula(i, s=sets):
+            return cula_fn(*_args(family, s[i % 2]), **kw)
+
+        def run_fla(i, s=sets):
+            return fla_fn(*_args(family, s[i % 2]), **kw)
+
+        def run_sdpa(i, s=sets):
+            x = s[i % 2]
+            q, k, v = (x[n].transpose(1, 2) for n in "qkv")
+            if not seqlens:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            start = 0
+            for n in seqlens:  # one call per sequence
+                F.scaled_dot_product_attention(q[:, :, start:start + n], k[:, :, start:start + n],
+                                               v[:, :, start:start + n], is_causal=True)
+                start += n
+
+        impls = [("cula", run_cula)] + ([("fla_triton", run_fla)] if fla_fn else []) + [("torch_sdpa", run_sdpa)]
+        config = dict(name=name, B=B, T=T, H=H, K=K, V=V, seqlens=seqlens, dtype="bfloat16", family=family)
+        res, check = {}, {}
+        with torch.inference_mode():
+            for impl, fn in impls:
+                res[impl] = time_ms(torch, fn)
+                records.append(dict(op=op, config=config, impl=impl, median_ms=round(res[impl], 4), reps=REPS))
+            o_cula = run_cula(0)[0]
+            kernel = ops.last_kernel()
+            if fla_fn:  # same inputs through FLA: agreement of the outputs
+                o_fla = run_fla(0)[0]
+                torch.cuda.synchronize()
+                a, b = o_cula.float(), o_fla.float()
+                check["rel_vs_fla"] = float((a - b).norm() / b.norm())
+        gate_bytes = {"gdn": 4 + 2, "gla": 4 * K, "simple_gla": 4, "lightning": 0}[family]
+        nbytes = B * T * H * (3 * K * 2 + gate_bytes + V * 2)
+        floor = nbytes / (bw * 1e9) * 1e3
+        records.append(dict(op=op, config=config, impl="floor", median_ms=round(floor, 4),
+                            note="q, k, v (bf16), gate and beta read, o written, at the copy bandwidth"))
+        for peer in ("fla_triton", "torch_sdpa"):
+            if peer in res:
+                records.append(dict(op=op, config=config, impl=f"ratio_{peer}_over_cula",
+                                    ratio=round(res[peer] / res["cula"], 3)))
+        records.append(dict(op=op, config=config, impl="cula_kernel", name=kernel, **check))
+        rows.append((name, res, floor, kernel, check))
+        prog.step(f"{name}: cula {res['cula']:.3f} ms")
+        del sets
+        torch.cuda.empty_cache()
+    meta = dict(gpu=gpu_name or props.name, copy_gb_per_s=round(bw, 1), torch=torch.__version__,
+                fla=_version("fla-core"), date=time.strftime("%Y-%m-%d"),
+                method=f"median of {REPS} single calls (CUDA events) after 3 warm-up calls, alternating two input "
+                "sets; cula's FLA drop-in and FLA called with the same arguments, under torch.inference_mode")
+    peers = [p for p in ("fla_triton", "torch_sdpa") if any(p in r[1] for r in rows)]
+    write_report(out_dir, op, title, meta, rows, records, peers)
+    return 0
