@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ._front import chunk, reject_unknown
@@ -15,10 +17,17 @@ def lightning_decay(num_heads: int, layer_idx: int, num_layers: int, like=None):
     `decay`, i.e. -g_gamma)."""
     rate = np.arange(num_heads, dtype=np.float32) * np.float32(8 / num_heads * (1 - layer_idx / num_layers))
     if like is not None and is_torch(like):
-        import torch
-
-        return torch.from_numpy(rate).to(like.device)
+        return _device_decay(num_heads, layer_idx, num_layers, like.device)
     return rate
+
+
+@functools.lru_cache(maxsize=256)
+def _device_decay(num_heads, layer_idx, num_layers, device):
+    """The decay tensor of one layer on one device, made once: a host-to-device copy per call would
+    cost a synchronisation and could not be captured in a CUDA graph."""
+    import torch
+
+    return torch.from_numpy(lightning_decay(num_heads, layer_idx, num_layers)).to(device)
 
 
 def chunk_lightning_attn(q, k, v, layer_idx, num_layers, scale=None, initial_state=None, output_final_state=False,
