@@ -15,13 +15,16 @@
 //    Every exponent is of a difference G_i - G_j with j <= i, so no factor exceeds 1 and any decay
 //    is exact (no bound needed, unlike the per-channel engine).
 //
-// fused: 8 warps; warp w owns rows 16(w%4).. of o (and the block row of q k^T it needs) and
-// channels (w%4)*K/4.. of the state, for half w/4 of the slice's columns. The warp's q rows are
-// loaded once per chunk as A fragments and serve q S and every block of q k^T; q k^T is a chain in
-// registers: its accumulator pairs are the A fragments of the product with v (bf16 hi + lo, as the
-// per-channel engine keeps tril(A_qk)). Shared memory (K = 128, VB = 64: ~115 KB, one CTA per SM):
-// two stages of (q, k, v slice, factors), S (bf16), the scaled v (Vd, bf16).
-// Barriers per chunk: B1 stage in and S written; B2 Vd written and S read; B3 stage, S and Vd free.
+// fused: 8 warps; warp w owns rows 16(w%4).. of o and channels (w%4)*K/4.. of the state, for half
+// w/4 of the slice's columns. The warp's q rows are loaded once per chunk as A fragments and serve
+// q S and its blocks of q k^T: the blocks Jb <= w%4 of its row block are split between the two
+// warps of that row block by parity, each applied to all VB columns, the partner's half of the
+// partial o passing through shared memory. q k^T is a chain in registers: its accumulator pairs
+// are the A fragments of the product with v (bf16 hi + lo, as the per-channel engine keeps
+// tril(A_qk)). Shared memory (K = 128, VB = 64: ~133 KB, one CTA per SM): two stages of (q, k,
+// v slice, factors), S (bf16), the scaled v (Vd, bf16), the partial o (fp32).
+// Barriers per chunk: B1 stage in and S written; B2 Vd and partial o written, S read; B3 stage,
+// S, Vd and partial o free.
 // Where the time goes (docs/NOTES.md): issue-latency bound, two warps per scheduler.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -58,7 +61,8 @@ struct FusedLayout {
   static constexpr int LDK = K + 8, LDV = VB + 8;
   static constexpr int sQ = 0, sK = sQ + kBT * LDK * 2, sV = sK + kBT * LDK * 2, sF = sV + kBT * LDV * 2,
                        stage = sF + kFactorFloats * 4;
-  static constexpr int oS = 2 * stage, oVD = oS + K * LDV * 2, bytes = oVD + kBT * LDV * 2;
+  static constexpr int LDX = VB + 8;  // fp32 partial o of the partner warp (conflict-free float2 rows)
+  static constexpr int oS = 2 * stage, oVD = oS + K * LDV * 2, oX = oVD + kBT * LDV * 2, bytes = oX + kBT * LDX * 4;
 };
 
 __device__ __forceinline__ uint32_t& u32at(bf16* p) { return *reinterpret_cast<uint32_t*>(p); }
@@ -149,6 +153,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* s_s = reinterpret_cast<bf16*>(smem + Ly::oS);
   bf16* vd_s = reinterpret_cast<bf16*>(smem + Ly::oVD);
+  float* xo_s = reinterpret_cast<float*>(smem + Ly::oX);
+  constexpr int LDX = Ly::LDX;
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int I = warp & 3, bI = 16 * I, hc0 = (warp >> 2) * (VB / 2);
@@ -298,11 +304,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 
     // o += A v block by block: A = (q k^T) scaled per pair, lower triangle only, kept in
-    // registers as bf16 hi + lo A fragments. Unrolled (two accumulator chains over the k-steps)
-    // so the blocks of a warp overlap.
+    // registers as bf16 hi + lo A fragments. The blocks Jb <= I are split between the two warps of
+    // row block I by parity and each is applied to all VB columns (the longest row block costs
+    // two blocks, not four); the partial for the partner's half goes through xo_s behind B2.
+    // Unrolled (two accumulator chains over the k-steps) so the blocks of a warp overlap.
+    const int hw = warp >> 2;
+    float ox[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) ox[nt][r] = 0.0f;
 #pragma unroll
     for (int Jb = 0; Jb < 4; ++Jb) {
-      if (Jb > I) continue;
+      if (Jb > I || (Jb & 1) != hw) continue;
       float a[2][4] = {}, a2[2][4] = {};
 #pragma unroll
       for (int kk = 0; kk < KS; ++kk) {
@@ -328,24 +342,39 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
 #pragma unroll
-      for (int np = 0; np < NTH / 2; ++np) {
+      for (int np = 0; np < NT / 2; ++np) {
         uint32_t b[4];
-        mma::ldsm_x4_t(b, v_s + (16 * Jb + mma::bk_row(lane)) * LDV + hc0 + 16 * np + mma::bk_col(lane));
-        mma::mma16816(o[2 * np], ahi, b[0], b[1]);
-        mma::mma16816(o[2 * np + 1], ahi, b[2], b[3]);
-        mma::mma16816(o[2 * np], alo, b[0], b[1]);
-        mma::mma16816(o[2 * np + 1], alo, b[2], b[3]);
+        mma::ldsm_x4_t(b, v_s + (16 * Jb + mma::bk_row(lane)) * LDV + 16 * np + mma::bk_col(lane));
+        mma::mma16816(ox[2 * np], ahi, b[0], b[1]);
+        mma::mma16816(ox[2 * np + 1], ahi, b[2], b[3]);
+        mma::mma16816(ox[2 * np], alo, b[0], b[1]);
+        mma::mma16816(ox[2 * np + 1], alo, b[2], b[3]);
       }
     }
+    // own half into o, the partner's half to shared memory (n-tile indices stay compile-time)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      if (nt / NTH == hw) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) o[nt % NTH][r] += ox[nt][r];
+      } else {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+          *reinterpret_cast<float2*>(xo_s + (bI + g + 8 * hh) * LDX + nt * 8 + 2 * t) =
+              make_float2(ox[nt][2 * hh], ox[nt][2 * hh + 1]);
+      }
+    }
+    __syncthreads();  // B2: Vd and the partial o complete; every warp done reading S
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int row = bI + g + 8 * hh;
-      if (row >= Lc) continue;
       bf16* dst = og + sq.b_row * p.out_s[0] + (t0 + row) * p.out_s[1] + hv * p.out_s[2] + v0 + hc0 + 2 * t;
 #pragma unroll
-      for (int nt = 0; nt < NTH; ++nt) u32at(dst + nt * 8) = pack(o[nt][2 * hh], o[nt][2 * hh + 1]);
+      for (int nt = 0; nt < NTH; ++nt) {
+        const float2 x = *reinterpret_cast<const float2*>(xo_s + row * LDX + hc0 + nt * 8 + 2 * t);
+        if (row < Lc) u32at(dst + nt * 8) = pack(o[nt][2 * hh] + x.x, o[nt][2 * hh + 1] + x.y);
+      }
     }
-    __syncthreads();  // B2: Vd complete; every warp done reading S
 
     // S = e^{G_last} S + k^T Vd
     const float dl = F[kFL];
@@ -369,7 +398,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
-    __syncthreads();  // B3: stage st, S and Vd no longer read
+    __syncthreads();  // B3: stage st, S, Vd and the partial o no longer read
     stage_in(c + 2, st);
   }
 
@@ -430,7 +459,7 @@ void cuda_chunk_fwd_fused(const Recurrence& r, const cula_chunk_fwd_args& a) {
   const int dev = a.q->device_id;
   chunk::check(cudaSetDevice(dev), "cudaSetDevice");
   const cudaStream_t stream = static_cast<cudaStream_t>(a.opt.stream);
-  // One CTA per SM (~113 KB of shared memory at VB = 64): slices of 32 columns when those still fit
+  // One CTA per SM (~133 KB of shared memory at VB = 64): slices of 32 columns when those still fit
   // in one wave, else 64.
   int sms = 0;
   chunk::check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "device attribute");
