@@ -1,9 +1,8 @@
 // Chunked forward (WY/UT form) on tensor cores, sm_80 instruction set (mma.sync, ldmatrix,
 // cp.async); runs on Ampere, Hopper and Blackwell. The delta-rule families share this engine: KDA
 // (per-channel gate, bounded) and GDN (scalar gate: the pair products take e^{G_i - G_j} per
-// element, exact for any decay). DELTA switches the delta-rule parts off; the dispatch sends the
-// families without the delta rule and with a scalar decay to chunk_fwd_fused.cu instead, which
-// needs no workspace.
+// element, exact for any decay). The families without the delta rule go elsewhere: simple GLA and
+// Lightning to chunk_fwd_fused.cu (no inverse, so no workspace), GLA to the recurrent kernel.
 //
 // Two kernels and a workspace (plus a prefix sum of chunk counts for varlen):
 //  prep (one CTA per chunk of 64 tokens and value head, all chunks in parallel): everything of a
@@ -110,7 +109,7 @@ constexpr int kTabLast = 14;  // e^{G_last}
 __device__ __forceinline__ uint32_t& u32at(bf16* p) { return *reinterpret_cast<uint32_t*>(p); }
 __device__ __forceinline__ float2 bf2(const bf16* p) { return unpack(*reinterpret_cast<const uint32_t*>(p)); }
 
-template <int K, int V, bool DELTA, bool SCALAR>
+template <int K, int V, bool SCALAR>
 __global__ void __launch_bounds__(kThreads, 3)
     chunk_prep_kernel(const FwdParams p, const int32_t* __restrict__ chunk_base, unsigned char* __restrict__ work) {
   using Ly = PrepLayout<K, V>;
@@ -183,10 +182,8 @@ __global__ void __launch_bounds__(kThreads, 3)
       float b = 0.0f, gsr = 0.0f;
       if (tid < Lc) {
         const int64_t tok = t0 + tid;
-        if (DELTA) {
-          b = dev::ld(p.beta, p.beta_dt, b_row * p.beta_s[0] + tok * p.beta_s[1] + hv * p.beta_s[2]);
-          if (p.beta_sigmoid) b = __fdividef(p.beta_mult, 1.0f + __expf(-b));
-        }
+        b = dev::ld(p.beta, p.beta_dt, b_row * p.beta_s[0] + tok * p.beta_s[1] + hv * p.beta_s[2]);
+        if (p.beta_sigmoid) b = __fdividef(p.beta_mult, 1.0f + __expf(-b));
         if (p.gate_kind == 1) gsr = dev::ld(p.g, p.g_dt, b_row * p.g_s[0] + tok * p.g_s[1] + hv * p.g_s[2]);
       }
       beta_s[tid] = b;
@@ -270,74 +267,74 @@ __global__ void __launch_bounds__(kThreads, 3)
     __syncthreads();  // B_b: row gates and row factors visible
   } else {
 
-  // ---- per k-step (a rolled loop keeps the code small): gate activation; cumulative sum inside
-  // the 16-row block by shuffles (rows g and g + 8 of a channel live in the lanes with this t);
-  // block sums to shared memory; el = e^{G_i - G_bI}: Kr = k / el (KR), and in place Kl = k el,
-  // Ql = q el.
+    // ---- per k-step (a rolled loop keeps the code small): gate activation; cumulative sum inside
+    // the 16-row block by shuffles (rows g and g + 8 of a channel live in the lanes with this t);
+    // block sums to shared memory; el = e^{G_i - G_bI}: Kr = k / el (KR), and in place Kl = k el,
+    // Ql = q el.
 #pragma unroll 1
-  for (int kk = 0; kk < KS; ++kk) {
-    float a[8];
+    for (int kk = 0; kk < KS; ++kk) {
+      float a[8];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) a[e] = gnext[e];
-    if (kk + 1 < KS) load_gate(kk + 1, gnext);
+      for (int e = 0; e < 8; ++e) a[e] = gnext[e];
+      if (kk + 1 < KS) load_gate(kk + 1, gnext);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const int row = bI + g + 8 * ((e >> 1) & 1), col = 16 * kk + 2 * t + 8 * (e >> 2) + (e & 1);
-      a[e] = row < Lc ? activate(a[e] + bias_s[col]) : 0.0f;
-    }
-#pragma unroll
-    for (int cs = 0; cs < 2; ++cs)
-#pragma unroll
-      for (int hc = 0; hc < 2; ++hc) {
-        float& x = a[4 * cs + hc];      // row g
-        float& y = a[4 * cs + 2 + hc];  // row g + 8
-#pragma unroll
-        for (int d = 1; d < 8; d <<= 1) {
-          const float xu = __shfl_up_sync(0xffffffffu, x, 4 * d), yu = __shfl_up_sync(0xffffffffu, y, 4 * d);
-          if (g >= d) x += xu, y += yu;
-        }
-        y += __shfl_sync(0xffffffffu, x, 28 + t);
-        const float first = __shfl_sync(0xffffffffu, x, t), total = __shfl_sync(0xffffffffu, y, 28 + t);
-        if (g == 0) {
-          const int col = 16 * kk + 2 * t + 8 * cs + hc;
-          bsum_s[I * K + col] = total;
-          bfirst_s[I * K + col] = first;
-        }
-        x -= first, y -= first;
+      for (int e = 0; e < 8; ++e) {
+        const int row = bI + g + 8 * ((e >> 1) & 1), col = 16 * kk + 2 * t + 8 * (e >> 2) + (e & 1);
+        a[e] = row < Lc ? activate(a[e] + bias_s[col]) : 0.0f;
       }
 #pragma unroll
-    for (int rr = 0; rr < 4; ++rr) {
-      const int x = rr & 1, row = bI + g + 8 * x, col = 16 * kk + 2 * t + 8 * (rr >> 1);
-      const float d0 = a[2 * rr], d1 = a[2 * rr + 1];
-      const float e0 = __expf(d0), e1 = __expf(d1), r0 = __expf(-d0), r1 = __expf(-d1);
-      const float2 kv = bf2(k_s + row * LDK + col), qv = bf2(q_s + row * LDK + col);
-      u32at(kr_s + row * LDK + col) = pack(kv.x * ks[x] * r0, kv.y * ks[x] * r1);
-      u32at(k_s + row * LDK + col) = pack(kv.x * ks[x] * e0, kv.y * ks[x] * e1);
-      u32at(q_s + row * LDK + col) = pack(qv.x * qs[x] * e0, qv.y * qs[x] * e1);
+      for (int cs = 0; cs < 2; ++cs)
+#pragma unroll
+        for (int hc = 0; hc < 2; ++hc) {
+          float& x = a[4 * cs + hc];      // row g
+          float& y = a[4 * cs + 2 + hc];  // row g + 8
+#pragma unroll
+          for (int d = 1; d < 8; d <<= 1) {
+            const float xu = __shfl_up_sync(0xffffffffu, x, 4 * d), yu = __shfl_up_sync(0xffffffffu, y, 4 * d);
+            if (g >= d) x += xu, y += yu;
+          }
+          y += __shfl_sync(0xffffffffu, x, 28 + t);
+          const float first = __shfl_sync(0xffffffffu, x, t), total = __shfl_sync(0xffffffffu, y, 28 + t);
+          if (g == 0) {
+            const int col = 16 * kk + 2 * t + 8 * cs + hc;
+            bsum_s[I * K + col] = total;
+            bfirst_s[I * K + col] = first;
+          }
+          x -= first, y -= first;
+        }
+#pragma unroll
+      for (int rr = 0; rr < 4; ++rr) {
+        const int x = rr & 1, row = bI + g + 8 * x, col = 16 * kk + 2 * t + 8 * (rr >> 1);
+        const float d0 = a[2 * rr], d1 = a[2 * rr + 1];
+        const float e0 = __expf(d0), e1 = __expf(d1), r0 = __expf(-d0), r1 = __expf(-d1);
+        const float2 kv = bf2(k_s + row * LDK + col), qv = bf2(q_s + row * LDK + col);
+        u32at(kr_s + row * LDK + col) = pack(kv.x * ks[x] * r0, kv.y * ks[x] * r1);
+        u32at(k_s + row * LDK + col) = pack(kv.x * ks[x] * e0, kv.y * ks[x] * e1);
+        u32at(q_s + row * LDK + col) = pack(qv.x * qs[x] * e0, qv.y * qs[x] * e1);
+      }
     }
-  }
-  __syncthreads();  // B_b: block sums visible
+    __syncthreads();  // B_b: block sums visible
 
-  // ---- per-channel exponent table
-  if (tid < K) {
-    float gb[4], gl = 0.0f;
+    // ---- per-channel exponent table
+    if (tid < K) {
+      float gb[4], gl = 0.0f;
 #pragma unroll
-    for (int b = 0; b < 4; ++b) {
-      gb[b] = gl + bfirst_s[b * K + tid];
-      gl += bsum_s[b * K + tid];
+      for (int b = 0; b < 4; ++b) {
+        gb[b] = gl + bfirst_s[b * K + tid];
+        gl += bsum_s[b * K + tid];
+      }
+#pragma unroll
+      for (int b = 1; b < 4; ++b)
+#pragma unroll
+        for (int a = 0; a < b; ++a) tab[tab_pair(b, a) * K + tid] = __expf(gb[b] - gb[a]);
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        tab[(kTabEb + b) * K + tid] = __expf(gb[b]);
+        tab[(kTabEd + b) * K + tid] = __expf(gl - gb[b]);
+      }
+      tab[kTabLast * K + tid] = __expf(gl);
     }
-#pragma unroll
-    for (int b = 1; b < 4; ++b)
-#pragma unroll
-      for (int a = 0; a < b; ++a) tab[tab_pair(b, a) * K + tid] = __expf(gb[b] - gb[a]);
-#pragma unroll
-    for (int b = 0; b < 4; ++b) {
-      tab[(kTabEb + b) * K + tid] = __expf(gb[b]);
-      tab[(kTabEd + b) * K + tid] = __expf(gl - gb[b]);
-    }
-    tab[kTabLast * K + tid] = __expf(gl);
-  }
-  __syncthreads();  // B_c: Kr and the table visible
+    __syncthreads();  // B_c: Kr and the table visible
   }
 
   // ---- pair products A_kk, A_qk over the ten lower block pairs (Ib, Jb), dealt to the warps
@@ -390,10 +387,8 @@ __global__ void __launch_bounds__(kThreads, 3)
         }
       }
       mma::ldsm_x4(b, right_s + (16 * Jb + mma::bn_row(lane)) * LDK + 16 * kk + mma::bn_col(lane));
-      if (DELTA) {
-        mma::mma16816(akk[q][0], ak, b[0], b[1]);
-        mma::mma16816(akk[q][1], ak, b[2], b[3]);
-      }
+      mma::mma16816(akk[q][0], ak, b[0], b[1]);
+      mma::mma16816(akk[q][1], ak, b[2], b[3]);
       mma::mma16816(aqk[q][0], aq, b[0], b[1]);
       mma::mma16816(aqk[q][1], aq, b[2], b[3]);
     }
@@ -422,12 +417,11 @@ __global__ void __launch_bounds__(kThreads, 3)
       }
       *reinterpret_cast<uint4*>(qgo + row * K + c8) = oq;
       *reinterpret_cast<uint4*>(kdo + row * K + c8) = od;
-      if (DELTA) *reinterpret_cast<uint4*>(ck_s + row * LDK + c8) = ow;
+      *reinterpret_cast<uint4*>(ck_s + row * LDK + c8) = ow;
     }
     if (tid < K) reinterpret_cast<float*>(blk + Wk::oDL)[tid] = __expf(glast);
   } else {
-  // k e^G = Kl e^{G_bI} for this warp's rows, in place of Kl
-  if (DELTA)
+    // k e^G = Kl e^{G_bI} for this warp's rows, in place of Kl
     for (int idx = lane; idx < 16 * (K / 8); idx += 32) {
       const int row = bI + idx / (K / 8), c8 = (idx % (K / 8)) * 8;
       uint4 kv = *reinterpret_cast<const uint4*>(k_s + row * LDK + c8);
@@ -441,23 +435,23 @@ __global__ void __launch_bounds__(kThreads, 3)
       }
       *reinterpret_cast<uint4*>(ck_s + row * LDK + c8) = kv;
     }
-  // Kd = Kr e^{G_last - G_bI} for this warp's rows, straight to the workspace
-  {
-    bf16* kdo = reinterpret_cast<bf16*>(blk + Wk::oKd);
-    for (int idx = lane; idx < 16 * (K / 8); idx += 32) {
-      const int row = bI + idx / (K / 8), c8 = (idx % (K / 8)) * 8;
-      uint4 kv = *reinterpret_cast<const uint4*>(kr_s + row * LDK + c8);
-      const float* ed = tab + (kTabEd + I) * K + c8;
-      uint32_t* w = reinterpret_cast<uint32_t*>(&kv);
+    // Kd = Kr e^{G_last - G_bI} for this warp's rows, straight to the workspace
+    {
+      bf16* kdo = reinterpret_cast<bf16*>(blk + Wk::oKd);
+      for (int idx = lane; idx < 16 * (K / 8); idx += 32) {
+        const int row = bI + idx / (K / 8), c8 = (idx % (K / 8)) * 8;
+        uint4 kv = *reinterpret_cast<const uint4*>(kr_s + row * LDK + c8);
+        const float* ed = tab + (kTabEd + I) * K + c8;
+        uint32_t* w = reinterpret_cast<uint32_t*>(&kv);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 x = unpack(w[j]);
-        w[j] = pack(x.x * ed[2 * j], x.y * ed[2 * j + 1]);
+        for (int j = 0; j < 4; ++j) {
+          const float2 x = unpack(w[j]);
+          w[j] = pack(x.x * ed[2 * j], x.y * ed[2 * j + 1]);
+        }
+        *reinterpret_cast<uint4*>(kdo + row * K + c8) = kv;
       }
-      *reinterpret_cast<uint4*>(kdo + row * K + c8) = kv;
+      if (tid < K) reinterpret_cast<float*>(blk + Wk::oDL)[tid] = tab[kTabLast * K + tid];
     }
-    if (tid < K) reinterpret_cast<float*>(blk + Wk::oDL)[tid] = tab[kTabLast * K + tid];
-  }
   }
   __syncthreads();  // B_d: q tile and Kr no longer read (they take M and v)
 
@@ -501,11 +495,9 @@ __global__ void __launch_bounds__(kThreads, 3)
           const float2 h2 = unpack(hi);
           u32at(aqo + gi * kBT + gj) = hi;  // hi + lo carries A_qk to ~16 bits: it scales whole rows of o
           u32at(aqo + kBT * kBT + gi * kBT + gj) = pack(a0 - h2.x, a1 - h2.y);
-          if (DELTA) {
-            const float b = beta_s[gi];
-            m_s[gi * MS + gj] = gj < gi ? b * akk[q][nt][2 * hh] : (gj == gi ? 1.0f : 0.0f);
-            m_s[gi * MS + gj + 1] = gj + 1 < gi ? b * akk[q][nt][2 * hh + 1] : (gj + 1 == gi ? 1.0f : 0.0f);
-          }
+          const float b = beta_s[gi];
+          m_s[gi * MS + gj] = gj < gi ? b * akk[q][nt][2 * hh] : (gj == gi ? 1.0f : 0.0f);
+          m_s[gi * MS + gj + 1] = gj + 1 < gi ? b * akk[q][nt][2 * hh + 1] : (gj + 1 == gi ? 1.0f : 0.0f);
         }
     }
 #pragma unroll
@@ -521,138 +513,129 @@ __global__ void __launch_bounds__(kThreads, 3)
   }
 
   bf16* uo = reinterpret_cast<bf16*>(blk + Wk::oU);
-  if (DELTA) {
-    __syncthreads();  // B_e: M complete
-    // Diagonal blocks of Minv: lane c < 16 solves column c by substitution, in fp32.
-    if (lane < 16) {
-      float xcol[16];
+  __syncthreads();  // B_e: M complete
+  // Diagonal blocks of Minv: lane c < 16 solves column c by substitution, in fp32.
+  if (lane < 16) {
+    float xcol[16];
 #pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        float acc = i == lane ? 1.0f : 0.0f;
+    for (int i = 0; i < 16; ++i) {
+      float acc = i == lane ? 1.0f : 0.0f;
 #pragma unroll
-        for (int l = 0; l < i; ++l) acc -= m_s[(bI + i) * MS + bI + l] * xcol[l];
-        xcol[i] = acc;
-      }
-#pragma unroll
-      for (int i = 0; i < 16; ++i) t_s[(bI + i) * LDT + bI + lane] = __float2bfloat16_rn(xcol[i]);
+      for (int l = 0; l < i; ++l) acc -= m_s[(bI + i) * MS + bI + l] * xcol[l];
+      xcol[i] = acc;
     }
-    __syncthreads();  // B_f: diagonal inverses visible
-    // Off-diagonal blocks, column block J = warp: Minv_IJ = -Minv_II sum_{L=J}^{I-1} M_IL Minv_LJ.
-    const int J = warp, bJ = 16 * warp;
-    for (int Ib = J + 1; Ib < 4; ++Ib) {
-      const int bIb = 16 * Ib;
-      float x[2][4] = {};
-      for (int Lb = J; Lb < Ib; ++Lb) {
-        uint32_t a[4];
 #pragma unroll
-        for (int rr = 0; rr < 4; ++rr) {
-          const float2 mv = *reinterpret_cast<const float2*>(m_s + (bIb + g + 8 * (rr & 1)) * MS + 16 * Lb + 2 * t + 8 * (rr >> 1));
-          a[rr] = pack(mv.x, mv.y);
-        }
-        uint32_t b[4];
-        mma::ldsm_x4_t(b, t_s + (16 * Lb + mma::bk_row(lane)) * LDT + bJ + mma::bk_col(lane));
-        mma::mma16816(x[0], a, b[0], b[1]);
-        mma::mma16816(x[1], a, b[2], b[3]);
+    for (int i = 0; i < 16; ++i) t_s[(bI + i) * LDT + bI + lane] = __float2bfloat16_rn(xcol[i]);
+  }
+  __syncthreads();  // B_f: diagonal inverses visible
+  // Off-diagonal blocks, column block J = warp: Minv_IJ = -Minv_II sum_{L=J}^{I-1} M_IL Minv_LJ.
+  const int J = warp, bJ = 16 * warp;
+  for (int Ib = J + 1; Ib < 4; ++Ib) {
+    const int bIb = 16 * Ib;
+    float x[2][4] = {};
+    for (int Lb = J; Lb < Ib; ++Lb) {
+      uint32_t a[4];
+#pragma unroll
+      for (int rr = 0; rr < 4; ++rr) {
+        const float2 mv = *reinterpret_cast<const float2*>(m_s + (bIb + g + 8 * (rr & 1)) * MS + 16 * Lb + 2 * t + 8 * (rr >> 1));
+        a[rr] = pack(mv.x, mv.y);
       }
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh)
-          u32at(t_s + (bIb + g + 8 * hh) * LDT + bJ + nt * 8 + 2 * t) = pack(x[nt][2 * hh], x[nt][2 * hh + 1]);
-      __syncwarp();
-      uint32_t a[4], b[4];
-      mma::ldsm_x4(a, t_s + (bIb + mma::a_row(lane)) * LDT + bIb + mma::a_col(lane));
-      mma::ldsm_x4_t(b, t_s + (bIb + mma::bk_row(lane)) * LDT + bJ + mma::bk_col(lane));
-      float y[2][4] = {};
-      mma::mma16816(y[0], a, b[0], b[1]);
-      mma::mma16816(y[1], a, b[2], b[3]);
-      __syncwarp();
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh)
-          u32at(t_s + (bIb + g + 8 * hh) * LDT + bJ + nt * 8 + 2 * t) = pack(-y[nt][2 * hh], -y[nt][2 * hh + 1]);
-      __syncwarp();
+      uint32_t b[4];
+      mma::ldsm_x4_t(b, t_s + (16 * Lb + mma::bk_row(lane)) * LDT + bJ + mma::bk_col(lane));
+      mma::mma16816(x[0], a, b[0], b[1]);
+      mma::mma16816(x[1], a, b[2], b[3]);
     }
-    mma::cp_async_wait_all();
-    __syncthreads();  // B_g: Minv complete, v landed
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh)
+        u32at(t_s + (bIb + g + 8 * hh) * LDT + bJ + nt * 8 + 2 * t) = pack(x[nt][2 * hh], x[nt][2 * hh + 1]);
+    __syncwarp();
+    uint32_t a[4], b[4];
+    mma::ldsm_x4(a, t_s + (bIb + mma::a_row(lane)) * LDT + bIb + mma::a_col(lane));
+    mma::ldsm_x4_t(b, t_s + (bIb + mma::bk_row(lane)) * LDT + bJ + mma::bk_col(lane));
+    float y[2][4] = {};
+    mma::mma16816(y[0], a, b[0], b[1]);
+    mma::mma16816(y[1], a, b[2], b[3]);
+    __syncwarp();
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh)
+        u32at(t_s + (bIb + g + 8 * hh) * LDT + bJ + nt * 8 + 2 * t) = pack(-y[nt][2 * hh], -y[nt][2 * hh + 1]);
+    __syncwarp();
+  }
+  mma::cp_async_wait_all();
+  __syncthreads();  // B_g: Minv complete, v landed
 
-    // ---- Minv, all ten lower blocks as A fragments; U = Minv (beta v), W = -Minv (beta k e^G). Each
-    // warp takes a quarter of the columns of U and of W for all rows, so the triangle costs every
-    // warp the same; a B tile is loaded once and serves the row blocks at or below it.
-    uint32_t ta[4][4][4];
+  // ---- Minv, all ten lower blocks as A fragments; U = Minv (beta v), W = -Minv (beta k e^G). Each
+  // warp takes a quarter of the columns of U and of W for all rows, so the triangle costs every
+  // warp the same; a B tile is loaded once and serves the row blocks at or below it.
+  uint32_t ta[4][4][4];
+#pragma unroll
+  for (int Ib = 0; Ib < 4; ++Ib)
+#pragma unroll
+    for (int Jb = 0; Jb <= Ib; ++Jb) {
+      mma::ldsm_x4(ta[Ib][Jb], t_s + (16 * Ib + mma::a_row(lane)) * LDT + 16 * Jb + mma::a_col(lane));
+    }
+  // beta v, row by row in fp32 (beta folded into Minv's bf16 columns would scale whole rows by a
+  // rounded factor)
+  for (int idx = tid; idx < kBT * (V / 8); idx += kThreads) {
+    const int r = idx / (V / 8), c8 = (idx % (V / 8)) * 8;
+    uint4 x = *reinterpret_cast<const uint4*>(v_s + r * LDV + c8);
+    uint32_t* w = reinterpret_cast<uint32_t*>(&x);
+    const float b = beta_s[r];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 y = unpack(w[j]);
+      w[j] = pack(y.x * b, y.y * b);
+    }
+    *reinterpret_cast<uint4*>(v_s + r * LDV + c8) = x;
+  }
+  __syncthreads();  // beta v complete
+  // acc[Ib] = sum over Jb <= Ib of Minv_{Ib,Jb} src_Jb, for the 16 columns at c0 of src (leading dim ld)
+  auto tri_product = [&](const bf16* src, int ld, int c0, float (&acc)[4][2][4]) {
 #pragma unroll
     for (int Ib = 0; Ib < 4; ++Ib)
 #pragma unroll
-      for (int Jb = 0; Jb <= Ib; ++Jb) {
-        mma::ldsm_x4(ta[Ib][Jb], t_s + (16 * Ib + mma::a_row(lane)) * LDT + 16 * Jb + mma::a_col(lane));
-      }
-    // beta v, row by row in fp32 (beta folded into Minv's bf16 columns would scale whole rows by a
-    // rounded factor)
-    for (int idx = tid; idx < kBT * (V / 8); idx += kThreads) {
-      const int r = idx / (V / 8), c8 = (idx % (V / 8)) * 8;
-      uint4 x = *reinterpret_cast<const uint4*>(v_s + r * LDV + c8);
-      uint32_t* w = reinterpret_cast<uint32_t*>(&x);
-      const float b = beta_s[r];
+      for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 y = unpack(w[j]);
-        w[j] = pack(y.x * b, y.y * b);
+        for (int r = 0; r < 4; ++r) acc[Ib][nt][r] = 0.0f;
+#pragma unroll
+    for (int Jb = 0; Jb < 4; ++Jb) {
+      uint32_t b[4];
+      mma::ldsm_x4_t(b, src + (16 * Jb + mma::bk_row(lane)) * ld + c0 + mma::bk_col(lane));
+#pragma unroll
+      for (int Ib = Jb; Ib < 4; ++Ib) {
+        mma::mma16816(acc[Ib][0], ta[Ib][Jb], b[0], b[1]);
+        mma::mma16816(acc[Ib][1], ta[Ib][Jb], b[2], b[3]);
       }
-      *reinterpret_cast<uint4*>(v_s + r * LDV + c8) = x;
     }
-    __syncthreads();  // beta v complete
-    // acc[Ib] = sum over Jb <= Ib of Minv_{Ib,Jb} src_Jb, for the 16 columns at c0 of src (leading dim ld)
-    auto tri_product = [&](const bf16* src, int ld, int c0, float (&acc)[4][2][4]) {
+  };
+  // this warp's quarter of the ncols columns of Minv src (negated when neg is std::true_type), as
+  // bf16 rows into dst
+  auto tri_out = [&](auto neg, const bf16* src, int ld, int ncols, bf16* dst) {
+#pragma unroll 1
+    for (int c0 = warp * (ncols / 4); c0 < (warp + 1) * (ncols / 4); c0 += 16) {
+      float acc[4][2][4];
+      tri_product(src, ld, c0, acc);
 #pragma unroll
       for (int Ib = 0; Ib < 4; ++Ib)
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-          for (int r = 0; r < 4; ++r) acc[Ib][nt][r] = 0.0f;
-#pragma unroll
-      for (int Jb = 0; Jb < 4; ++Jb) {
-        uint32_t b[4];
-        mma::ldsm_x4_t(b, src + (16 * Jb + mma::bk_row(lane)) * ld + c0 + mma::bk_col(lane));
-#pragma unroll
-        for (int Ib = Jb; Ib < 4; ++Ib) {
-          mma::mma16816(acc[Ib][0], ta[Ib][Jb], b[0], b[1]);
-          mma::mma16816(acc[Ib][1], ta[Ib][Jb], b[2], b[3]);
-        }
-      }
-    };
-    // this warp's quarter of the ncols columns of Minv src (negated when neg is std::true_type), as
-    // bf16 rows into dst
-    auto tri_out = [&](auto neg, const bf16* src, int ld, int ncols, bf16* dst) {
-#pragma unroll 1
-      for (int c0 = warp * (ncols / 4); c0 < (warp + 1) * (ncols / 4); c0 += 16) {
-        float acc[4][2][4];
-        tri_product(src, ld, c0, acc);
-#pragma unroll
-        for (int Ib = 0; Ib < 4; ++Ib)
-#pragma unroll
-          for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-              const float x0 = acc[Ib][nt][2 * hh], x1 = acc[Ib][nt][2 * hh + 1];
-              u32at(dst + (16 * Ib + g + 8 * hh) * ncols + c0 + 8 * nt + 2 * t) =
-                  decltype(neg)::value ? pack(-x0, -x1) : pack(x0, x1);
-            }
-      }
-    };
-    tri_out(std::false_type{}, v_s, LDV, V, uo);
-    tri_out(std::true_type{}, ck_s, LDK, K, reinterpret_cast<bf16*>(blk + Wk::oW));
-  } else {
-    mma::cp_async_wait_all();
-    __syncthreads();  // v landed
-    for (int idx = tid; idx < kBT * (V / 8); idx += kThreads) {
-      const int r = idx / (V / 8), c8 = (idx % (V / 8)) * 8;
-      *reinterpret_cast<uint4*>(uo + r * V + c8) = *reinterpret_cast<const uint4*>(v_s + r * LDV + c8);
+          for (int hh = 0; hh < 2; ++hh) {
+            const float x0 = acc[Ib][nt][2 * hh], x1 = acc[Ib][nt][2 * hh + 1];
+            u32at(dst + (16 * Ib + g + 8 * hh) * ncols + c0 + 8 * nt + 2 * t) =
+                decltype(neg)::value ? pack(-x0, -x1) : pack(x0, x1);
+          }
     }
-  }
+  };
+  tri_out(std::false_type{}, v_s, LDV, V, uo);
+  tri_out(std::true_type{}, ck_s, LDK, K, reinterpret_cast<bf16*>(blk + Wk::oW));
 }
 
-template <int K, int V, int VB, bool DELTA>
+template <int K, int V, int VB>
 __global__ void __launch_bounds__(kScanThreads, 1)
     chunk_scan_kernel(const FwdParams p, const int32_t* __restrict__ chunk_base, const unsigned char* __restrict__ work) {
   using Ly = ScanLayout<K, VB>;
@@ -765,35 +748,30 @@ __global__ void __launch_bounds__(kScanThreads, 1)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const float2 u = bf2(u_s + (bI + g + 8 * hh) * LDV + hc0 + nt * 8 + 2 * t);
-        vn[nt][2 * hh] = DELTA ? u.x : 0.0f, vn[nt][2 * hh + 1] = DELTA ? u.y : 0.0f;
+        vn[nt][2 * hh] = u.x, vn[nt][2 * hh + 1] = u.y;
         o[nt][2 * hh] = 0.0f, o[nt][2 * hh + 1] = 0.0f;
       }
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk) {
       uint32_t aw[4], aq[4];
-      if (DELTA) mma::ldsm_x4(aw, w_s + (bI + mma::a_row(lane)) * LDK + 16 * kk + mma::a_col(lane));
+      mma::ldsm_x4(aw, w_s + (bI + mma::a_row(lane)) * LDK + 16 * kk + mma::a_col(lane));
       mma::ldsm_x4(aq, qg_s + (bI + mma::a_row(lane)) * LDK + 16 * kk + mma::a_col(lane));
 #pragma unroll
       for (int np = 0; np < NTH / 2; ++np) {
         uint32_t b[4];
         mma::ldsm_x4_t(b, s_s + (16 * kk + mma::bk_row(lane)) * LDV + hc0 + 16 * np + mma::bk_col(lane));
-        if (DELTA) {
-          mma::mma16816(vn[2 * np], aw, b[0], b[1]);
-          mma::mma16816(vn[2 * np + 1], aw, b[2], b[3]);
-        }
+        mma::mma16816(vn[2 * np], aw, b[0], b[1]);
+        mma::mma16816(vn[2 * np + 1], aw, b[2], b[3]);
         mma::mma16816(o[2 * np], aq, b[0], b[1]);
         mma::mma16816(o[2 * np + 1], aq, b[2], b[3]);
       }
     }
-    const bf16* vsrc = DELTA ? vn_s : u_s;  // without the delta rule Vnew = U = v
-    if (DELTA) {
 #pragma unroll
-      for (int nt = 0; nt < NTH; ++nt)
+    for (int nt = 0; nt < NTH; ++nt)
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh)
-          u32at(vn_s + (bI + g + 8 * hh) * LDV + hc0 + nt * 8 + 2 * t) = pack(vn[nt][2 * hh], vn[nt][2 * hh + 1]);
-      __syncthreads();  // B2: Vnew visible
-    }
+      for (int hh = 0; hh < 2; ++hh)
+        u32at(vn_s + (bI + g + 8 * hh) * LDV + hc0 + nt * 8 + 2 * t) = pack(vn[nt][2 * hh], vn[nt][2 * hh + 1]);
+    __syncthreads();  // B2: Vnew visible
 
     // o += tril(A_qk) Vnew; store
 #pragma unroll
@@ -805,7 +783,7 @@ __global__ void __launch_bounds__(kScanThreads, 1)
 #pragma unroll
       for (int np = 0; np < NTH / 2; ++np) {
         uint32_t b[4];
-        mma::ldsm_x4_t(b, vsrc + (16 * Jb + mma::bk_row(lane)) * LDV + hc0 + 16 * np + mma::bk_col(lane));
+        mma::ldsm_x4_t(b, vn_s + (16 * Jb + mma::bk_row(lane)) * LDV + hc0 + 16 * np + mma::bk_col(lane));
         mma::mma16816(o[2 * np], a, b[0], b[1]);
         mma::mma16816(o[2 * np + 1], a, b[2], b[3]);
         mma::mma16816(o[2 * np], alo, b[0], b[1]);
@@ -838,7 +816,7 @@ __global__ void __launch_bounds__(kScanThreads, 1)
 #pragma unroll
         for (int np = 0; np < NTH / 2; ++np) {
           uint32_t b[4];
-          mma::ldsm_x4_t(b, vsrc + (16 * kj + mma::bk_row(lane)) * LDV + hc0 + 16 * np + mma::bk_col(lane));
+          mma::ldsm_x4_t(b, vn_s + (16 * kj + mma::bk_row(lane)) * LDV + hc0 + 16 * np + mma::bk_col(lane));
           mma::mma16816(s[mt][2 * np], a, b[0], b[1]);
           mma::mma16816(s[mt][2 * np + 1], a, b[2], b[3]);
         }
@@ -861,7 +839,7 @@ __global__ void __launch_bounds__(kScanThreads, 1)
   if (slot >= 0) store_state(p.pool, p.pool_dt, slot);
 }
 
-template <int K, int V, int VB, bool DELTA, bool SCALAR>
+template <int K, int V, int VB, bool SCALAR>
 void run(const Recurrence& r, const FwdParams& p, int device, cudaStream_t stream) {
   const int64_t max_chunks = chunk::max_chunks(p), base_bytes = chunk::base_bytes(p);
   const int64_t bytes = base_bytes + max_chunks * r.HV * Work<K, V>::bytes;
@@ -875,11 +853,11 @@ void run(const Recurrence& r, const FwdParams& p, int device, cudaStream_t strea
   int32_t* chunk_base = p.cu ? static_cast<int32_t*>(ws) : nullptr;
   unsigned char* work = static_cast<unsigned char*>(ws) + base_bytes;
   if (p.cu) chunk::launch_chunk_base(p, chunk_base, stream);
-  chunk::allow_smem(chunk_prep_kernel<K, V, DELTA, SCALAR>, PrepLayout<K, V>::bytes);
-  chunk_prep_kernel<K, V, DELTA, SCALAR>
+  chunk::allow_smem(chunk_prep_kernel<K, V, SCALAR>, PrepLayout<K, V>::bytes);
+  chunk_prep_kernel<K, V, SCALAR>
       <<<static_cast<unsigned>(prep_blocks), kThreads, PrepLayout<K, V>::bytes, stream>>>(p, chunk_base, work);
-  chunk::allow_smem(chunk_scan_kernel<K, V, VB, DELTA>, ScanLayout<K, VB>::bytes);
-  chunk_scan_kernel<K, V, VB, DELTA>
+  chunk::allow_smem(chunk_scan_kernel<K, V, VB>, ScanLayout<K, VB>::bytes);
+  chunk_scan_kernel<K, V, VB>
       <<<static_cast<unsigned>(scan_blocks), kScanThreads, ScanLayout<K, VB>::bytes, stream>>>(p, chunk_base, work);
   const cudaError_t launched = cudaGetLastError();
   chunk::check(cudaFreeAsync(ws, stream), "workspace release");
@@ -951,22 +929,22 @@ bool chunk_fwd_mma_accepts(const Recurrence& r, const cula_chunk_fwd_args& a) {
   return cuda_device_arch(a.q->device_id) >= 80;  // mma.sync bf16, ldmatrix, cp.async
 }
 
-template <int K, int V, bool DELTA, bool SCALAR>
+template <int K, int V, bool SCALAR>
 void run_vb(const Recurrence& r, const FwdParams& p, int device, cudaStream_t stream) {
   // The scan has one CTA per (sequence, head, V slice), one CTA per SM: slices of 32 when those
   // still fit in one wave, else 64.
   int sms = 0;
   chunk::check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "device attribute");
   if (r.N * r.HV * (V / 32) <= sms)
-    run<K, V, 32, DELTA, SCALAR>(r, p, device, stream);
+    run<K, V, 32, SCALAR>(r, p, device, stream);
   else
-    run<K, V, 64, DELTA, SCALAR>(r, p, device, stream);
+    run<K, V, 64, SCALAR>(r, p, device, stream);
 }
 
 template <int K, int V>
 void run_gate(bool scalar, const Recurrence& r, const FwdParams& p, int device, cudaStream_t stream) {
-  if (scalar) run_vb<K, V, true, true>(r, p, device, stream);
-  else run_vb<K, V, true, false>(r, p, device, stream);
+  if (scalar) run_vb<K, V, true>(r, p, device, stream);
+  else run_vb<K, V, false>(r, p, device, stream);
 }
 
 void cuda_chunk_fwd_mma(const Recurrence& r, const cula_chunk_fwd_args& a) {
