@@ -45,9 +45,9 @@ def _family_inputs(rng, c, d, kw, B, T, HV):
         d.pop(n)
     for n in ("use_gate_in_kernel", "lower_bound", "safe_gate"):
         kw.pop(n)
-    if fam != "gdn":
+    if fam != "gdn":  # no beta; the q/k L2 norm applies to every family (SPEC §2)
         d.pop("beta")
-        kw.pop("use_qk_l2norm_in_kernel"), kw.pop("use_beta_sigmoid_in_kernel")
+        kw.pop("use_beta_sigmoid_in_kernel")
     if fam == "lightning":
         d["decay"] = torch.from_numpy(rng.uniform(0.0, 4.0, c["H"]).astype(np.float32))
         return
