@@ -39,6 +39,7 @@
 #include "prefill/cuda/chunk_common.cuh"
 #include "prefill/cuda/chunk_fwd_mma.h"
 #include "prefill/cuda/fwd_params.cuh"
+#include "prefill/cuda/state_slice.cuh"
 
 namespace cula {
 namespace {
@@ -149,7 +150,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int KS = K / 16;
   constexpr int NT = VB / 8;
   constexpr int NTH = NT / 2;  // n-tiles per warp: warps 4..7 take the second half of the columns
-  constexpr int MT = K / 64;
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* s_s = reinterpret_cast<bf16*>(smem + Ly::oS);
   bf16* vd_s = reinterpret_cast<bf16*>(smem + Ly::oVD);
@@ -170,24 +170,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t cbase = chunk_base ? chunk_base[n] : static_cast<int64_t>(n) * chunk::chunks_of(p);
   const uint4 zero4 = make_uint4(0, 0, 0, 0);
 
-  // State slice: element (mt, nt, r) = channel cw + mt*16 + g + 8(r>>1), column v0 + hc0 + nt*8 + 2t + (r&1).
-  const int cw = I * (K / 4);
-  float s[MT][NTH][4];
-  int64_t slot = -1;
-  if (p.pool) slot = p.pool_idx ? p.pool_idx[n] : n;
-  if (slot >= p.P) slot = -1;
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < NTH; ++nt)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int c = cw + mt * 16 + g + 8 * (r >> 1), j = v0 + hc0 + nt * 8 + 2 * t + (r & 1);
-        float x = 0.0f;
-        if (p.h0) x = dev::ld(p.h0, p.h0_dt, state_elem(p, n, hv, j, c));
-        else if (slot >= 0) x = dev::ld(p.pool, p.pool_dt, state_elem(p, slot, hv, j, c));
-        s[mt][nt][r] = x;
-      }
+  StateSlice<K, VB> S(warp, lane, v0);
+  const int64_t slot = StateSlice<K, VB>::pool_slot(p, n);
+  S.load(p, n, hv, slot);
 
   // One chunk's q, k, v slice and factors into stage st (rows past the sequence are zeros; an
   // empty commit group past the end).
@@ -239,24 +224,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int Lc = static_cast<int>(min(int64_t{kBT}, sq.eos - t0));
 
     // S (bf16) for the products; intermediate state (chunk start)
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < NTH; ++nt)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh)
-          u32at(s_s + (cw + mt * 16 + g + 8 * hh) * LDV + hc0 + nt * 8 + 2 * t) = pack(s[mt][nt][2 * hh], s[mt][nt][2 * hh + 1]);
-    if (p.inter) {
-      const int64_t row = cbase + c;
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NTH; ++nt)
-#pragma unroll
-          for (int r = 0; r < 4; ++r)
-            dev::st(p.inter, p.inter_dt,
-                    state_elem(p, row, hv, v0 + hc0 + nt * 8 + 2 * t + (r & 1), cw + mt * 16 + g + 8 * (r >> 1)), s[mt][nt][r]);
-    }
+    S.to_smem(s_s, LDV);
+    if (p.inter) S.store(p, p.inter, p.inter_dt, cbase + c, hv);
     asm volatile("cp.async.wait_group 1;\n" ::: "memory");
     __syncthreads();  // B1: this chunk's stage landed; S visible
 
@@ -378,41 +347,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     // S = e^{G_last} S + k^T Vd
     const float dl = F[kFL];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      const int cb = cw + mt * 16;
-#pragma unroll
-      for (int nt = 0; nt < NTH; ++nt)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) s[mt][nt][r] *= dl;
-#pragma unroll
-      for (int kj = 0; kj < kBT / 16; ++kj) {
-        uint32_t a[4];
-        mma::ldsm_x4_t(a, k_s + (16 * kj + mma::at_row(lane)) * LDK + cb + mma::at_col(lane));
-#pragma unroll
-        for (int np = 0; np < NTH / 2; ++np) {
-          uint32_t b[4];
-          mma::ldsm_x4_t(b, vd_s + (16 * kj + mma::bk_row(lane)) * LDV + hc0 + 16 * np + mma::bk_col(lane));
-          mma::mma16816(s[mt][2 * np], a, b[0], b[1]);
-          mma::mma16816(s[mt][2 * np + 1], a, b[2], b[3]);
-        }
-      }
-    }
+    S.update(k_s, LDK, vd_s, LDV, [&](int) { return dl; }, lane);
     __syncthreads();  // B3: stage st, S, Vd and the partial o no longer read
     stage_in(c + 2, st);
   }
 
-  auto store_state = [&](void* dst, int dt, int64_t sl) {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < NTH; ++nt)
-#pragma unroll
-        for (int r = 0; r < 4; ++r)
-          dev::st(dst, dt, state_elem(p, sl, hv, v0 + hc0 + nt * 8 + 2 * t + (r & 1), cw + mt * 16 + g + 8 * (r >> 1)), s[mt][nt][r]);
-  };
-  if (p.ht) store_state(p.ht, p.ht_dt, n);
-  if (slot >= 0) store_state(p.pool, p.pool_dt, slot);
+  if (p.ht) S.store(p, p.ht, p.ht_dt, n, hv);
+  if (slot >= 0) S.store(p, p.pool, p.pool_dt, slot, hv);
 }
 
 template <int K, int VB>

@@ -1,0 +1,107 @@
+// The state slice that each warp of the chunk-walking kernels (chunk_scan_kernel in
+// chunk_fwd_mma.cu, chunk_fused_kernel in chunk_fwd_fused.cu) keeps in registers for a whole
+// sequence. Both use 8 warps over a (K x VB) slice of one head's state: warp w owns channels
+// (w%4)*K/4.. and half w/4 of the VB columns. Element (mt, nt, r) is channel
+// cw + mt*16 + g + 8(r>>1), column v0 + hc0 + nt*8 + 2t + (r&1): the C-fragment layout of the
+// state update's mma, so the slice never leaves registers between chunks.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "cuda/device_helpers.cuh"
+#include "cuda/mma.cuh"
+#include "prefill/cuda/fwd_params.cuh"
+
+namespace cula {
+
+template <int K, int VB>
+struct StateSlice {
+  static constexpr int MT = K / 64;   // 16-channel tiles per warp
+  static constexpr int NTH = VB / 16;  // 8-column tiles per warp
+  float s[MT][NTH][4];
+  int cw, hc0, v0, g, t;
+
+  __device__ StateSlice(int warp, int lane, int v0_)
+      : cw((warp & 3) * (K / 4)), hc0((warp >> 2) * (VB / 2)), v0(v0_), g(lane >> 2), t(lane & 3) {}
+
+  __device__ int channel(int mt, int r) const { return cw + mt * 16 + g + 8 * (r >> 1); }
+  __device__ int column(int nt, int r) const { return v0 + hc0 + nt * 8 + 2 * t + (r & 1); }
+
+  // The pool slot of sequence n, or -1 (no pool, a padding index, or one past the pool).
+  static __device__ int64_t pool_slot(const FwdParams& p, int n) {
+    int64_t slot = -1;
+    if (p.pool) slot = p.pool_idx ? p.pool_idx[n] : n;
+    return slot >= p.P ? -1 : slot;
+  }
+
+  // Initial state of sequence n: initial_state[n], else the pool slot, else zeros.
+  __device__ void load(const FwdParams& p, int n, int hv, int64_t slot) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NTH; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int c = channel(mt, r), j = column(nt, r);
+          float x = 0.0f;
+          if (p.h0) x = dev::ld(p.h0, p.h0_dt, state_elem(p, n, hv, j, c));
+          else if (slot >= 0) x = dev::ld(p.pool, p.pool_dt, state_elem(p, slot, hv, j, c));
+          s[mt][nt][r] = x;
+        }
+  }
+
+  // Writes the slice as state row `row` of dst (intermediate, final or pool states).
+  __device__ void store(const FwdParams& p, void* dst, int dt, int64_t row, int hv) const {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NTH; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) dev::st(dst, dt, state_elem(p, row, hv, column(nt, r), channel(mt, r)), s[mt][nt][r]);
+  }
+
+  // bf16 copy for the products of the chunk: s_s[channel][column - v0], leading dimension ld.
+  __device__ void to_smem(__nv_bfloat16* s_s, int ld) const {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NTH; ++nt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+          *reinterpret_cast<uint32_t*>(s_s + (cw + mt * 16 + g + 8 * hh) * ld + hc0 + nt * 8 + 2 * t) =
+              mma::pack(s[mt][nt][2 * hh], s[mt][nt][2 * hh + 1]);
+  }
+
+  // S = diag(decay) S + A^T B over the 64 tokens of a chunk: A stored [token][channel] (k side,
+  // leading dimension lda), B stored [token][column - v0] (v side, ldb); decay(c) is channel c's
+  // factor.
+  template <typename Decay>
+  __device__ void update(const __nv_bfloat16* a_s, int lda, const __nv_bfloat16* b_s, int ldb, Decay decay, int lane) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const int cb = cw + mt * 16;
+      const float d0 = decay(cb + g), d1 = decay(cb + g + 8);
+#pragma unroll
+      for (int nt = 0; nt < NTH; ++nt) {
+        s[mt][nt][0] *= d0, s[mt][nt][1] *= d0;
+        s[mt][nt][2] *= d1, s[mt][nt][3] *= d1;
+      }
+#pragma unroll
+      for (int kj = 0; kj < 4; ++kj) {
+        uint32_t a[4];
+        mma::ldsm_x4_t(a, a_s + (16 * kj + mma::at_row(lane)) * lda + cb + mma::at_col(lane));
+#pragma unroll
+        for (int np = 0; np < NTH / 2; ++np) {
+          uint32_t b[4];
+          mma::ldsm_x4_t(b, b_s + (16 * kj + mma::bk_row(lane)) * ldb + hc0 + 16 * np + mma::bk_col(lane));
+          mma::mma16816(s[mt][2 * np], a, b[0], b[1]);
+          mma::mma16816(s[mt][2 * np + 1], a, b[2], b[3]);
+        }
+      }
+    }
+  }
+};
+
+}  // namespace cula
