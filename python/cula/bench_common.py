@@ -25,6 +25,22 @@ def time_ms(torch, fn, reps=REPS, warmup=3):
     return statistics.median(times)
 
 
+def causal_sdpa(x, seqlens=None):
+    """torch SDPA, causal, on the q, k, v of input set x ([B, T, H, D]); one call per sequence for
+    varlen inputs (the softmax baseline of the forward benchmarks)."""
+    import torch.nn.functional as F
+
+    q, k, v = (x[n].transpose(1, 2) for n in "qkv")
+    if not seqlens:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    start = 0
+    for n in seqlens:
+        F.scaled_dot_product_attention(q[:, :, start:start + n], k[:, :, start:start + n], v[:, :, start:start + n],
+                                       is_causal=True)
+        start += n
+    return None
+
+
 def geomean(xs):
     out = 1.0
     for x in xs:

@@ -17,7 +17,7 @@ import itertools
 import os
 import time
 
-from .bench_common import REPS, time_ms, write_report
+from .bench_common import REPS, causal_sdpa, time_ms, write_report
 from .bench_decode import _version, copy_bandwidth
 from .demo import Progress
 
@@ -69,7 +69,6 @@ def _args(family, x):
 def bench_fwd(family: str, out_dir: str, gpu_name: str | None = None, configs=None) -> int:
     os.environ["FLA_FLASH_KDA"] = "0"
     import torch
-    import torch.nn.functional as F
 
     from . import ops
 
@@ -106,15 +105,7 @@ def bench_fwd(family: str, out_dir: str, gpu_name: str | None = None, configs=No
             return fla_fn(*_args(family, s[i % 2]), **kw)
 
         def run_sdpa(i, s=sets):
-            x = s[i % 2]
-            q, k, v = (x[n].transpose(1, 2) for n in "qkv")
-            if not seqlens:
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            start = 0
-            for n in seqlens:  # one call per sequence
-                F.scaled_dot_product_attention(q[:, :, start:start + n], k[:, :, start:start + n],
-                                               v[:, :, start:start + n], is_causal=True)
-                start += n
+            causal_sdpa(s[i % 2], seqlens)
 
         impls = [("cula", run_cula)] + ([("fla_triton", run_fla)] if fla_fn else []) + [("torch_sdpa", run_sdpa)]
         config = dict(name=name, B=B, T=T, H=H, K=K, V=V, seqlens=seqlens, dtype="bfloat16", family=family)

@@ -14,7 +14,7 @@ import itertools
 import os
 import time
 
-from .bench_common import REPS, time_ms, write_report
+from .bench_common import REPS, causal_sdpa, time_ms, write_report
 from .bench_decode import _version, copy_bandwidth
 from .demo import Progress
 
@@ -61,7 +61,6 @@ def _peers():
 
 def bench_kda(out_dir: str, gpu_name: str | None = None, configs=None) -> int:
     import torch
-    import torch.nn.functional as F
 
     from . import ops
 
@@ -108,15 +107,7 @@ def bench_kda(out_dir: str, gpu_name: str | None = None, configs=None) -> int:
                      cu_seqlens=cu64)
 
         def run_sdpa(i, s=sets):
-            x = s[i % 2]
-            q, k, v = (x[n].transpose(1, 2) for n in "qkv")
-            if not seqlens:
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            start = 0
-            for n in seqlens:  # one call per sequence
-                F.scaled_dot_product_attention(q[:, :, start:start + n], k[:, :, start:start + n],
-                                               v[:, :, start:start + n], is_causal=True)
-                start += n
+            causal_sdpa(s[i % 2], seqlens)
 
         impls = [("cula", run_cula)]
         if fla_fn:
