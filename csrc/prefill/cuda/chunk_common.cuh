@@ -25,6 +25,27 @@ __device__ __forceinline__ int chunks_of(const FwdParams& p) { return (p.T + kCh
 // chunk_base[n] = sum over m < n of ceil(len_m / 64) for n <= N, on the stream (varlen calls).
 void launch_chunk_base(const FwdParams& p, int32_t* chunk_base, cudaStream_t stream);
 
+// What a chunk-walking CTA (the scan and fused kernels) owns: sequence n, value head hv and the
+// VB columns from v0, with blockIdx.x = (n * HV + hv) * (V / VB) + V slice; its sequence bounds,
+// chunk count and first global chunk.
+struct SliceTask {
+  int n, hv, v0, nchunks;
+  Seq sq;
+  int64_t cbase;
+};
+template <int VB>
+__device__ __forceinline__ SliceTask slice_task(const FwdParams& p, const int32_t* chunk_base) {
+  SliceTask tk;
+  const int nvb = p.V / VB;
+  tk.v0 = static_cast<int>(blockIdx.x % nvb) * VB;
+  tk.hv = static_cast<int>((blockIdx.x / nvb) % p.HV);
+  tk.n = static_cast<int>(blockIdx.x / (static_cast<unsigned>(nvb) * p.HV));
+  tk.sq = seq_of(p, tk.n);
+  tk.nchunks = static_cast<int>((tk.sq.eos - tk.sq.bos + kChunk - 1) / kChunk);
+  tk.cbase = chunk_base ? chunk_base[tk.n] : static_cast<int64_t>(tk.n) * chunks_of(p);
+  return tk;
+}
+
 // Sequence n and chunk ci of global chunk cidx; false past the last chunk of a varlen call.
 __device__ __forceinline__ bool locate(const FwdParams& p, const int32_t* chunk_base, int cidx, int& n, int& ci) {
   if (chunk_base) {

@@ -158,16 +158,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int I = warp & 3, bI = 16 * I, hc0 = (warp >> 2) * (VB / 2);
-  const int nvb = p.V / VB;
-  const int vb = static_cast<int>(blockIdx.x % nvb);
-  const int hv = static_cast<int>((blockIdx.x / nvb) % p.HV);
-  const int n = static_cast<int>(blockIdx.x / (static_cast<unsigned>(nvb) * p.HV));
+  const chunk::SliceTask tk = chunk::slice_task<VB>(p, chunk_base);
+  const int n = tk.n, hv = tk.hv, v0 = tk.v0, nchunks = tk.nchunks;
+  const Seq sq = tk.sq;
+  const int64_t cbase = tk.cbase;
   const int h = hv / (p.HV / p.H);
-  const int v0 = vb * VB;
-  const Seq sq = seq_of(p, n);
-  const int64_t len = sq.eos - sq.bos;
-  const int nchunks = static_cast<int>((len + kBT - 1) / kBT);
-  const int64_t cbase = chunk_base ? chunk_base[n] : static_cast<int64_t>(n) * chunk::chunks_of(p);
   const uint4 zero4 = make_uint4(0, 0, 0, 0);
 
   StateSlice<K, VB> S(warp, lane, v0);
