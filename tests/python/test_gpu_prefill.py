@@ -164,6 +164,27 @@ FLA_GRID = [
 ]
 
 
+def _delta_rule_case(o, H=4, K=128):
+    """Inputs shared by the KDA and GDN drop-in comparisons: bf16 q, k, v (scaled down without the
+    in-kernel L2 norm), batch or varlen, and the keywords for the final/initial state and cu_seqlens."""
+    seqlens = [200, 37, 64, 130] if o["varlen"] else None
+    B, T = (1, sum(seqlens)) if seqlens else (2, 257)
+    q, k, v = (torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    if not o["l2"]:
+        q, k = q * K ** -0.5, k * K ** -0.5
+    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=o["l2"])
+    N = len(seqlens) if seqlens else B
+    if o["h0"]:
+        kw["initial_state"] = torch.randn(N, H, K, K, device="cuda") * 0.3
+    if seqlens:
+        kw["cu_seqlens"] = torch.tensor(np.cumsum([0] + seqlens), device="cuda", dtype=torch.int64)
+    return B, T, q, k, v, kw
+
+
+def _output_and_state_errors(o1, s1, o2, s2):
+    return rel(o1.float().cpu().numpy(), o2.float().cpu().numpy()), rel(s1.cpu().numpy(), s2.cpu().numpy())
+
+
 @pytest.mark.parametrize("o", FLA_GRID, ids=["-".join(f"{k}={v}" for k, v in o.items()) for o in FLA_GRID])
 def test_dropin_chunk_kda_matches_fla_triton_over_options(rng, monkeypatch, o):
     """The drop-in and FLA's own Triton chunk_kda on the same CUDA inputs, option by option."""
@@ -175,13 +196,9 @@ def test_dropin_chunk_kda_matches_fla_triton_over_options(rng, monkeypatch, o):
     import cula.kda
 
     H, K = 4, 128
-    seqlens = [200, 37, 64, 130] if o["varlen"] else None
-    B, T = (1, sum(seqlens)) if seqlens else (2, 257)
+    B, T, q, k, v, kw = _delta_rule_case(o, H, K)
     dev = "cuda"
-    q, k, v = (torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16) for _ in range(3))
-    if not o["l2"]:
-        q, k = q * K ** -0.5, k * K ** -0.5
-    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=o["l2"], use_beta_sigmoid_in_kernel=o["bsig"])
+    kw["use_beta_sigmoid_in_kernel"] = o["bsig"]
     if o["gate"] == "log_decay":
         g = -torch.rand(B, T, H, K, device=dev) * 0.5
     else:
@@ -191,16 +208,11 @@ def test_dropin_chunk_kda_matches_fla_triton_over_options(rng, monkeypatch, o):
         if o["gate"] == "lower_bound":
             kw.update(safe_gate=True, lower_bound=-5.0)
     beta = torch.randn(B, T, H, device=dev) if o["bsig"] else torch.rand(B, T, H, device=dev)
-    N = len(seqlens) if seqlens else B
-    if o["h0"]:
-        kw["initial_state"] = torch.randn(N, H, K, K, device=dev) * 0.3
-    if seqlens:
-        kw["cu_seqlens"] = torch.tensor(np.cumsum([0] + seqlens), device=dev, dtype=torch.int64)
     with torch.inference_mode():
         o1, s1 = cula.kda.chunk_kda(q, k, v, g, beta, **kw)
         kernel = cula.last_kernel()
         o2, s2 = fla_chunk_kda(q, k, v, g, beta, **kw)
-    e = (rel(o1.float().cpu().numpy(), o2.float().cpu().numpy()), rel(s1.cpu().numpy(), s2.cpu().numpy()))
+    e = _output_and_state_errors(o1, s1, o2, s2)
     print(o, kernel, "cula vs FLA Triton (o, final state):", e)
     assert worst(e) < 1e-2, (o, kernel, e)  # both carry bf16 rounding; each is held to 5e-3 against float64
 
@@ -221,29 +233,19 @@ def test_dropin_chunk_gated_delta_rule_matches_fla_triton(rng, monkeypatch, o):
     from cula.gated_delta_rule import chunk_gated_delta_rule
 
     H, K = 4, 128
-    seqlens = [200, 37, 64, 130] if o["varlen"] else None
-    B, T = (1, sum(seqlens)) if seqlens else (2, 257)
+    B, T, q, k, v, kw = _delta_rule_case(o, H, K)
     dev = "cuda"
-    q, k, v = (torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16) for _ in range(3))
-    if not o["l2"]:
-        q, k = q * K ** -0.5, k * K ** -0.5
-    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=o["l2"])
     if o["gate_in_kernel"]:
         g = torch.randn(B, T, H, device=dev)
         kw.update(use_gate_in_kernel=True, A_log=torch.rand(H, device=dev) - 0.5, dt_bias=torch.randn(H, device=dev) * 0.1)
     else:
         g = -torch.rand(B, T, H, device=dev) * 0.5
     beta = torch.rand(B, T, H, device=dev)
-    N = len(seqlens) if seqlens else B
-    if o["h0"]:
-        kw["initial_state"] = torch.randn(N, H, K, K, device=dev) * 0.3
-    if seqlens:
-        kw["cu_seqlens"] = torch.tensor(np.cumsum([0] + seqlens), device=dev, dtype=torch.int64)
     with torch.inference_mode():
         o1, s1 = chunk_gated_delta_rule(q, k, v, g, beta, **kw)
         kernel = cula.last_kernel()
         o2, s2 = fla_gdn(q, k, v, g, beta, **kw)
-    e = (rel(o1.float().cpu().numpy(), o2.float().cpu().numpy()), rel(s1.cpu().numpy(), s2.cpu().numpy()))
+    e = _output_and_state_errors(o1, s1, o2, s2)
     print(o, kernel, "cula vs FLA Triton GDN (o, final state):", e)
     assert worst(e) < 1e-2, (o, kernel, e)
 
