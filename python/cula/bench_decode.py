@@ -46,6 +46,16 @@ def copy_bandwidth(torch):
     return 2 * n * 4 / (ms * 1e-3) / 1e9
 
 
+def cuda_device(torch):
+    """The CUDA device, its properties and its measured copy bandwidth (GB/s, read + write), said
+    once at the start of a GPU benchmark."""
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    bw = copy_bandwidth(torch)
+    print(f"{props.name}: copy bandwidth {bw:.0f} GB/s (read + write)")
+    return dev, props, bw
+
+
 def bench_decode(out_dir: str, gpu_name: str | None = None) -> int:
     os.environ.setdefault("FLA_FLASH_KDA", "0")
     import torch
@@ -57,11 +67,8 @@ def bench_decode(out_dir: str, gpu_name: str | None = None) -> int:
         from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd as fla_fn
     except Exception as e:  # FLA absent: cula alone, said in the output
         print(f"FLA not importable ({e}); measuring cula only")
-    dev = torch.device("cuda")
-    props = torch.cuda.get_device_properties(dev)
+    dev, props, bw = cuda_device(torch)
     l2 = getattr(props, "L2_cache_size", 50 << 20)
-    bw = copy_bandwidth(torch)
-    print(f"{props.name}: copy bandwidth {bw:.0f} GB/s (read + write)")
     records = []
     configs = [(h, n, sd) for sd in STATE_DTYPES for h in HEADS for n in SEQS]
     prog = Progress(len(configs), "bench decode")

@@ -15,7 +15,7 @@ import os
 import time
 
 from .bench_common import REPS, causal_sdpa, time_ms, write_report
-from .bench_decode import _version, copy_bandwidth
+from .bench_decode import _version, cuda_device
 from .demo import Progress
 
 K = V = 128
@@ -65,10 +65,7 @@ def bench_kda(out_dir: str, gpu_name: str | None = None, configs=None) -> int:
     from . import ops
 
     fla_fn, flash_fn = _peers()
-    dev = torch.device("cuda")
-    props = torch.cuda.get_device_properties(dev)
-    bw = copy_bandwidth(torch)
-    print(f"{props.name}: copy bandwidth {bw:.0f} GB/s (read + write)")
+    dev, props, bw = cuda_device(torch)
     configs = configs or CONFIGS
     records, rows = [], []
     prog = Progress(len(configs), "bench kda")
