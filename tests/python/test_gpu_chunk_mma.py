@@ -1,5 +1,5 @@
 """The tensor-core chunked forwards (cuda_mma, cuda_fused) against the float64 reference over a randomized grid
-of shapes, options and families (KDA with a bounded gate; GDN, simple GLA and Lightning with any
+of shapes, options and families (KDA with a bounded gate; GDN, GLA, simple GLA and Lightning with any
 decay), with poisoned outputs and states. Skipped without a CUDA device."""
 
 import numpy as np
@@ -15,8 +15,8 @@ if not torch.cuda.is_available() or cula._lib.LIB.cula_cuda_device_count() == 0:
 TOL = 5e-3  # SPEC §5 for bf16 inputs
 
 
-FAMILIES = ("kda", "gdn", "simple_gla", "lightning")
-KERNEL = dict(kda="cuda_mma", gdn="cuda_mma", simple_gla="cuda_fused", lightning="cuda_fused")
+FAMILIES = ("kda", "gdn", "gla", "simple_gla", "lightning")
+KERNEL = dict(kda="cuda_mma", gdn="cuda_mma", gla="cuda_mma", simple_gla="cuda_fused", lightning="cuda_fused")
 
 
 def _draw(rng, family="kda"):
@@ -38,8 +38,9 @@ def _draw(rng, family="kda"):
 
 
 def _family_inputs(rng, c, d, kw, B, T, HV):
-    """The gate arguments of the families with a scalar or constant decay: raw log-decays reach
-    -30 per token (exact per-pair exponents need no bound), in-kernel gates use A_log, dt_bias."""
+    """The gate arguments of the families other than KDA: raw log-decays reach -30 per token (GDN,
+    simple GLA: exact per-pair exponents; GLA: factors <= 1 and steep diagonal blocks per element,
+    so none needs a bound), in-kernel gates use A_log, dt_bias."""
     fam = c["family"]
     for n in ("g", "A_log", "dt_bias"):
         d.pop(n)
@@ -57,8 +58,9 @@ def _family_inputs(rng, c, d, kw, B, T, HV):
         d["dt_bias"] = torch.from_numpy(rng.standard_normal(HV).astype(np.float32))
         kw["use_gate_in_kernel"] = True
         return
-    g = -rng.exponential(rng.choice([0.05, 0.5, 3.0]), (B, T, HV))
-    g[rng.random((B, T, HV)) < 0.02] = -30.0
+    shape = (B, T, HV, c["K"]) if fam == "gla" else (B, T, HV)
+    g = -rng.exponential(rng.choice([0.05, 0.5, 3.0]), shape)
+    g[rng.random(shape) < 0.02] = -30.0
     d["g"] = torch.from_numpy(g.astype(np.float32)).to(c["gdt"])
 
 
@@ -167,7 +169,7 @@ def test_mma_forward_long_sequence_at_lower_bound(rng):
     assert rel(s.cpu().numpy(), s2.cpu().numpy()) < TOL
 
 
-@pytest.mark.parametrize("family", ["gdn", "lightning"])
+@pytest.mark.parametrize("family", ["gdn", "gla", "lightning"])
 def test_mma_forward_long_sequence_with_steep_decay(rng, family):
     """32k tokens whose decay empties the state within a few tokens: finite, and equal to the
     recurrent kernel (which the unaligned v view selects)."""
@@ -176,6 +178,8 @@ def test_mma_forward_long_sequence_with_steep_decay(rng, family):
     if family == "gdn":
         g = -torch.rand(1, T, H, device="cuda") * 40.0
         args = dict(g=g, beta=torch.rand(1, T, H, device="cuda"), use_qk_l2norm_in_kernel=True)
+    elif family == "gla":
+        args = dict(g=-torch.rand(1, T, H, K, device="cuda") * 40.0, use_qk_l2norm_in_kernel=True)
     else:
         args = dict(decay=torch.tensor([0.01, 25.0], device="cuda"))
     o, s = cula.chunk_fwd(family, q, k, v, output_final_state=True, **args)
@@ -191,15 +195,19 @@ def test_mma_forward_long_sequence_with_steep_decay(rng, family):
     assert rel(s.cpu().numpy(), s2.cpu().numpy()) < TOL
 
 
-@pytest.mark.parametrize("family", ["gdn", "lightning"])
-def test_mma_forward_state_pool_in_place_scalar_decay(rng, family):
+@pytest.mark.parametrize("family", ["gdn", "gla", "lightning"])
+def test_mma_forward_state_pool_in_place_other_families(rng, family):
     """State pool read and written in place by the scalar-decay kernels; slots not named stay."""
     H, K, V, P = 2, 128, 64, 5
     t = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32))  # noqa: E731
     q, k, v = t(1, 300, H, K).bfloat16(), (t(1, 300, H, K) * K ** -0.5).bfloat16(), t(1, 300, H, V).bfloat16()
-    extra = dict(g=torch.from_numpy(-rng.exponential(0.5, (1, 300, H)).astype(np.float32)),
-                 beta=torch.from_numpy(rng.uniform(0.1, 1.0, (1, 300, H)).astype(np.float32))) if family == "gdn" \
-        else dict(decay=torch.tensor([0.05, 1.5]))
+    if family == "gdn":
+        extra = dict(g=torch.from_numpy(-rng.exponential(0.5, (1, 300, H)).astype(np.float32)),
+                     beta=torch.from_numpy(rng.uniform(0.1, 1.0, (1, 300, H)).astype(np.float32)))
+    elif family == "gla":
+        extra = dict(g=torch.from_numpy(-rng.exponential(0.5, (1, 300, H, K)).astype(np.float32)))
+    else:
+        extra = dict(decay=torch.tensor([0.05, 1.5]))
     cu = torch.tensor([0, 100, 130, 300], dtype=torch.int32)
     pool = t(P, H, V, K) * 0.3
     idx = torch.tensor([3, -1, 0], dtype=torch.int32)
@@ -215,3 +223,27 @@ def test_mma_forward_state_pool_in_place_scalar_decay(rng, family):
         assert torch.equal(pool_dev[untouched].cpu(), pool[untouched]), f"slot {untouched} not named but changed"
     assert rel(o.float().cpu().numpy(), ref[0].float().numpy()) < TOL
     assert rel(pool_dev[[3, 0]].cpu().numpy(), pool_ref[[3, 0]].numpy()) < TOL
+
+
+@pytest.mark.parametrize("span", [3.0, 10.0, 60.0])
+def test_mma_gla_steep_and_gentle_blocks(rng, span):
+    """GLA with per-channel decays where some 16-token blocks fall by more than the exact-path
+    threshold (64) and others do not, within one chunk, one head, one channel: the steep diagonal
+    blocks are summed per element, the rest on tensor cores; both against float64."""
+    B, T, H, K, V = 1, 320, 2, 128, 128
+    t = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32))  # noqa: E731
+    q, k, v = t(B, T, H, K).bfloat16(), (t(B, T, H, K) * K ** -0.5).bfloat16(), t(B, T, H, V).bfloat16()
+    rate = rng.uniform(0.0, span / 8.0, (B, T // 16, H, K)).repeat(16, axis=1)  # per block and channel
+    g = torch.from_numpy((-rng.uniform(0.0, 1.0, (B, T, H, K)) * rate).astype(np.float32))
+    h0 = t(B, H, V, K) * 0.3  # K-last
+    ref = cula.chunk_fwd("gla", q.float(), k.float(), v.float(), g=g, initial_state=h0, output_final_state=True,
+                         backend="reference")
+    out = torch.full((B, T, H, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+    o, s = cula.chunk_fwd("gla", q.cuda(), k.cuda(), v.cuda(), g=g.cuda(), initial_state=h0.cuda(),
+                          output_final_state=True, out=out)
+    torch.cuda.synchronize()
+    assert cula.last_kernel() == "cuda_mma"
+    assert torch.isfinite(out.float()).all() and torch.isfinite(s).all()
+    errs = (rel(out.float().cpu().numpy(), ref[0].float().numpy()), rel(s.cpu().numpy(), ref[1].float().numpy()))
+    print(span, errs)
+    assert max(errs) < TOL, errs

@@ -70,11 +70,12 @@ constexpr int kScanThreads = 256;  // scan
 
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
 
-// Workspace block of one (chunk, value head), in bytes.
-template <int K, int V>
+// Workspace block of one (chunk, value head), in bytes; without the delta rule there is no W and
+// no U (the scan reads v from the input).
+template <int K, int V, bool DELTA>
 struct Work {
-  static constexpr int oW = 0, oQ = oW + kBT * K * 2, oKd = oQ + kBT * K * 2, oA = oKd + kBT * K * 2,
-                       oU = oA + 2 * kBT * kBT * 2, oDL = oU + kBT * V * 2, bytes = oDL + K * 4;
+  static constexpr int oW = 0, oQ = oW + (DELTA ? kBT * K * 2 : 0), oKd = oQ + kBT * K * 2, oA = oKd + kBT * K * 2,
+                       oU = oA + 2 * kBT * kBT * 2, oDL = oU + (DELTA ? kBT * V * 2 : 0), bytes = oDL + K * 4;
   static_assert(bytes % 16 == 0, "16-byte aligned blocks");
 };
 
@@ -91,14 +92,24 @@ struct PrepLayout {
   static constexpr int oGS = oBETA + kBT * 4;
   static constexpr int oQK = oGS + kBT * 4;  // q.k of each row, fp32 (the diagonal of A_qk)
   static constexpr int bytes = oQK + kBT * 4;
+  // Without the delta rule TB (no Minv) holds the exact path of steep diagonal blocks: per warp the
+  // local gate (16 x 16 fp32) and raw q, k (16 x 16 bf16) of one k-step; then the row factors of
+  // q and k and a steep flag per block.
+  static constexpr int oXS = oTB, oRQ = oXS + 4 * 2048, oRK = oRQ + kBT * 4, oSTEEP = oRK + kBT * 4;
+  static_assert(oSTEEP + 16 <= oTAB, "exact-path scratch fits the Minv buffer");
 };
 
-template <int K, int VB>
+// A diagonal block is steep when some channel decays by more than this inside it: Kr = k e^{G_b - G_j}
+// could overflow there, so its pair products are taken per element instead (exact for any decay).
+constexpr float kSteepSpan = 64.0f;
+
+// sU holds U (delta rule) or the v slice read from the input; Vnew exists only with the delta rule.
+template <int K, int VB, bool DELTA>
 struct ScanLayout {
   static constexpr int LDK = K + 8, LDV = VB + 8, LDT = kBT + 8;
-  static constexpr int sW = 0, sQ = sW + kBT * LDK * 2, sKd = sQ + kBT * LDK * 2, sA = sKd + kBT * LDK * 2,
+  static constexpr int sW = 0, sQ = sW + (DELTA ? kBT * LDK * 2 : 0), sKd = sQ + kBT * LDK * 2, sA = sKd + kBT * LDK * 2,
                        sU = sA + 2 * kBT * LDT * 2, sDL = sU + kBT * LDV * 2, stage = sDL + K * 4;
-  static constexpr int oS = 2 * stage, oVN = oS + K * LDV * 2, bytes = oVN + kBT * LDV * 2;
+  static constexpr int oS = 2 * stage, oVN = oS + K * LDV * 2, bytes = oVN + (DELTA ? kBT * LDV * 2 : 0);
 };
 
 // Rows of the per-channel exponent table.
@@ -110,11 +121,12 @@ constexpr int kTabLast = 14;  // e^{G_last}
 __device__ __forceinline__ uint32_t& u32at(bf16* p) { return *reinterpret_cast<uint32_t*>(p); }
 __device__ __forceinline__ float2 bf2(const bf16* p) { return unpack(*reinterpret_cast<const uint32_t*>(p)); }
 
-template <int K, int V, bool SCALAR>
+template <int K, int V, bool SCALAR, bool DELTA>
 __global__ void __launch_bounds__(kThreads, 3)
     chunk_prep_kernel(const FwdParams p, const int32_t* __restrict__ chunk_base, unsigned char* __restrict__ work) {
+  static_assert(DELTA || !SCALAR, "scalar gates without the delta rule take chunk_fwd_fused");
   using Ly = PrepLayout<K, V>;
-  using Wk = Work<K, V>;
+  using Wk = Work<K, V, DELTA>;
   constexpr int LDK = Ly::LDK, LDV = Ly::LDV, LDT = Ly::LDT, MS = Ly::MS;
   constexpr int KS = K / 16;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -136,6 +148,10 @@ __global__ void __launch_bounds__(kThreads, 3)
   float* grow_s = bsum_s;
   float* qsc_s = bsum_s + kBT;
   float* ksc_s = bsum_s + 2 * kBT;
+  // no delta rule: the exact path of steep diagonal blocks (TB is free: no Minv)
+  float* rowq_s = reinterpret_cast<float*>(smem + Ly::oRQ);
+  float* rowk_s = reinterpret_cast<float*>(smem + Ly::oRK);
+  int* steep_s = reinterpret_cast<int*>(smem + Ly::oSTEEP);
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int I = warp, bI = 16 * warp;
@@ -183,8 +199,10 @@ __global__ void __launch_bounds__(kThreads, 3)
       float b = 0.0f, gsr = 0.0f;
       if (tid < Lc) {
         const int64_t tok = t0 + tid;
-        b = dev::ld(p.beta, p.beta_dt, b_row * p.beta_s[0] + tok * p.beta_s[1] + hv * p.beta_s[2]);
-        if (p.beta_sigmoid) b = __fdividef(p.beta_mult, 1.0f + __expf(-b));
+        if (DELTA) {
+          b = dev::ld(p.beta, p.beta_dt, b_row * p.beta_s[0] + tok * p.beta_s[1] + hv * p.beta_s[2]);
+          if (p.beta_sigmoid) b = __fdividef(p.beta_mult, 1.0f + __expf(-b));
+        }
         if (p.gate_kind == 1) gsr = dev::ld(p.g, p.g_dt, b_row * p.g_s[0] + tok * p.g_s[1] + hv * p.g_s[2]);
       }
       beta_s[tid] = b;
@@ -194,12 +212,12 @@ __global__ void __launch_bounds__(kThreads, 3)
   if (tid < K)
     bias_s[tid] = (p.gate_in_kernel && p.dt_bias && p.dt_bias_per_channel) ? dev::ld(p.dt_bias, p.bias_dt, hv * K + tid)
                                                                             : head_bias;
-  // Raw per-channel gate of one k-step of this warp's A-fragment elements: element 2rr + h is
-  // row bI + g + 8(rr&1), channel 16kk + 2t + 8(rr>>1) + h.
-  auto load_gate = [&](int kk, float (&x)[8]) {
+  // Raw per-channel gate of one k-step of the A-fragment elements of the block from row r0:
+  // element 2rr + h is row r0 + g + 8(rr&1), channel 16kk + 2t + 8(rr>>1) + h.
+  auto load_gate = [&](int r0, int kk, float (&x)[8]) {
 #pragma unroll
     for (int rr = 0; rr < 4; ++rr) {
-      const int row = bI + g + 8 * (rr & 1), col = 16 * kk + 2 * t + 8 * (rr >> 1);
+      const int row = r0 + g + 8 * (rr & 1), col = 16 * kk + 2 * t + 8 * (rr >> 1);
       float2 v = make_float2(0.0f, 0.0f);
       if (!SCALAR && row < Lc) {
         const int64_t off = b_row * p.g_s[0] + (t0 + row) * p.g_s[1] + hv * p.g_s[2] + col;
@@ -209,8 +227,34 @@ __global__ void __launch_bounds__(kThreads, 3)
       x[2 * rr] = v.x, x[2 * rr + 1] = v.y;
     }
   };
+  // The local cumulative log-decay of those elements: gate activation; inclusive sum down the
+  // block by shuffles (rows g and g + 8 of a channel live in the lanes with this t); minus the
+  // block's first row, so a[e] = G_i - G_b (<= 0). first and total of element 4cs + hc's channel:
+  // its gate at the first row and its sum over the block.
+  auto block_scan = [&](int r0, int kk, float (&a)[8], float (&first)[2][2], float (&total)[2][2]) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const int row = r0 + g + 8 * ((e >> 1) & 1), col = 16 * kk + 2 * t + 8 * (e >> 2) + (e & 1);
+      a[e] = row < Lc ? activate(a[e] + bias_s[col]) : 0.0f;
+    }
+#pragma unroll
+    for (int cs = 0; cs < 2; ++cs)
+#pragma unroll
+      for (int hc = 0; hc < 2; ++hc) {
+        float& x = a[4 * cs + hc];      // row g
+        float& y = a[4 * cs + 2 + hc];  // row g + 8
+#pragma unroll
+        for (int d = 1; d < 8; d <<= 1) {
+          const float xu = __shfl_up_sync(0xffffffffu, x, 4 * d), yu = __shfl_up_sync(0xffffffffu, y, 4 * d);
+          if (g >= d) x += xu, y += yu;
+        }
+        y += __shfl_sync(0xffffffffu, x, 28 + t);
+        first[cs][hc] = __shfl_sync(0xffffffffu, x, t), total[cs][hc] = __shfl_sync(0xffffffffu, y, 28 + t);
+        x -= first[cs][hc], y -= first[cs][hc];
+      }
+  };
   float gnext[8];
-  if (!SCALAR) load_gate(0, gnext);
+  if (!SCALAR) load_gate(bI, 0, gnext);
   mma::cp_async_wait_all();
   __syncthreads();  // B_a0: tiles landed
 
@@ -243,6 +287,7 @@ __global__ void __launch_bounds__(kThreads, 3)
       if (t == 0) {
         qk_s[bI + g + 8 * x] = qs[x] * ks[x] * qk[x];
         if (SCALAR) qsc_s[bI + g + 8 * x] = qs[x], ksc_s[bI + g + 8 * x] = ks[x];
+        if (!DELTA) rowq_s[bI + g + 8 * x] = qs[x], rowk_s[bI + g + 8 * x] = ks[x];
       }
     }
   }
@@ -268,40 +313,27 @@ __global__ void __launch_bounds__(kThreads, 3)
     __syncthreads();  // B_b: row gates and row factors visible
   } else {
 
-    // ---- per k-step (a rolled loop keeps the code small): gate activation; cumulative sum inside
-    // the 16-row block by shuffles (rows g and g + 8 of a channel live in the lanes with this t);
-    // block sums to shared memory; el = e^{G_i - G_bI}: Kr = k / el (KR), and in place Kl = k el,
-    // Ql = q el.
+    // ---- per k-step (a rolled loop keeps the code small): local cumulative gate; block sums to
+    // shared memory; el = e^{G_i - G_bI}: Kr = k / el (KR), and in place Kl = k el (delta rule) or
+    // Kt = k e^{G_eI - G_i} (<= 1, through the block's last row e_I; no delta rule), Ql = q el.
+    bool steep = false;
 #pragma unroll 1
     for (int kk = 0; kk < KS; ++kk) {
-      float a[8];
+      float a[8], first[2][2], total[2][2];
 #pragma unroll
       for (int e = 0; e < 8; ++e) a[e] = gnext[e];
-      if (kk + 1 < KS) load_gate(kk + 1, gnext);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        const int row = bI + g + 8 * ((e >> 1) & 1), col = 16 * kk + 2 * t + 8 * (e >> 2) + (e & 1);
-        a[e] = row < Lc ? activate(a[e] + bias_s[col]) : 0.0f;
-      }
+      if (kk + 1 < KS) load_gate(bI, kk + 1, gnext);
+      block_scan(bI, kk, a, first, total);
 #pragma unroll
       for (int cs = 0; cs < 2; ++cs)
 #pragma unroll
         for (int hc = 0; hc < 2; ++hc) {
-          float& x = a[4 * cs + hc];      // row g
-          float& y = a[4 * cs + 2 + hc];  // row g + 8
-#pragma unroll
-          for (int d = 1; d < 8; d <<= 1) {
-            const float xu = __shfl_up_sync(0xffffffffu, x, 4 * d), yu = __shfl_up_sync(0xffffffffu, y, 4 * d);
-            if (g >= d) x += xu, y += yu;
-          }
-          y += __shfl_sync(0xffffffffu, x, 28 + t);
-          const float first = __shfl_sync(0xffffffffu, x, t), total = __shfl_sync(0xffffffffu, y, 28 + t);
           if (g == 0) {
             const int col = 16 * kk + 2 * t + 8 * cs + hc;
-            bsum_s[I * K + col] = total;
-            bfirst_s[I * K + col] = first;
+            bsum_s[I * K + col] = total[cs][hc];
+            bfirst_s[I * K + col] = first[cs][hc];
           }
-          x -= first, y -= first;
+          if (!DELTA) steep |= first[cs][hc] - total[cs][hc] > kSteepSpan;
         }
 #pragma unroll
       for (int rr = 0; rr < 4; ++rr) {
@@ -310,33 +342,95 @@ __global__ void __launch_bounds__(kThreads, 3)
         const float e0 = __expf(d0), e1 = __expf(d1), r0 = __expf(-d0), r1 = __expf(-d1);
         const float2 kv = bf2(k_s + row * LDK + col), qv = bf2(q_s + row * LDK + col);
         u32at(kr_s + row * LDK + col) = pack(kv.x * ks[x] * r0, kv.y * ks[x] * r1);
-        u32at(k_s + row * LDK + col) = pack(kv.x * ks[x] * e0, kv.y * ks[x] * e1);
+        if (DELTA) {
+          u32at(k_s + row * LDK + col) = pack(kv.x * ks[x] * e0, kv.y * ks[x] * e1);
+        } else {
+          const int cs = rr >> 1;
+          const float t0 = __expf(total[cs][0] - first[cs][0] - d0), t1 = __expf(total[cs][1] - first[cs][1] - d1);
+          u32at(k_s + row * LDK + col) = pack(kv.x * ks[x] * t0, kv.y * ks[x] * t1);
+        }
         u32at(q_s + row * LDK + col) = pack(qv.x * qs[x] * e0, qv.y * qs[x] * e1);
       }
     }
+    if (!DELTA) {
+      steep = __any_sync(0xffffffffu, steep);
+      if (lane == 0) steep_s[I] = steep;
+    }
     __syncthreads();  // B_b: block sums visible
 
-    // ---- per-channel exponent table
+    // ---- per-channel exponent table; without the delta rule the right operands (Kt) are taken
+    // through the last row of their block, so the pair and Kd factors are too (all <= 1)
     if (tid < K) {
-      float gb[4], gl = 0.0f;
+      float gb[4], ge[4], gl = 0.0f;
 #pragma unroll
       for (int b = 0; b < 4; ++b) {
         gb[b] = gl + bfirst_s[b * K + tid];
         gl += bsum_s[b * K + tid];
+        ge[b] = DELTA ? gb[b] : gl;
       }
 #pragma unroll
       for (int b = 1; b < 4; ++b)
 #pragma unroll
-        for (int a = 0; a < b; ++a) tab[tab_pair(b, a) * K + tid] = __expf(gb[b] - gb[a]);
+        for (int a = 0; a < b; ++a) tab[tab_pair(b, a) * K + tid] = __expf(gb[b] - ge[a]);
 #pragma unroll
       for (int b = 0; b < 4; ++b) {
         tab[(kTabEb + b) * K + tid] = __expf(gb[b]);
-        tab[(kTabEd + b) * K + tid] = __expf(gl - gb[b]);
+        tab[(kTabEd + b) * K + tid] = __expf(gl - ge[b]);
       }
       tab[kTabLast * K + tid] = __expf(gl);
     }
     __syncthreads();  // B_c: Kr and the table visible
   }
+
+  // Exact A_qk of diagonal block Ib (no delta rule): sum_c q_i k_j e^{G_i - G_j} per element
+  // (j < i), the local gate recomputed from the raw one and raw q, k re-read, one k-step at a time
+  // through this warp's scratch; acc in the mma C-fragment layout.
+  auto exact_diagonal = [&](int Ib, float (&acc)[2][4]) {
+    float* xs = reinterpret_cast<float*>(smem + Ly::oXS + warp * 2048);
+    bf16* qr = reinterpret_cast<bf16*>(smem + Ly::oXS + warp * 2048 + 1024);
+    bf16* kr = qr + 256;
+    const int r0 = 16 * Ib;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[nt][r] = 0.0f;
+#pragma unroll 1
+    for (int kk = 0; kk < KS; ++kk) {
+      float a[8], first[2][2], total[2][2];
+      load_gate(r0, kk, a);
+      block_scan(r0, kk, a, first, total);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) xs[(g + 8 * ((e >> 1) & 1)) * 16 + 2 * t + 8 * (e >> 2) + (e & 1)] = a[e];
+      {
+        const int row = lane >> 1, c8 = (lane & 1) * 8;
+        uint4 qv = zero4, kv = zero4;
+        if (r0 + row < Lc) {
+          const int64_t tok = t0 + r0 + row;
+          qv = *reinterpret_cast<const uint4*>(static_cast<const bf16*>(p.q) + b_row * p.q_s[0] + tok * p.q_s[1] + h * p.q_s[2] + 16 * kk + c8);
+          kv = *reinterpret_cast<const uint4*>(static_cast<const bf16*>(p.k) + b_row * p.k_s[0] + tok * p.k_s[1] + h * p.k_s[2] + 16 * kk + c8);
+        }
+        *reinterpret_cast<uint4*>(qr + row * 16 + c8) = qv;
+        *reinterpret_cast<uint4*>(kr + row * 16 + c8) = kv;
+      }
+      __syncwarp();
+#pragma unroll
+      for (int r = 0; r < 8; ++r) {
+        const int i = g + 8 * (r >> 2), j = 8 * ((r >> 1) & 1) + 2 * t + (r & 1);
+        if (j >= i) continue;
+        float sum = 0.0f;
+#pragma unroll 4
+        for (int c = 0; c < 16; ++c)
+          sum += __bfloat162float(qr[i * 16 + c]) * __bfloat162float(kr[j * 16 + c]) * __expf(xs[i * 16 + c] - xs[j * 16 + c]);
+        acc[(r >> 1) & 1][(r & 1) + 2 * (r >> 2)] += sum;
+      }
+      __syncwarp();
+    }
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      const int i = g + 8 * (r >> 2), j = 8 * ((r >> 1) & 1) + 2 * t + (r & 1);
+      acc[(r >> 1) & 1][(r & 1) + 2 * (r >> 2)] *= rowq_s[r0 + i] * rowk_s[r0 + j];
+    }
+  };
 
   // ---- pair products A_kk, A_qk over the ten lower block pairs (Ib, Jb), dealt to the warps
   // round-robin (three or two each, so the triangle costs every warp about the same); the left
@@ -376,23 +470,37 @@ __global__ void __launch_bounds__(kThreads, 3)
       if (pi[q] < 0) continue;
       const int Ib = pi[q], Jb = pj[q];
       uint32_t ak[4], aq[4], b[4];
-      mma::ldsm_x4(ak, k_s + (16 * Ib + mma::a_row(lane)) * LDK + 16 * kk + mma::a_col(lane));
+      if (DELTA) mma::ldsm_x4(ak, k_s + (16 * Ib + mma::a_row(lane)) * LDK + 16 * kk + mma::a_col(lane));
       mma::ldsm_x4(aq, q_s + (16 * Ib + mma::a_row(lane)) * LDK + 16 * kk + mma::a_col(lane));
       if (!SCALAR && Jb < Ib) {
 #pragma unroll
         for (int rr = 0; rr < 4; ++rr) {
           const float2 e = *reinterpret_cast<const float2*>(tab + tab_pair(Ib, Jb) * K + 16 * kk + 2 * t + 8 * (rr >> 1));
-          const float2 kv = unpack(ak[rr]), qv = unpack(aq[rr]);
-          ak[rr] = pack(kv.x * e.x, kv.y * e.y);
+          const float2 qv = unpack(aq[rr]);
+          if (DELTA) {
+            const float2 kv = unpack(ak[rr]);
+            ak[rr] = pack(kv.x * e.x, kv.y * e.y);
+          }
           aq[rr] = pack(qv.x * e.x, qv.y * e.y);
         }
       }
-      mma::ldsm_x4(b, right_s + (16 * Jb + mma::bn_row(lane)) * LDK + 16 * kk + mma::bn_col(lane));
-      mma::mma16816(akk[q][0], ak, b[0], b[1]);
-      mma::mma16816(akk[q][1], ak, b[2], b[3]);
+      // no delta rule: Kt off the diagonal (factors through e_J), Kr on it (through b_I)
+      const bf16* rs = DELTA || Jb == Ib ? right_s : k_s;
+      mma::ldsm_x4(b, rs + (16 * Jb + mma::bn_row(lane)) * LDK + 16 * kk + mma::bn_col(lane));
+      if (DELTA) {
+        mma::mma16816(akk[q][0], ak, b[0], b[1]);
+        mma::mma16816(akk[q][1], ak, b[2], b[3]);
+      }
       mma::mma16816(aqk[q][0], aq, b[0], b[1]);
       mma::mma16816(aqk[q][1], aq, b[2], b[3]);
     }
+  }
+  if constexpr (!DELTA) {
+    // Steep diagonal blocks: Kr may have overflowed there, so their products are replaced by
+    // sums taken per element, each pair with its own exponent.
+#pragma unroll
+    for (int q = 0; q < 3; ++q)
+      if (pi[q] >= 0 && pi[q] == pj[q] && steep_s[pi[q]]) exact_diagonal(pi[q], aqk[q]);
   }
   __syncthreads();  // B_c2: every warp done with the k el tile (it becomes k e^G next)
   if constexpr (SCALAR) {
@@ -422,8 +530,8 @@ __global__ void __launch_bounds__(kThreads, 3)
     }
     if (tid < K) reinterpret_cast<float*>(blk + Wk::oDL)[tid] = __expf(glast);
   } else {
-    // k e^G = Kl e^{G_bI} for this warp's rows, in place of Kl
-    for (int idx = lane; idx < 16 * (K / 8); idx += 32) {
+    // k e^G = Kl e^{G_bI} for this warp's rows, in place of Kl (delta rule)
+    for (int idx = lane; DELTA && idx < 16 * (K / 8); idx += 32) {
       const int row = bI + idx / (K / 8), c8 = (idx % (K / 8)) * 8;
       uint4 kv = *reinterpret_cast<const uint4*>(k_s + row * LDK + c8);
       const float* eb = tab + (kTabEb + I) * K + c8;
@@ -436,12 +544,13 @@ __global__ void __launch_bounds__(kThreads, 3)
       }
       *reinterpret_cast<uint4*>(ck_s + row * LDK + c8) = kv;
     }
-    // Kd = Kr e^{G_last - G_bI} for this warp's rows, straight to the workspace
+    // Kd = Kr e^{G_last - G_bI} (or Kt e^{G_last - G_eI}) for this warp's rows, to the workspace
     {
       bf16* kdo = reinterpret_cast<bf16*>(blk + Wk::oKd);
+      const bf16* kd_src = DELTA ? kr_s : k_s;
       for (int idx = lane; idx < 16 * (K / 8); idx += 32) {
         const int row = bI + idx / (K / 8), c8 = (idx % (K / 8)) * 8;
-        uint4 kv = *reinterpret_cast<const uint4*>(kr_s + row * LDK + c8);
+        uint4 kv = *reinterpret_cast<const uint4*>(kd_src + row * LDK + c8);
         const float* ed = tab + (kTabEd + I) * K + c8;
         uint32_t* w = reinterpret_cast<uint32_t*>(&kv);
 #pragma unroll
@@ -454,10 +563,9 @@ __global__ void __launch_bounds__(kThreads, 3)
       if (tid < K) reinterpret_cast<float*>(blk + Wk::oDL)[tid] = tab[kTabLast * K + tid];
     }
   }
-  __syncthreads();  // B_d: q tile and Kr no longer read (they take M and v)
-
-  // v tile into the Kr buffer, behind the inverse
-  {
+  // v tile into the Kr buffer, behind the inverse (delta rule)
+  if (DELTA) {
+    __syncthreads();  // B_d: q tile and Kr no longer read (they take M and v)
     const bf16* vg = static_cast<const bf16*>(p.v);
     for (int idx = tid; idx < kBT * (V / 8); idx += kThreads) {
       const int r = idx / (V / 8), c8 = (idx % (V / 8)) * 8;
@@ -496,9 +604,11 @@ __global__ void __launch_bounds__(kThreads, 3)
           const float2 h2 = unpack(hi);
           u32at(aqo + gi * kBT + gj) = hi;  // hi + lo carries A_qk to ~16 bits: it scales whole rows of o
           u32at(aqo + kBT * kBT + gi * kBT + gj) = pack(a0 - h2.x, a1 - h2.y);
-          const float b = beta_s[gi];
-          m_s[gi * MS + gj] = gj < gi ? b * akk[q][nt][2 * hh] : (gj == gi ? 1.0f : 0.0f);
-          m_s[gi * MS + gj + 1] = gj + 1 < gi ? b * akk[q][nt][2 * hh + 1] : (gj + 1 == gi ? 1.0f : 0.0f);
+          if (DELTA) {
+            const float b = beta_s[gi];
+            m_s[gi * MS + gj] = gj < gi ? b * akk[q][nt][2 * hh] : (gj == gi ? 1.0f : 0.0f);
+            m_s[gi * MS + gj + 1] = gj + 1 < gi ? b * akk[q][nt][2 * hh + 1] : (gj + 1 == gi ? 1.0f : 0.0f);
+          }
         }
     }
 #pragma unroll
@@ -513,6 +623,7 @@ __global__ void __launch_bounds__(kThreads, 3)
           }
   }
 
+  if constexpr (!DELTA) return;  // no delta rule: no M, Minv, U, W (the scan reads v itself)
   bf16* uo = reinterpret_cast<bf16*>(blk + Wk::oU);
   __syncthreads();  // B_e: M complete
   // Diagonal blocks of Minv: lane c < 16 solves column c by substitution, in fp32.
@@ -636,11 +747,11 @@ __global__ void __launch_bounds__(kThreads, 3)
   tri_out(std::true_type{}, ck_s, LDK, K, reinterpret_cast<bf16*>(blk + Wk::oW));
 }
 
-template <int K, int V, int VB>
+template <int K, int V, int VB, bool DELTA>
 __global__ void __launch_bounds__(kScanThreads, 1)
     chunk_scan_kernel(const FwdParams p, const int32_t* __restrict__ chunk_base, const unsigned char* __restrict__ work) {
-  using Ly = ScanLayout<K, VB>;
-  using Wk = Work<K, V>;
+  using Ly = ScanLayout<K, VB, DELTA>;
+  using Wk = Work<K, V, DELTA>;
   constexpr int LDK = Ly::LDK, LDV = Ly::LDV, LDT = Ly::LDT;
   constexpr int KS = K / 16;
   constexpr int NT = VB / 8;
@@ -660,13 +771,15 @@ __global__ void __launch_bounds__(kScanThreads, 1)
   const int64_t slot = StateSlice<K, VB>::pool_slot(p, n);
   S.load(p, n, hv, slot);
 
-  // One chunk's workspace slice into stage st (an empty commit group past the end).
+  // One chunk's workspace slice (and v slice without the delta rule) into stage st (an empty
+  // commit group past the end).
+  constexpr int kMats = DELTA ? 3 : 2;  // (W,) Qg, Kd
   auto stage_in = [&](int c, int st) {
     if (c < nchunks) {
       const unsigned char* blk = work + ((cbase + c) * p.HV + hv) * Wk::bytes;
       unsigned char* dst = smem + st * Ly::stage;
-      for (int idx = tid; idx < 3 * kBT * (K / 8); idx += kScanThreads) {
-        const int m = idx / (kBT * (K / 8)), rem = idx % (kBT * (K / 8)), r = rem / (K / 8), c8 = (rem % (K / 8)) * 8;
+      for (int idx = tid; idx < kMats * kBT * (K / 8); idx += kScanThreads) {
+        const int m = idx / (kBT * (K / 8)) + 3 - kMats, rem = idx % (kBT * (K / 8)), r = rem / (K / 8), c8 = (rem % (K / 8)) * 8;
         const int so = m == 0 ? Ly::sW : m == 1 ? Ly::sQ : Ly::sKd, go = m == 0 ? Wk::oW : m == 1 ? Wk::oQ : Wk::oKd;
         mma::cp_async16(dst + so + (r * LDK + c8) * 2, blk + go + (r * K + c8) * 2);
       }
@@ -674,9 +787,17 @@ __global__ void __launch_bounds__(kScanThreads, 1)
         const int r = idx / (kBT / 8), c8 = (idx % (kBT / 8)) * 8;  // rows 64..127: the lo plane
         mma::cp_async16(dst + Ly::sA + (r * LDT + c8) * 2, blk + Wk::oA + (r * kBT + c8) * 2);
       }
+      const int64_t t0 = sq.bos + static_cast<int64_t>(c) * kBT;
+      const int Lc = static_cast<int>(min(int64_t{kBT}, sq.eos - t0));
       for (int idx = tid; idx < kBT * (VB / 8); idx += kScanThreads) {
         const int r = idx / (VB / 8), c8 = (idx % (VB / 8)) * 8;
-        mma::cp_async16(dst + Ly::sU + (r * LDV + c8) * 2, blk + Wk::oU + (r * V + v0 + c8) * 2);
+        unsigned char* du = dst + Ly::sU + (r * LDV + c8) * 2;
+        if (DELTA)
+          mma::cp_async16(du, blk + Wk::oU + (r * V + v0 + c8) * 2);
+        else if (r < Lc)  // rows past the sequence are zeros (they meet zero Kd rows and A columns)
+          mma::cp_async16(du, static_cast<const bf16*>(p.v) + sq.b_row * p.v_s[0] + (t0 + r) * p.v_s[1] + hv * p.v_s[2] + v0 + c8);
+        else
+          *reinterpret_cast<uint4*>(du) = make_uint4(0, 0, 0, 0);
       }
       for (int idx = tid; idx < K / 4; idx += kScanThreads)
         mma::cp_async16(dst + Ly::sDL + idx * 16, blk + Wk::oDL + idx * 16);
@@ -705,37 +826,45 @@ __global__ void __launch_bounds__(kScanThreads, 1)
     asm volatile("cp.async.wait_group 1;\n" ::: "memory");
     __syncthreads();  // B1: this chunk's stage landed; S visible
 
-    // Vnew = U + W S and o = Qg S, sharing the S fragments
+    // Vnew = U + W S (delta rule; else Vnew = v, the stage's v slice) and o = Qg S, sharing the S
+    // fragments
     float vn[NTH][4], o[NTH][4];
 #pragma unroll
     for (int nt = 0; nt < NTH; ++nt)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
-        const float2 u = bf2(u_s + (bI + g + 8 * hh) * LDV + hc0 + nt * 8 + 2 * t);
-        vn[nt][2 * hh] = u.x, vn[nt][2 * hh + 1] = u.y;
+        if (DELTA) {
+          const float2 u = bf2(u_s + (bI + g + 8 * hh) * LDV + hc0 + nt * 8 + 2 * t);
+          vn[nt][2 * hh] = u.x, vn[nt][2 * hh + 1] = u.y;
+        }
         o[nt][2 * hh] = 0.0f, o[nt][2 * hh + 1] = 0.0f;
       }
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk) {
       uint32_t aw[4], aq[4];
-      mma::ldsm_x4(aw, w_s + (bI + mma::a_row(lane)) * LDK + 16 * kk + mma::a_col(lane));
+      if (DELTA) mma::ldsm_x4(aw, w_s + (bI + mma::a_row(lane)) * LDK + 16 * kk + mma::a_col(lane));
       mma::ldsm_x4(aq, qg_s + (bI + mma::a_row(lane)) * LDK + 16 * kk + mma::a_col(lane));
 #pragma unroll
       for (int np = 0; np < NTH / 2; ++np) {
         uint32_t b[4];
         mma::ldsm_x4_t(b, s_s + (16 * kk + mma::bk_row(lane)) * LDV + hc0 + 16 * np + mma::bk_col(lane));
-        mma::mma16816(vn[2 * np], aw, b[0], b[1]);
-        mma::mma16816(vn[2 * np + 1], aw, b[2], b[3]);
+        if (DELTA) {
+          mma::mma16816(vn[2 * np], aw, b[0], b[1]);
+          mma::mma16816(vn[2 * np + 1], aw, b[2], b[3]);
+        }
         mma::mma16816(o[2 * np], aq, b[0], b[1]);
         mma::mma16816(o[2 * np + 1], aq, b[2], b[3]);
       }
     }
+    const bf16* vsrc = DELTA ? vn_s : u_s;
+    if (DELTA) {
 #pragma unroll
-    for (int nt = 0; nt < NTH; ++nt)
+      for (int nt = 0; nt < NTH; ++nt)
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh)
-        u32at(vn_s + (bI + g + 8 * hh) * LDV + hc0 + nt * 8 + 2 * t) = pack(vn[nt][2 * hh], vn[nt][2 * hh + 1]);
-    __syncthreads();  // B2: Vnew visible
+        for (int hh = 0; hh < 2; ++hh)
+          u32at(vn_s + (bI + g + 8 * hh) * LDV + hc0 + nt * 8 + 2 * t) = pack(vn[nt][2 * hh], vn[nt][2 * hh + 1]);
+      __syncthreads();  // B2: Vnew visible
+    }
 
     // o += tril(A_qk) Vnew; store
 #pragma unroll
@@ -747,7 +876,7 @@ __global__ void __launch_bounds__(kScanThreads, 1)
 #pragma unroll
       for (int np = 0; np < NTH / 2; ++np) {
         uint32_t b[4];
-        mma::ldsm_x4_t(b, vn_s + (16 * Jb + mma::bk_row(lane)) * LDV + hc0 + 16 * np + mma::bk_col(lane));
+        mma::ldsm_x4_t(b, vsrc + (16 * Jb + mma::bk_row(lane)) * LDV + hc0 + 16 * np + mma::bk_col(lane));
         mma::mma16816(o[2 * np], a, b[0], b[1]);
         mma::mma16816(o[2 * np + 1], a, b[2], b[3]);
         mma::mma16816(o[2 * np], alo, b[0], b[1]);
@@ -764,7 +893,7 @@ __global__ void __launch_bounds__(kScanThreads, 1)
     }
 
     // S = e^{G_last} S + Kd^T Vnew
-    S.update(kd_s, LDK, vn_s, LDV, [&](int ch) { return dl_s[ch]; }, lane);
+    S.update(kd_s, LDK, vsrc, LDV, [&](int ch) { return dl_s[ch]; }, lane);
     __syncthreads();  // B3: stage st, S and Vnew no longer read
     stage_in(c + 2, st);
   }
@@ -773,10 +902,10 @@ __global__ void __launch_bounds__(kScanThreads, 1)
   if (slot >= 0) S.store(p, p.pool, p.pool_dt, slot, hv);
 }
 
-template <int K, int V, int VB, bool SCALAR>
+template <int K, int V, int VB, bool SCALAR, bool DELTA>
 void run(const Recurrence& r, const FwdParams& p, int device, cudaStream_t stream) {
   const int64_t max_chunks = chunk::max_chunks(p), base_bytes = chunk::base_bytes(p);
-  const int64_t bytes = base_bytes + max_chunks * r.HV * Work<K, V>::bytes;
+  const int64_t bytes = base_bytes + max_chunks * r.HV * Work<K, V, DELTA>::bytes;
   const int64_t prep_blocks = max_chunks * r.HV, scan_blocks = r.N * r.HV * (V / VB);
   if (prep_blocks >= (int64_t{1} << 31) || scan_blocks >= (int64_t{1} << 31))
     throw_unsupported("chunk_fwd", "too many chunks x heads for one launch");
@@ -787,12 +916,13 @@ void run(const Recurrence& r, const FwdParams& p, int device, cudaStream_t strea
   int32_t* chunk_base = p.cu ? static_cast<int32_t*>(ws) : nullptr;
   unsigned char* work = static_cast<unsigned char*>(ws) + base_bytes;
   if (p.cu) chunk::launch_chunk_base(p, chunk_base, stream);
-  chunk::allow_smem(chunk_prep_kernel<K, V, SCALAR>, PrepLayout<K, V>::bytes);
-  chunk_prep_kernel<K, V, SCALAR>
+  using Scan = ScanLayout<K, VB, DELTA>;
+  chunk::allow_smem(chunk_prep_kernel<K, V, SCALAR, DELTA>, PrepLayout<K, V>::bytes);
+  chunk_prep_kernel<K, V, SCALAR, DELTA>
       <<<static_cast<unsigned>(prep_blocks), kThreads, PrepLayout<K, V>::bytes, stream>>>(p, chunk_base, work);
-  chunk::allow_smem(chunk_scan_kernel<K, V, VB>, ScanLayout<K, VB>::bytes);
-  chunk_scan_kernel<K, V, VB>
-      <<<static_cast<unsigned>(scan_blocks), kScanThreads, ScanLayout<K, VB>::bytes, stream>>>(p, chunk_base, work);
+  chunk::allow_smem(chunk_scan_kernel<K, V, VB, DELTA>, Scan::bytes);
+  chunk_scan_kernel<K, V, VB, DELTA>
+      <<<static_cast<unsigned>(scan_blocks), kScanThreads, Scan::bytes, stream>>>(p, chunk_base, work);
   const cudaError_t launched = cudaGetLastError();
   chunk::check(cudaFreeAsync(ws, stream), "workspace release");
   chunk::check(launched, "kernel launch");
@@ -847,10 +977,11 @@ cudaMemPool_t chunk_workspace_pool(int device) {
 }
 
 bool chunk_fwd_mma_accepts(const Recurrence& r, const cula_chunk_fwd_args& a) {
-  if (!r.tr.delta) return false;  // simple GLA and Lightning: chunk_fwd_fused; GLA: recurrent kernel
+  if (!r.tr.delta && r.tr.gate != GateKind::PerChannel) return false;  // simple GLA, Lightning: chunk_fwd_fused
   if (r.tr.gate == GateKind::PerChannel) {
-    // The in-block exponent bound: |G_i - G_j| <= 15 * |lower_bound| inside a 16-token block.
-    if (!(r.gate_in_kernel && r.has_lb && r.lb >= -5.0)) return false;
+    // KDA: the in-block exponent bound |G_i - G_j| <= 15 * |lower_bound| inside a 16-token block.
+    // GLA needs none (every factor <= 1, steep diagonal blocks taken per element).
+    if (r.tr.delta && !(r.gate_in_kernel && r.has_lb && r.lb >= -5.0)) return false;
     if ((a.g->dtype != CULA_BFLOAT16 && a.g->dtype != CULA_FLOAT32) || !chunk::aligned16(a.g)) return false;
   }
   // Scalar and constant gates: the exponent is taken per pair (any decay); g is read per element.
@@ -863,22 +994,25 @@ bool chunk_fwd_mma_accepts(const Recurrence& r, const cula_chunk_fwd_args& a) {
   return cuda_device_arch(a.q->device_id) >= 80;  // mma.sync bf16, ldmatrix, cp.async
 }
 
-template <int K, int V, bool SCALAR>
+template <int K, int V, bool SCALAR, bool DELTA>
 void run_vb(const Recurrence& r, const FwdParams& p, int device, cudaStream_t stream) {
   // The scan has one CTA per (sequence, head, V slice), one CTA per SM: slices of 32 when those
   // still fit in one wave, else 64.
   int sms = 0;
   chunk::check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "device attribute");
   if (r.N * r.HV * (V / 32) <= sms)
-    run<K, V, 32, SCALAR>(r, p, device, stream);
+    run<K, V, 32, SCALAR, DELTA>(r, p, device, stream);
   else
-    run<K, V, 64, SCALAR>(r, p, device, stream);
+    run<K, V, 64, SCALAR, DELTA>(r, p, device, stream);
 }
 
+// Three engines: per-channel gate with the delta rule (KDA), scalar gate with it (GDN), per-channel
+// gate without it (GLA).
 template <int K, int V>
-void run_gate(bool scalar, const Recurrence& r, const FwdParams& p, int device, cudaStream_t stream) {
-  if (scalar) run_vb<K, V, true>(r, p, device, stream);
-  else run_vb<K, V, false>(r, p, device, stream);
+void run_family(const Recurrence& r, const FwdParams& p, int device, cudaStream_t stream) {
+  if (!r.tr.delta) run_vb<K, V, false, false>(r, p, device, stream);
+  else if (r.tr.gate != GateKind::PerChannel) run_vb<K, V, true, true>(r, p, device, stream);
+  else run_vb<K, V, false, true>(r, p, device, stream);
 }
 
 void cuda_chunk_fwd_mma(const Recurrence& r, const cula_chunk_fwd_args& a) {
@@ -887,12 +1021,10 @@ void cuda_chunk_fwd_mma(const Recurrence& r, const cula_chunk_fwd_args& a) {
   const int dev = a.q->device_id;
   chunk::check(cudaSetDevice(dev), "cudaSetDevice");
   const cudaStream_t stream = static_cast<cudaStream_t>(a.opt.stream);
-  // Two engines: per-channel gate (KDA) and scalar gate (GDN), both with the delta rule.
-  const bool scalar = r.tr.gate != GateKind::PerChannel;
-  if (r.K == 64 && r.V == 64) run_gate<64, 64>(scalar, r, p, dev, stream);
-  else if (r.K == 64) run_gate<64, 128>(scalar, r, p, dev, stream);
-  else if (r.V == 64) run_gate<128, 64>(scalar, r, p, dev, stream);
-  else run_gate<128, 128>(scalar, r, p, dev, stream);
+  if (r.K == 64 && r.V == 64) run_family<64, 64>(r, p, dev, stream);
+  else if (r.K == 64) run_family<64, 128>(r, p, dev, stream);
+  else if (r.V == 64) run_family<128, 64>(r, p, dev, stream);
+  else run_family<128, 128>(r, p, dev, stream);
 }
 
 }  // namespace cula
