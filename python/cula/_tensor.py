@@ -10,6 +10,8 @@ import numpy as np
 from . import _lib
 from ._lib import CulaError
 
+_Dims = ctypes.c_int64 * _lib.MAX_DIMS  # shape / strides of a cula_tensor
+
 _NP_DTYPES = {
     np.dtype(np.float16): _lib.FLOAT16,
     np.dtype(np.float32): _lib.FLOAT32,
@@ -23,18 +25,23 @@ def is_torch(x) -> bool:
     return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr")
 
 
-def _torch_dtype_code(x):
-    import torch
+_TORCH_CODES = None  # torch dtype -> DLPack code, built on first use (importing cula does not import torch)
 
-    table = {
-        torch.float16: _lib.FLOAT16,
-        torch.float32: _lib.FLOAT32,
-        torch.float64: _lib.FLOAT64,
-        torch.bfloat16: _lib.BFLOAT16,
-        torch.int32: _lib.INT32,
-        torch.int64: _lib.INT64,
-    }
-    return table.get(x.dtype)
+
+def _torch_dtype_code(x):
+    global _TORCH_CODES
+    if _TORCH_CODES is None:
+        import torch
+
+        _TORCH_CODES = {
+            torch.float16: _lib.FLOAT16,
+            torch.float32: _lib.FLOAT32,
+            torch.float64: _lib.FLOAT64,
+            torch.bfloat16: _lib.BFLOAT16,
+            torch.int32: _lib.INT32,
+            torch.int64: _lib.INT64,
+        }
+    return _TORCH_CODES.get(x.dtype)
 
 
 def as_array(x, name):
@@ -54,26 +61,23 @@ def view(x, name) -> _lib.Tensor | None:
     """A cula_tensor describing x (no copy). The caller keeps x alive for the call."""
     if x is None:
         return None
-    t = _lib.Tensor()
     if is_torch(x):
         code = _torch_dtype_code(x)
         if code is None:
             raise CulaError(f"argument '{name}': expected a float16/bfloat16/float32/float64 or int32/int64 tensor, got {x.dtype}")
-        if x.dim() > _lib.MAX_DIMS:
-            raise CulaError(f"argument '{name}': expected at most {_lib.MAX_DIMS} dimensions, got {x.dim()}")
-        t.data = x.data_ptr() or None
-        t.dtype = code
-        t.ndim = x.dim()
-        for i, (s, st) in enumerate(zip(x.shape, x.stride())):
-            t.shape[i] = s
-            t.strides[i] = st
-        if x.device.type == "cuda":
-            t.device_type, t.device_id = _lib.CUDA, x.device.index or 0
+        shape = x.shape
+        n = len(shape)
+        if n > _lib.MAX_DIMS:
+            raise CulaError(f"argument '{name}': expected at most {_lib.MAX_DIMS} dimensions, got {n}")
+        if x.is_cuda:
+            dev_type, dev_id = _lib.CUDA, x.get_device()
         elif x.device.type == "cpu":
-            t.device_type, t.device_id = _lib.CPU, 0
+            dev_type, dev_id = _lib.CPU, 0
         else:
             raise CulaError(f"argument '{name}': expected a CPU or CUDA tensor, got a tensor on {x.device}")
-        return t
+        # one constructor call (this runs for every tensor of every call: host time per call)
+        return _lib.Tensor(x.data_ptr() or None, code, n, _Dims(*shape), _Dims(*x.stride()), dev_type, dev_id)
+    t = _lib.Tensor()
     if isinstance(x, np.ndarray):
         code = _NP_DTYPES.get(x.dtype)
         if code is None:
@@ -110,9 +114,12 @@ def empty_like_family(ref, shape, dtype=None):
 
 
 def stream_of(ref):
-    if is_torch(ref) and ref.device.type == "cuda":
+    if is_torch(ref) and ref.is_cuda:
         import torch
 
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # the stream handle without a Stream object
+        if raw is not None:
+            return ctypes.c_void_p(raw(ref.get_device()))
         return ctypes.c_void_p(torch.cuda.current_stream(ref.device).cuda_stream)
     return None
 

@@ -1,13 +1,14 @@
 // Chunked forward (WY/UT form) on tensor cores, sm_80 instruction set (mma.sync, ldmatrix,
-// cp.async); runs on Ampere, Hopper and Blackwell. The delta-rule families share this engine: KDA
-// (per-channel gate, bounded) and GDN (scalar gate: the pair products take e^{G_i - G_j} per
-// element, exact for any decay). The families without the delta rule go elsewhere: simple GLA and
-// Lightning to chunk_fwd_fused.cu (no inverse, so no workspace), GLA to the recurrent kernel.
+// cp.async); runs on Ampere, Hopper and Blackwell. Three families share this engine, switched by
+// template parameters: KDA (per-channel gate, bounded, delta rule), GDN (scalar gate: the pair
+// products take e^{G_i - G_j} per element, exact for any decay; delta rule) and GLA (per-channel
+// gate, any decay, no delta rule). Simple GLA and Lightning go to chunk_fwd_fused.cu (no inverse and
+// a per-pair scalar factor, so no workspace).
 //
 // Two kernels and a workspace (plus a prefix sum of chunk counts for varlen):
 //  prep (one CTA per chunk of 64 tokens and value head, all chunks in parallel): everything of a
 //    chunk that does not depend on the state. With G the inclusive cumulative log-decay and
-//    block I = tokens 16I..16I+15 (b_I its first token):
+//    block I = tokens 16I..16I+15 (b_I its first token, e_I its last):
 //      el_i = e^{G_i - G_bI} (<= 1);  Kr_j = k_j e^{G_bJ - G_j} (>= 1, bounded by the decay inside
 //      one 16-token block);  A[i,j] = sum_c (k_i el_i E_IJ)[c] Kr_j[c], E_IJ = e^{G_bI - G_bJ}:
 //      every exponent splits through the first token of i's block, so no factor overflows.
@@ -16,28 +17,40 @@
 //    It writes per chunk: W = -Minv (beta k e^G), U = Minv (beta v), Qg = q e^G,
 //    Kd = k e^{G_last - G} (bf16), tril(A_qk) as bf16 hi + lo (it scales whole rows of o, so it
 //    keeps ~16 bits) and e^{G_last} (fp32): 80.5 KB for K = V = 128.
+//    GLA (no delta rule, no bound): only A_qk, Qg, Kd and e^{G_last} (48.5 KB). Off the diagonal
+//    the right operand goes through the end of its own block, Kt_j = k_j e^{G_eJ - G_j}, and the
+//    left through E'_IJ = e^{G_bI - G_eJ}: all three factors <= 1 for any decay. Diagonal blocks
+//    use Kr; where some channel decays by more than 64 inside the block (Kr could overflow) the
+//    block's products are recomputed per element in fp32 (exact_diagonal: raw q, k and gate
+//    re-read, one k-step at a time through a per-warp scratch in the Minv buffer).
 //  scan (one CTA per sequence, value head and VB columns of V, chunks in order, the state slice
 //    S (K x VB, fp32) in registers; 8 warps, the second four on the other half of the columns):
 //    Vnew = U + W S;  o = Qg S + tril(A_qk) Vnew;
 //    S = e^{G_last} S + Kd^T Vnew. The next chunk's workspace streams in by cp.async (2 stages).
+//    Without the delta rule Vnew = v, read from the input into the U slot of the stage.
 // The in-block exponent bound (<= 15 |lower_bound|) is why the dispatch table sends only bounded
-// gates (lower_bound >= -5) here; unbounded gates take the recurrent kernel.
+// KDA gates (lower_bound >= -5) here; unbounded KDA gates take the recurrent kernel.
 //
 // prep: 4 warps; warp w owns chunk rows 16w..16w+15 for the element-wise work (norms, gate, el,
-// Kr, k e^G, Kd, Qg); the ten lower 16x16 block pairs of A are dealt round-robin to the warps and
-// U, W are split by column quarters, so the triangle costs every warp the same. The gate goes from
-// global memory into registers in the A-fragment layout; its cumulative sum inside a 16-row block
-// is a shuffle scan, the block sums meet in shared memory. The code is kept small on purpose
-// (rolled k-step loops): a fully unrolled body thrashed the instruction cache (docs/NOTES.md).
+// Kr, k e^G or Kt, Kd, Qg); the ten lower 16x16 block pairs of A are dealt round-robin to the
+// warps and U, W are split by column quarters, so the triangle costs every warp the same. The gate
+// goes from global memory into registers in the A-fragment layout; its cumulative sum inside a
+// 16-row block is a shuffle scan (block_scan), the block sums meet in shared memory. The code is
+// kept small on purpose (rolled k-step loops): a fully unrolled body thrashed the instruction cache
+// (docs/NOTES.md).
 // Shared buffers (K = V = 128: ~75 KB, three CTAs per SM): R1 q tile -> q el -> M (fp32);
-// KRAW k tile -> k el -> beta k e^G; KR Kr -> v tile (-> beta v); TB Minv; TAB per-channel
-// exponent rows; BT block sums and dt_bias; per-row beta, scalar gate and fp32 q.k.
+// KRAW k tile -> k el (or Kt) -> beta k e^G; KR Kr -> v tile (-> beta v); TB Minv (or the exact
+// path's scratch, row factors and steep flags); TAB per-channel exponent rows; BT block sums and
+// dt_bias; per-row beta, scalar gate and fp32 q.k.
 // Barriers: B_a0 tiles in; B_b block sums; B_c Kr and table; B_c2 pair products done; B_d tiles
-// free; B_e M; B_f diagonal inverses; B_g Minv and v in; one more after beta v.
+// free; B_e M; B_f diagonal inverses; B_g Minv and v in; one more after beta v (GLA stops after
+// writing A_qk).
 // scan: 8 warps; warp w owns rows 16(w%4).. of the token-side products and channels (w%4)*K/4..
 // of the state, for half w/4 of the slice's columns. Two stages of (W, Qg, Kd, tril(A_qk) hi and
-// lo, U slice, e^{G_last}), S (bf16) and Vnew (bf16): 188 KB for K = 128, VB = 64, one CTA per SM.
-// Barriers per chunk: B1 stage in and S written; B2 Vnew written; B3 stage, S and Vnew free.
+// lo, U or v slice, e^{G_last}), S (bf16) and Vnew (bf16): 188 KB for K = 128, VB = 64, one CTA
+// per SM (GLA: no W, no Vnew).
+// Barriers per chunk: B1 stage in and S written; B2 Vnew written (delta rule); B3 stage, S and
+// Vnew free.
 #include <cub/block/block_scan.cuh>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
