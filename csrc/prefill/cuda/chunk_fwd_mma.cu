@@ -20,9 +20,10 @@
 //    GLA (no delta rule, no bound): only A_qk, Qg, Kd and e^{G_last} (48.5 KB). Off the diagonal
 //    the right operand goes through the end of its own block, Kt_j = k_j e^{G_eJ - G_j}, and the
 //    left through E'_IJ = e^{G_bI - G_eJ}: all three factors <= 1 for any decay. Diagonal blocks
-//    use Kr; where some channel decays by more than 64 inside the block (Kr could overflow) the
-//    block's products are recomputed per element in fp32 (exact_diagonal: raw q, k and gate
-//    re-read, one k-step at a time through a per-warp scratch in the Minv buffer).
+//    take the same Kt against Ql e^{G_bI - G_eI} (a per-channel factor >= 1); where some channel
+//    decays by more than 64 inside the block (that factor could overflow) the block's products
+//    are recomputed per element in fp32 (exact_diagonal: raw q, k and gate re-read, one k-step at
+//    a time through a per-warp scratch in the Minv buffer). No Kr tile: 56 KB, four CTAs per SM.
 //  scan (one CTA per sequence, value head and VB columns of V, chunks in order, the state slice
 //    S (K x VB, fp32) in registers; 8 warps, the second four on the other half of the columns):
 //    Vnew = U + W S;  o = Qg S + tril(A_qk) Vnew;
@@ -39,8 +40,8 @@
 // kept small on purpose (rolled k-step loops): a fully unrolled body thrashed the instruction cache
 // (docs/NOTES.md).
 // Shared buffers (K = V = 128: ~75 KB, three CTAs per SM): R1 q tile -> q el -> M (fp32);
-// KRAW k tile -> k el (or Kt) -> beta k e^G; KR Kr -> v tile (-> beta v); TB Minv (or the exact
-// path's scratch, row factors and steep flags); TAB per-channel exponent rows; BT block sums and
+// KRAW k tile -> k el (or Kt) -> beta k e^G; KR Kr -> v tile (-> beta v; absent for GLA); TB Minv
+// (or the exact path's scratch, row factors and steep flags); TAB per-channel exponent rows; BT block sums and
 // dt_bias; per-row beta, scalar gate and fp32 q.k.
 // Barriers: B_a0 tiles in; B_b block sums; B_c Kr and table; B_c2 pair products done; B_d tiles
 // free; B_e M; B_f diagonal inverses; B_g Minv and v in; one more after beta v (GLA stops after
@@ -92,13 +93,13 @@ struct Work {
   static_assert(bytes % 16 == 0, "16-byte aligned blocks");
 };
 
-template <int K, int V>
+template <int K, int V, bool DELTA>
 struct PrepLayout {
   static constexpr int LDK = K + 8, LDV = V + 8, LDT = kBT + 8, MS = kBT + 4;
   static constexpr int oR1 = 0;
   static constexpr int oKRAW = oR1 + cmax(kBT * LDK * 2, kBT * MS * 4);
   static constexpr int oKR = oKRAW + kBT * LDK * 2;
-  static constexpr int oTB = oKR + cmax(kBT * LDK * 2, kBT * LDV * 2);
+  static constexpr int oTB = oKR + (DELTA ? cmax(kBT * LDK * 2, kBT * LDV * 2) : 0);  // no Kr, no v without delta
   static constexpr int oTAB = oTB + kBT * LDT * 2;
   static constexpr int oBT = oTAB + 15 * K * 4;  // per block: gate sum and first gate, per channel
   static constexpr int oBETA = oBT + 9 * K * 4;
@@ -135,10 +136,10 @@ __device__ __forceinline__ uint32_t& u32at(bf16* p) { return *reinterpret_cast<u
 __device__ __forceinline__ float2 bf2(const bf16* p) { return unpack(*reinterpret_cast<const uint32_t*>(p)); }
 
 template <int K, int V, bool SCALAR, bool DELTA>
-__global__ void __launch_bounds__(kThreads, 3)
+__global__ void __launch_bounds__(kThreads, DELTA ? 3 : 4)
     chunk_prep_kernel(const FwdParams p, const int32_t* __restrict__ chunk_base, unsigned char* __restrict__ work) {
   static_assert(DELTA || !SCALAR, "scalar gates without the delta rule take chunk_fwd_fused");
-  using Ly = PrepLayout<K, V>;
+  using Ly = PrepLayout<K, V, DELTA>;
   using Wk = Work<K, V, DELTA>;
   constexpr int LDK = Ly::LDK, LDV = Ly::LDV, LDT = Ly::LDT, MS = Ly::MS;
   constexpr int KS = K / 16;
@@ -352,10 +353,11 @@ __global__ void __launch_bounds__(kThreads, 3)
       for (int rr = 0; rr < 4; ++rr) {
         const int x = rr & 1, row = bI + g + 8 * x, col = 16 * kk + 2 * t + 8 * (rr >> 1);
         const float d0 = a[2 * rr], d1 = a[2 * rr + 1];
-        const float e0 = __expf(d0), e1 = __expf(d1), r0 = __expf(-d0), r1 = __expf(-d1);
+        const float e0 = __expf(d0), e1 = __expf(d1);
         const float2 kv = bf2(k_s + row * LDK + col), qv = bf2(q_s + row * LDK + col);
-        u32at(kr_s + row * LDK + col) = pack(kv.x * ks[x] * r0, kv.y * ks[x] * r1);
         if (DELTA) {
+          const float r0 = __expf(-d0), r1 = __expf(-d1);
+          u32at(kr_s + row * LDK + col) = pack(kv.x * ks[x] * r0, kv.y * ks[x] * r1);
           u32at(k_s + row * LDK + col) = pack(kv.x * ks[x] * e0, kv.y * ks[x] * e1);
         } else {
           const int cs = rr >> 1;
@@ -467,7 +469,7 @@ __global__ void __launch_bounds__(kThreads, 3)
 #pragma unroll
       for (int r = 0; r < 4; ++r) akk[q][nt][r] = 0.0f, aqk[q][nt][r] = 0.0f;
   bf16* qgo = reinterpret_cast<bf16*>(blk + Wk::oQ);
-  const bf16* right_s = SCALAR ? k_s : kr_s;
+  const bf16* right_s = SCALAR || !DELTA ? k_s : kr_s;  // Kt without the delta rule
 #pragma unroll 1
   for (int kk = 0; kk < KS; ++kk) {
     if (!SCALAR)
@@ -496,10 +498,17 @@ __global__ void __launch_bounds__(kThreads, 3)
           }
           aq[rr] = pack(qv.x * e.x, qv.y * e.y);
         }
+      } else if (!DELTA) {
+        // Diagonal block without the delta rule: Ql e^{G_bI - G_eI} (per channel, <= e^64 unless
+        // the block is steep and recomputed anyway) against Kt
+#pragma unroll
+        for (int rr = 0; rr < 4; ++rr) {
+          const int col = Ib * K + 16 * kk + 2 * t + 8 * (rr >> 1);
+          const float2 qv = unpack(aq[rr]);
+          aq[rr] = pack(qv.x * __expf(bfirst_s[col] - bsum_s[col]), qv.y * __expf(bfirst_s[col + 1] - bsum_s[col + 1]));
+        }
       }
-      // no delta rule: Kt off the diagonal (factors through e_J), Kr on it (through b_I)
-      const bf16* rs = DELTA || Jb == Ib ? right_s : k_s;
-      mma::ldsm_x4(b, rs + (16 * Jb + mma::bn_row(lane)) * LDK + 16 * kk + mma::bn_col(lane));
+      mma::ldsm_x4(b, right_s + (16 * Jb + mma::bn_row(lane)) * LDK + 16 * kk + mma::bn_col(lane));
       if (DELTA) {
         mma::mma16816(akk[q][0], ak, b[0], b[1]);
         mma::mma16816(akk[q][1], ak, b[2], b[3]);
@@ -930,9 +939,10 @@ void run(const Recurrence& r, const FwdParams& p, int device, cudaStream_t strea
   unsigned char* work = static_cast<unsigned char*>(ws) + base_bytes;
   if (p.cu) chunk::launch_chunk_base(p, chunk_base, stream);
   using Scan = ScanLayout<K, VB, DELTA>;
-  chunk::allow_smem(chunk_prep_kernel<K, V, SCALAR, DELTA>, PrepLayout<K, V>::bytes);
+  using Prep = PrepLayout<K, V, DELTA>;
+  chunk::allow_smem(chunk_prep_kernel<K, V, SCALAR, DELTA>, Prep::bytes);
   chunk_prep_kernel<K, V, SCALAR, DELTA>
-      <<<static_cast<unsigned>(prep_blocks), kThreads, PrepLayout<K, V>::bytes, stream>>>(p, chunk_base, work);
+      <<<static_cast<unsigned>(prep_blocks), kThreads, Prep::bytes, stream>>>(p, chunk_base, work);
   chunk::allow_smem(chunk_scan_kernel<K, V, VB, DELTA>, Scan::bytes);
   chunk_scan_kernel<K, V, VB, DELTA>
       <<<static_cast<unsigned>(scan_blocks), kScanThreads, Scan::bytes, stream>>>(p, chunk_base, work);
