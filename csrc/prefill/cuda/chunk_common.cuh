@@ -63,6 +63,18 @@ __device__ __forceinline__ bool locate(const FwdParams& p, const int32_t* chunk_
   return true;
 }
 
+// The 16-byte pieces of a ROWS x COLS bf16 tile that each of NT threads moves: piece tid % P of
+// rows tid / P + j R, j < J. Fixed per thread, so a chunk's copies are a base address plus
+// compile-time offsets (index arithmetic per copy was most of the chunk loops' instructions).
+template <int ROWS, int COLS, int NT>
+struct TileCopy {
+  static constexpr int P = COLS / 8, R = NT / P, J = ROWS / R;
+  static_assert(NT % P == 0 && ROWS % R == 0 && J > 0, "whole passes of the thread block");
+  int r0, c8;
+  __device__ explicit TileCopy(int tid) : r0(tid / P), c8((tid % P) * 8) {}
+  __device__ int row(int j) const { return r0 + j * R; }
+};
+
 // An upper bound on the number of chunks: sum ceil(len / 64) <= T / 64 + N for varlen.
 inline int64_t max_chunks(const FwdParams& p) {
   return p.cu ? p.T / kChunk + p.N : static_cast<int64_t>(p.N) * ((p.T + kChunk - 1) / kChunk);

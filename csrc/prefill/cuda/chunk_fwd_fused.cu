@@ -171,36 +171,42 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // One chunk's q, k, v slice and factors into stage st (rows past the sequence are zeros; an
   // empty commit group past the end).
-  const bf16* qg = static_cast<const bf16*>(p.q);
-  const bf16* kg = static_cast<const bf16*>(p.k);
-  const bf16* vg = static_cast<const bf16*>(p.v);
+  using CopyK = chunk::TileCopy<kBT, K, kThreads>;  // q, k
+  using CopyV = chunk::TileCopy<kBT, VB, kThreads>;  // v slice
+  const CopyK ck(tid);
+  const CopyV cv(tid);
+  const bf16* q_in = static_cast<const bf16*>(p.q) + sq.b_row * p.q_s[0] + sq.bos * p.q_s[1] + h * p.q_s[2] + ck.c8;
+  const bf16* k_in = static_cast<const bf16*>(p.k) + sq.b_row * p.k_s[0] + sq.bos * p.k_s[1] + h * p.k_s[2] + ck.c8;
+  const bf16* v_in = static_cast<const bf16*>(p.v) + sq.b_row * p.v_s[0] + sq.bos * p.v_s[1] + hv * p.v_s[2] + v0 + cv.c8;
   auto stage_in = [&](int c, int st) {
     if (c < nchunks) {
       unsigned char* dst = smem + st * Ly::stage;
-      const int64_t t0 = sq.bos + static_cast<int64_t>(c) * kBT;
-      const int Lc = static_cast<int>(min(int64_t{kBT}, sq.eos - t0));
-      for (int idx = tid; idx < 2 * kBT * (K / 8); idx += kThreads) {
-        const int m = idx / (kBT * (K / 8)), rem = idx % (kBT * (K / 8)), r = rem / (K / 8), c8 = (rem % (K / 8)) * 8;
-        bf16* d = reinterpret_cast<bf16*>(dst + (m ? Ly::sK : Ly::sQ)) + r * LDK + c8;
+      const int64_t t0 = static_cast<int64_t>(c) * kBT;  // from the sequence start
+      const int Lc = static_cast<int>(min(int64_t{kBT}, sq.eos - sq.bos - t0));
+#pragma unroll
+      for (int j = 0; j < CopyK::J; ++j) {
+        const int r = ck.row(j);
+        bf16* dq = reinterpret_cast<bf16*>(dst + Ly::sQ) + r * LDK + ck.c8;
+        bf16* dk = reinterpret_cast<bf16*>(dst + Ly::sK) + r * LDK + ck.c8;
         if (r < Lc) {
-          const int64_t tok = t0 + r;
-          mma::cp_async16(d, m ? kg + sq.b_row * p.k_s[0] + tok * p.k_s[1] + h * p.k_s[2] + c8
-                               : qg + sq.b_row * p.q_s[0] + tok * p.q_s[1] + h * p.q_s[2] + c8);
+          mma::cp_async16(dq, q_in + (t0 + r) * p.q_s[1]);
+          mma::cp_async16(dk, k_in + (t0 + r) * p.k_s[1]);
         } else {
-          *reinterpret_cast<uint4*>(d) = zero4;
+          *reinterpret_cast<uint4*>(dq) = zero4;
+          *reinterpret_cast<uint4*>(dk) = zero4;
         }
       }
-      for (int idx = tid; idx < kBT * (VB / 8); idx += kThreads) {
-        const int r = idx / (VB / 8), c8 = (idx % (VB / 8)) * 8;
-        bf16* d = reinterpret_cast<bf16*>(dst + Ly::sV) + r * LDV + c8;
+#pragma unroll
+      for (int j = 0; j < CopyV::J; ++j) {
+        const int r = cv.row(j);
+        bf16* d = reinterpret_cast<bf16*>(dst + Ly::sV) + r * LDV + cv.c8;
         if (r < Lc)
-          mma::cp_async16(d, vg + sq.b_row * p.v_s[0] + (t0 + r) * p.v_s[1] + hv * p.v_s[2] + v0 + c8);
+          mma::cp_async16(d, v_in + (t0 + r) * p.v_s[1]);
         else
           *reinterpret_cast<uint4*>(d) = zero4;
       }
       const float* f = fac + ((cbase + c) * p.HV + hv) * kFactorFloats;
-      for (int idx = tid; idx < kFactorFloats / 4; idx += kThreads)
-        mma::cp_async16(dst + Ly::sF + idx * 16, f + idx * 4);
+      if (tid < kFactorFloats / 4) mma::cp_async16(dst + Ly::sF + tid * 16, f + tid * 4);
     }
     mma::cp_async_commit();
   };

@@ -194,15 +194,17 @@ __global__ void __launch_bounds__(kThreads, DELTA ? 3 : 4)
 
   // ---- q, k (and per-channel gate) tiles; rows past the sequence are zeros
   {
-    const bf16* qg = static_cast<const bf16*>(p.q);
-    const bf16* kg = static_cast<const bf16*>(p.k);
-    for (int idx = tid; idx < kBT * (K / 8); idx += kThreads) {
-      const int r = idx / (K / 8), c8 = (idx % (K / 8)) * 8;
-      bf16 *dq = q_s + r * LDK + c8, *dk = k_s + r * LDK + c8;
+    using CopyK = chunk::TileCopy<kBT, K, kThreads>;
+    const CopyK ck(tid);
+    const bf16* q_in = static_cast<const bf16*>(p.q) + b_row * p.q_s[0] + t0 * p.q_s[1] + h * p.q_s[2] + ck.c8;
+    const bf16* k_in = static_cast<const bf16*>(p.k) + b_row * p.k_s[0] + t0 * p.k_s[1] + h * p.k_s[2] + ck.c8;
+#pragma unroll
+    for (int j = 0; j < CopyK::J; ++j) {
+      const int r = ck.row(j);
+      bf16 *dq = q_s + r * LDK + ck.c8, *dk = k_s + r * LDK + ck.c8;
       if (r < Lc) {
-        const int64_t tok = t0 + r;
-        mma::cp_async16(dq, qg + b_row * p.q_s[0] + tok * p.q_s[1] + h * p.q_s[2] + c8);
-        mma::cp_async16(dk, kg + b_row * p.k_s[0] + tok * p.k_s[1] + h * p.k_s[2] + c8);
+        mma::cp_async16(dq, q_in + r * p.q_s[1]);
+        mma::cp_async16(dk, k_in + r * p.k_s[1]);
       } else {
         *reinterpret_cast<uint4*>(dq) = zero4;
         *reinterpret_cast<uint4*>(dk) = zero4;
@@ -588,12 +590,15 @@ __global__ void __launch_bounds__(kThreads, DELTA ? 3 : 4)
   // v tile into the Kr buffer, behind the inverse (delta rule)
   if (DELTA) {
     __syncthreads();  // B_d: q tile and Kr no longer read (they take M and v)
-    const bf16* vg = static_cast<const bf16*>(p.v);
-    for (int idx = tid; idx < kBT * (V / 8); idx += kThreads) {
-      const int r = idx / (V / 8), c8 = (idx % (V / 8)) * 8;
-      bf16* dv = v_s + r * LDV + c8;
+    using CopyV = chunk::TileCopy<kBT, V, kThreads>;
+    const CopyV cv(tid);
+    const bf16* v_in = static_cast<const bf16*>(p.v) + b_row * p.v_s[0] + t0 * p.v_s[1] + hv * p.v_s[2] + cv.c8;
+#pragma unroll
+    for (int j = 0; j < CopyV::J; ++j) {
+      const int r = cv.row(j);
+      bf16* dv = v_s + r * LDV + cv.c8;
       if (r < Lc)
-        mma::cp_async16(dv, vg + b_row * p.v_s[0] + (t0 + r) * p.v_s[1] + hv * p.v_s[2] + c8);
+        mma::cp_async16(dv, v_in + r * p.v_s[1]);
       else
         *reinterpret_cast<uint4*>(dv) = zero4;
     }
@@ -796,33 +801,40 @@ __global__ void __launch_bounds__(kScanThreads, 1)
   // One chunk's workspace slice (and v slice without the delta rule) into stage st (an empty
   // commit group past the end).
   constexpr int kMats = DELTA ? 3 : 2;  // (W,) Qg, Kd
+  using CopyK = chunk::TileCopy<kBT, K, kScanThreads>;       // W, Qg, Kd
+  using CopyA = chunk::TileCopy<2 * kBT, kBT, kScanThreads>;  // A_qk hi and lo planes
+  using CopyV = chunk::TileCopy<kBT, VB, kScanThreads>;       // U or v slice
+  const CopyK ck(tid);
+  const CopyA ca(tid);
+  const CopyV cv(tid);
+  const bf16* v_in = static_cast<const bf16*>(p.v) + sq.b_row * p.v_s[0] + sq.bos * p.v_s[1] + hv * p.v_s[2] + v0 + cv.c8;
   auto stage_in = [&](int c, int st) {
     if (c < nchunks) {
       const unsigned char* blk = work + ((cbase + c) * p.HV + hv) * Wk::bytes;
       unsigned char* dst = smem + st * Ly::stage;
-      for (int idx = tid; idx < kMats * kBT * (K / 8); idx += kScanThreads) {
-        const int m = idx / (kBT * (K / 8)) + 3 - kMats, rem = idx % (kBT * (K / 8)), r = rem / (K / 8), c8 = (rem % (K / 8)) * 8;
+#pragma unroll
+      for (int m = 3 - kMats; m < 3; ++m) {
         const int so = m == 0 ? Ly::sW : m == 1 ? Ly::sQ : Ly::sKd, go = m == 0 ? Wk::oW : m == 1 ? Wk::oQ : Wk::oKd;
-        mma::cp_async16(dst + so + (r * LDK + c8) * 2, blk + go + (r * K + c8) * 2);
+#pragma unroll
+        for (int j = 0; j < CopyK::J; ++j)
+          mma::cp_async16(dst + so + (ck.row(j) * LDK + ck.c8) * 2, blk + go + (ck.row(j) * K + ck.c8) * 2);
       }
-      for (int idx = tid; idx < 2 * kBT * (kBT / 8); idx += kScanThreads) {
-        const int r = idx / (kBT / 8), c8 = (idx % (kBT / 8)) * 8;  // rows 64..127: the lo plane
-        mma::cp_async16(dst + Ly::sA + (r * LDT + c8) * 2, blk + Wk::oA + (r * kBT + c8) * 2);
-      }
-      const int64_t t0 = sq.bos + static_cast<int64_t>(c) * kBT;
-      const int Lc = static_cast<int>(min(int64_t{kBT}, sq.eos - t0));
-      for (int idx = tid; idx < kBT * (VB / 8); idx += kScanThreads) {
-        const int r = idx / (VB / 8), c8 = (idx % (VB / 8)) * 8;
-        unsigned char* du = dst + Ly::sU + (r * LDV + c8) * 2;
+#pragma unroll
+      for (int j = 0; j < CopyA::J; ++j)  // rows 64..127: the lo plane
+        mma::cp_async16(dst + Ly::sA + (ca.row(j) * LDT + ca.c8) * 2, blk + Wk::oA + (ca.row(j) * kBT + ca.c8) * 2);
+      const int Lc = static_cast<int>(min(int64_t{kBT}, sq.eos - sq.bos - static_cast<int64_t>(c) * kBT));
+#pragma unroll
+      for (int j = 0; j < CopyV::J; ++j) {
+        const int r = cv.row(j);
+        unsigned char* du = dst + Ly::sU + (r * LDV + cv.c8) * 2;
         if (DELTA)
-          mma::cp_async16(du, blk + Wk::oU + (r * V + v0 + c8) * 2);
+          mma::cp_async16(du, blk + Wk::oU + (r * V + v0 + cv.c8) * 2);
         else if (r < Lc)  // rows past the sequence are zeros (they meet zero Kd rows and A columns)
-          mma::cp_async16(du, static_cast<const bf16*>(p.v) + sq.b_row * p.v_s[0] + (t0 + r) * p.v_s[1] + hv * p.v_s[2] + v0 + c8);
+          mma::cp_async16(du, v_in + (static_cast<int64_t>(c) * kBT + r) * p.v_s[1]);
         else
           *reinterpret_cast<uint4*>(du) = make_uint4(0, 0, 0, 0);
       }
-      for (int idx = tid; idx < K / 4; idx += kScanThreads)
-        mma::cp_async16(dst + Ly::sDL + idx * 16, blk + Wk::oDL + idx * 16);
+      if (tid < K / 4) mma::cp_async16(dst + Ly::sDL + tid * 16, blk + Wk::oDL + tid * 16);
     }
     mma::cp_async_commit();
   };
