@@ -48,6 +48,70 @@ def geomean(xs):
     return out ** (1 / len(xs))
 
 
+def plot(path, title, names, series):
+    """Bar chart of median ms per configuration: series = [(implementation, [ms per name])]."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:
+        print(f"no plot ({e})")
+        return False
+    fig, ax = plt.subplots(figsize=(11, 4))
+    w = 0.8 / len(series)
+    for j, (impl, vals) in enumerate(series):
+        ax.bar([i + j * w for i in range(len(names))], vals, w, label=impl)
+    ax.set_xticks([i + 0.4 for i in range(len(names))], names, rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel("ms")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def series_from_records(records):
+    """(config names in order, [(implementation, [ms per name])]) from a results file's records:
+    floor, cula, then the peers in the order they first appear."""
+    names, ms = [], {}
+    for r in records:
+        if "median_ms" not in r or not isinstance(r.get("config"), dict) or "name" not in r["config"]:
+            continue
+        name = r["config"]["name"]
+        if name not in names:
+            names.append(name)
+        ms.setdefault(r["impl"], {})[name] = r["median_ms"]
+    order = [i for i in ("floor", "cula") if i in ms] + [i for i in ms if i not in ("floor", "cula")]
+    return names, [(i, [ms[i].get(n, 0) for n in names]) for i in order]
+
+
+def replot(out_dir):
+    """Re-draws <op>.png from every <op>.json in out_dir (the plot beside a results file then always
+    shows that file's numbers)."""
+    done = 0
+    for fn in sorted(os.listdir(out_dir)):
+        if not fn.endswith(".json"):
+            continue
+        with open(os.path.join(out_dir, fn)) as f:
+            data = json.load(f)
+        meta = data.get("meta", {})
+        names, series = series_from_records(data.get("records", []))
+        if not names:
+            continue
+        title = meta.get("title")
+        md = os.path.join(out_dir, fn[:-5] + ".md")
+        if not title and os.path.exists(md):  # files written before the title was kept in meta
+            with open(md) as f:
+                head = f.readline().strip().lstrip("# ")
+            title = head.rsplit(" (", 1)[0] if head.endswith(")") else head
+        title = title or fn[:-5]
+        done += plot(os.path.join(out_dir, fn[:-5] + ".png"), f"{title} ({meta.get('gpu', '?')})", names, series)
+    print(f"{done} plots written in {out_dir}")
+    return 0
+
+
 def write_report(out_dir, op, title, meta, rows, records, peers):
     """rows: (config name, {impl: ms}, floor ms, cula kernel, {"rel_vs_fla": x}). Appends the
     geometric-mean records, writes <op>.json, <op>.md and <op>.png; returns the Markdown lines."""
@@ -76,30 +140,14 @@ def write_report(out_dir, op, title, meta, rows, records, peers):
             records.append(dict(op=op, config="grid", impl=f"geomean_{p}_over_cula", ratio=round(gm, 3),
                                 worst=round(min(geo[p]), 3)))
     os.makedirs(out_dir, exist_ok=True)
+    meta = dict(meta, title=title)
     with open(os.path.join(out_dir, f"{op}.json"), "w") as f:
         json.dump(dict(meta=meta, records=records), f, indent=1)
     with open(os.path.join(out_dir, f"{op}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(11, 4))
-        names = [r[0] for r in rows]
-        allimpl = ["floor", "cula"] + list(peers)
-        w = 0.8 / len(allimpl)
-        for j, impl in enumerate(allimpl):
-            vals = [r[2] if impl == "floor" else r[1].get(impl, 0) for r in rows]
-            ax.bar([i + j * w for i in range(len(rows))], vals, w, label=impl)
-        ax.set_xticks([i + 0.4 for i in range(len(rows))], names, rotation=30, ha="right", fontsize=7)
-        ax.set_ylabel("ms")
-        ax.set_title(f"{title} ({meta['gpu']})")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(os.path.join(out_dir, f"{op}.png"), dpi=110)
-    except Exception as e:
-        print(f"no plot ({e})")
+    names = [r[0] for r in rows]
+    series = [("floor", [r[2] for r in rows]), ("cula", [r[1]["cula"] for r in rows])]
+    series += [(p, [r[1].get(p, 0) for r in rows]) for p in peers]
+    plot(os.path.join(out_dir, f"{op}.png"), f"{title} ({meta['gpu']})", names, series)
     print("\n".join(lines))
     return lines

@@ -33,10 +33,11 @@ def main(argv=None) -> int:
     demo = sub.add_parser("demo", help="run every family on the best backend, check it, show linear vs softmax cost")
     demo.add_argument("--quick", action="store_true", help="smaller sizes (for tests)")
     bench = sub.add_parser("bench", help="benchmarks")
-    bench.add_argument("suite", choices=["cpu", "decode", "kda", "gdn", "gla", "simple_gla", "lightning"],
+    bench.add_argument("suite", choices=["cpu", "decode", "kda", "gdn", "gla", "simple_gla", "lightning", "replot"],
                        help="cpu: fast CPU path vs the float64 reference; decode: CUDA decode vs FLA; kda: KDA chunked "
                        "forward vs FLA, FlashKDA and SDPA; gdn, gla, simple_gla, lightning: that family's chunked "
-                       "forward vs FLA and SDPA (GPU suites need torch + a GPU)")
+                       "forward vs FLA and SDPA (GPU suites need torch + a GPU); replot: re-draw the PNG beside "
+                       "every results JSON in --out (needs matplotlib)")
     bench.add_argument("--only", default=None, help="chunked-forward suites: comma-separated config names to run "
                        "(default: all)")
     bench.add_argument("--out", default=None, help="directory for the JSON and Markdown results "
@@ -50,6 +51,10 @@ def main(argv=None) -> int:
 
         return run_demo(quick=args.quick)
     if args.cmd == "bench":
+        if args.suite == "replot":
+            from .bench_common import replot
+
+            return replot(args.out or "bench/results/gpu")
         if args.suite == "cpu":
             from .bench import bench_cpu
 

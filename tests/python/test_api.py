@@ -133,3 +133,27 @@ def test_last_kernel_names_the_row_that_ran(rng):
                 beta=beta[:, :1].reshape(1, 1, H))
     assert cula.last_kernel() == "cpu"
     assert cula.backend_for("chunk_fwd", "cpu") == "cpu"
+
+
+def test_bench_results_series_follow_the_json_records(tmp_path):
+    """The plot beside a results file is drawn from that file's records: configurations in order,
+    floor and cula first, peers as they appear; records without a named configuration (decode,
+    geometric means, ratios) are left out."""
+    import json
+
+    from cula.bench_common import replot, series_from_records
+
+    cfg = lambda name: dict(name=name, B=1, T=64, H=1)  # noqa: E731
+    records = [dict(op="x", config=cfg("a"), impl="cula", median_ms=1.5),
+               dict(op="x", config=cfg("a"), impl="fla_triton", median_ms=3.0),
+               dict(op="x", config=cfg("a"), impl="floor", median_ms=0.25),
+               dict(op="x", config=cfg("a"), impl="ratio_fla_triton_over_cula", ratio=2.0),
+               dict(op="x", config=cfg("b"), impl="cula", median_ms=2.5),
+               dict(op="x", config=cfg("b"), impl="floor", median_ms=0.5),
+               dict(op="x", config=dict(N=1, T=1), impl="cula", median_ms=9.0),
+               dict(op="x", config="grid", impl="geomean_fla_triton_over_cula", ratio=2.0)]
+    names, series = series_from_records(records)
+    assert names == ["a", "b"]
+    assert series == [("floor", [0.25, 0.5]), ("cula", [1.5, 2.5]), ("fla_triton", [3.0, 0])]
+    (tmp_path / "x.json").write_text(json.dumps(dict(meta=dict(gpu="g"), records=records)))
+    assert replot(str(tmp_path)) == 0  # draws x.png where matplotlib is installed, says so where not
