@@ -113,8 +113,9 @@ struct PrepLayout {
   static_assert(oSTEEP + 16 <= oTAB, "exact-path scratch fits the Minv buffer");
 };
 
-// A diagonal block is steep when some channel decays by more than this inside it: Kr = k e^{G_b - G_j}
-// could overflow there, so its pair products are taken per element instead (exact for any decay).
+// A diagonal block (no delta rule) is steep when some channel decays by more than this inside it:
+// its left factor e^{G_bI - G_eI} could overflow there, so its pair products are taken per element
+// instead (exact for any decay).
 constexpr float kSteepSpan = 64.0f;
 
 // sU holds U (delta rule) or the v slice read from the input; Vnew exists only with the delta rule.
@@ -330,8 +331,8 @@ __global__ void __launch_bounds__(kThreads, DELTA ? 3 : 4)
   } else {
 
     // ---- per k-step (a rolled loop keeps the code small): local cumulative gate; block sums to
-    // shared memory; el = e^{G_i - G_bI}: Kr = k / el (KR), and in place Kl = k el (delta rule) or
-    // Kt = k e^{G_eI - G_i} (<= 1, through the block's last row e_I; no delta rule), Ql = q el.
+    // shared memory; el = e^{G_i - G_bI}: with the delta rule Kr = k / el (KR) and in place Kl = k el;
+    // without it, in place Kt = k e^{G_eI - G_i} (<= 1, through the block's last row e_I); Ql = q el.
     bool steep = false;
 #pragma unroll 1
     for (int kk = 0; kk < KS; ++kk) {
