@@ -249,11 +249,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int kk = 0; kk < KS; ++kk) mma::ldsm_x4(qf[kk], q_s + (bI + mma::a_row(lane)) * LDK + 16 * kk + mma::a_col(lane));
 
     // o = qs_i e^{G_i} (q_i S)
-    float o[NTH][4];
-#pragma unroll
-    for (int nt = 0; nt < NTH; ++nt)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) o[nt][r] = 0.0f;
+    float o[NTH][4] = {};
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk)
 #pragma unroll
@@ -279,11 +275,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // two blocks, not four); the partial for the partner's half goes through xo_s behind B2.
     // Unrolled (two accumulator chains over the k-steps) so the blocks of a warp overlap.
     const int hw = warp >> 2;
-    float ox[NT][4];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) ox[nt][r] = 0.0f;
+    float ox[NT][4] = {};
 #pragma unroll
     for (int Jb = 0; Jb < 4; ++Jb) {
       if (Jb > I || (Jb & 1) != hw) continue;
