@@ -147,6 +147,22 @@ def test_mma_forward_state_pool_in_place(rng):
     assert rel(pool[[4, 1]].cpu().numpy(), pool_ref[[4, 1]].numpy()) < TOL
 
 
+def _finite_and_equal_to_recurrent(run, v, kernel):
+    """run(v) -> (o, final state) on the kernel named, finite; the same call with an unaligned v
+    view falls back to the recurrent kernel and gives the same result."""
+    o, s = run(v)
+    torch.cuda.synchronize()
+    assert cula.last_kernel() == kernel
+    assert torch.isfinite(o.float()).all() and torch.isfinite(s).all()
+    v2 = torch.empty(*v.shape[:-1], v.shape[-1] + 1, device=v.device, dtype=v.dtype)[..., 1:]
+    v2.copy_(v)
+    o2, s2 = run(v2)
+    torch.cuda.synchronize()
+    assert cula.last_kernel() == "cuda"
+    assert rel(o.float().cpu().numpy(), o2.float().cpu().numpy()) < TOL
+    assert rel(s.cpu().numpy(), s2.cpu().numpy()) < TOL
+
+
 def test_mma_forward_long_sequence_at_lower_bound(rng):
     """64k tokens with every gate at the lower bound: finite, and equal to the recurrent kernel."""
     T, H, K = 65536, 1, 128
@@ -155,18 +171,7 @@ def test_mma_forward_long_sequence_at_lower_bound(rng):
     beta = torch.randn(1, T, H, device="cuda")
     kw = dict(use_gate_in_kernel=True, lower_bound=-5.0, safe_gate=True, A_log=torch.zeros(H, device="cuda"),
               use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, output_final_state=True)
-    o, s = cula.chunk_kda(q, k, v, g, beta, **kw)
-    torch.cuda.synchronize()
-    assert cula.last_kernel() == "cuda_mma"
-    assert torch.isfinite(o.float()).all() and torch.isfinite(s).all()
-    # same call with an unaligned v view: the dispatch falls back to the recurrent kernel
-    v2 = torch.empty(1, T, H, K + 1, device="cuda", dtype=torch.bfloat16)[..., 1:]
-    v2.copy_(v)
-    o2, s2 = cula.chunk_kda(q, k, v2, g, beta, **kw)
-    torch.cuda.synchronize()
-    assert cula.last_kernel() == "cuda"
-    assert rel(o.float().cpu().numpy(), o2.float().cpu().numpy()) < TOL
-    assert rel(s.cpu().numpy(), s2.cpu().numpy()) < TOL
+    _finite_and_equal_to_recurrent(lambda vv: cula.chunk_kda(q, k, vv, g, beta, **kw), v, "cuda_mma")
 
 
 @pytest.mark.parametrize("family", ["gdn", "gla", "lightning"])
@@ -182,22 +187,13 @@ def test_mma_forward_long_sequence_with_steep_decay(rng, family):
         args = dict(g=-torch.rand(1, T, H, K, device="cuda") * 40.0, use_qk_l2norm_in_kernel=True)
     else:
         args = dict(decay=torch.tensor([0.01, 25.0], device="cuda"))
-    o, s = cula.chunk_fwd(family, q, k, v, output_final_state=True, **args)
-    torch.cuda.synchronize()
-    assert cula.last_kernel() == KERNEL[family]
-    assert torch.isfinite(o.float()).all() and torch.isfinite(s).all()
-    v2 = torch.empty(1, T, H, K + 1, device="cuda", dtype=torch.bfloat16)[..., 1:]
-    v2.copy_(v)
-    o2, s2 = cula.chunk_fwd(family, q, k, v2, output_final_state=True, **args)
-    torch.cuda.synchronize()
-    assert cula.last_kernel() == "cuda"
-    assert rel(o.float().cpu().numpy(), o2.float().cpu().numpy()) < TOL
-    assert rel(s.cpu().numpy(), s2.cpu().numpy()) < TOL
+    _finite_and_equal_to_recurrent(lambda vv: cula.chunk_fwd(family, q, k, vv, output_final_state=True, **args), v,
+                                   KERNEL[family])
 
 
 @pytest.mark.parametrize("family", ["gdn", "gla", "lightning"])
 def test_mma_forward_state_pool_in_place_other_families(rng, family):
-    """State pool read and written in place by the scalar-decay kernels; slots not named stay."""
+    """State pool read and written in place by the GDN, GLA and Lightning kernels; slots not named stay."""
     H, K, V, P = 2, 128, 64, 5
     t = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32))  # noqa: E731
     q, k, v = t(1, 300, H, K).bfloat16(), (t(1, 300, H, K) * K ** -0.5).bfloat16(), t(1, 300, H, V).bfloat16()
