@@ -77,7 +77,6 @@ def view(x, name) -> _lib.Tensor | None:
             raise CulaError(f"argument '{name}': expected a CPU or CUDA tensor, got a tensor on {x.device}")
         # one constructor call (this runs for every tensor of every call: host time per call)
         return _lib.Tensor(x.data_ptr() or None, code, n, _Dims(*shape), _Dims(*x.stride()), dev_type, dev_id)
-    t = _lib.Tensor()
     if isinstance(x, np.ndarray):
         code = _NP_DTYPES.get(x.dtype)
         if code is None:
@@ -86,14 +85,8 @@ def view(x, name) -> _lib.Tensor | None:
             raise CulaError(f"argument '{name}': expected at most {_lib.MAX_DIMS} dimensions, got {x.ndim}")
         if any(s % x.itemsize for s in x.strides):
             raise CulaError(f"argument '{name}': expected strides that are multiples of the item size, got {x.strides}")
-        t.data = x.ctypes.data or None
-        t.dtype = code
-        t.ndim = x.ndim
-        for i, (s, st) in enumerate(zip(x.shape, x.strides)):
-            t.shape[i] = s
-            t.strides[i] = st // x.itemsize
-        t.device_type, t.device_id = _lib.CPU, 0
-        return t
+        return _lib.Tensor(x.ctypes.data or None, code, x.ndim, _Dims(*x.shape),
+                           _Dims(*(st // x.itemsize for st in x.strides)), _lib.CPU, 0)
     raise CulaError(f"argument '{name}': expected a torch tensor or a numpy array, got {type(x).__name__}")
 
 
