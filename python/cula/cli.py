@@ -51,6 +51,7 @@ def main(argv=None) -> int:
 
         return run_demo(quick=args.quick)
     if args.cmd == "bench":
+        only = set(args.only.split(",")) if args.only else None
         if args.suite == "replot":
             from .bench_common import replot
 
@@ -62,12 +63,10 @@ def main(argv=None) -> int:
         if args.suite == "kda":
             from .bench_kda import CONFIGS, bench_kda
 
-            only = set(args.only.split(",")) if args.only else None
             return bench_kda(args.out or "bench/results/gpu", configs=[c for c in CONFIGS if not only or c[0] in only])
         if args.suite in ("gdn", "gla", "simple_gla", "lightning"):
             from .bench_fwd import CONFIGS, bench_fwd
 
-            only = set(args.only.split(",")) if args.only else None
             return bench_fwd(args.suite, args.out or "bench/results/gpu",
                              configs=[c for c in CONFIGS if not only or c[0] in only])
         from .bench_decode import bench_decode
