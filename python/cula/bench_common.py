@@ -145,9 +145,6 @@ def write_report(out_dir, op, title, meta, rows, records, peers):
         json.dump(dict(meta=meta, records=records), f, indent=1)
     with open(os.path.join(out_dir, f"{op}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    names = [r[0] for r in rows]
-    series = [("floor", [r[2] for r in rows]), ("cula", [r[1]["cula"] for r in rows])]
-    series += [(p, [r[1].get(p, 0) for r in rows]) for p in peers]
-    plot(os.path.join(out_dir, f"{op}.png"), f"{title} ({meta['gpu']})", names, series)
+    plot(os.path.join(out_dir, f"{op}.png"), f"{title} ({meta['gpu']})", *series_from_records(records))  # as replot
     print("\n".join(lines))
     return lines
