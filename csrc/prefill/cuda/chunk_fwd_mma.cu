@@ -521,8 +521,8 @@ __global__ void __launch_bounds__(kThreads, DELTA ? 3 : 4)
     }
   }
   if constexpr (!DELTA) {
-    // Steep diagonal blocks: Kr may have overflowed there, so their products are replaced by
-    // sums taken per element, each pair with its own exponent.
+    // Steep diagonal blocks: the left factor e^{G_bI - G_eI} may have overflowed there, so their
+    // products are replaced by sums taken per element, each pair with its own exponent.
 #pragma unroll
     for (int q = 0; q < 3; ++q)
       if (pi[q] >= 0 && pi[q] == pj[q] && steep_s[pi[q]]) exact_diagonal(pi[q], aqk[q]);
