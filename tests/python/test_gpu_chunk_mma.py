@@ -243,3 +243,50 @@ def test_mma_gla_steep_and_gentle_blocks(rng, span):
     errs = (rel(out.float().cpu().numpy(), ref[0].float().numpy()), rel(s.cpu().numpy(), ref[1].float().numpy()))
     print(span, errs)
     assert max(errs) < TOL, errs
+
+
+@pytest.mark.parametrize("layout", ["batch", "varlen", "slots", "short"])
+@pytest.mark.parametrize("family", ["simple_gla", "lightning"])
+def test_fused_split_sequences(rng, family, layout):
+    """Few long sequences: the fused kernel splits each sequence into segments that start from
+    states a local pass combines (at these shapes on any GPU with >= 16 SMs: 2 to 4 segments of
+    2 parts). Gentle decays, so every segment's initial state matters; against float64 with an
+    initial state, final and intermediate states, uneven, short and empty varlen sequences, and a
+    state pool updated in place ("slots"); "short" is the smallest split (K = V = 64, 4200 tokens) for
+    the sanitizer."""
+    H, group, K, V = 1, 2, (64 if layout == "short" else 128), (64 if layout == "short" else 128)
+    HV = H * group
+    seqlens = {"batch": None, "short": None, "varlen": [10000, 0, 7000, 100], "slots": [9000, 8100]}[layout]
+    B, T = ((2, 8192) if layout == "batch" else (1, 4200)) if seqlens is None else (1, sum(seqlens))
+    N = B if seqlens is None else len(seqlens)
+    t = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32))  # noqa: E731
+    q, k, v = t(B, T, H, K).bfloat16(), (t(B, T, H, K) * K ** -0.5).bfloat16(), t(B, T, HV, V).bfloat16()
+    if family == "simple_gla":
+        gate = dict(g=torch.from_numpy(-rng.uniform(0.0, 2e-3, (B, T, HV)).astype(np.float32)))
+    else:
+        gate = dict(decay=torch.from_numpy(rng.uniform(2e-4, 2e-3, H).astype(np.float32)))
+    cu = torch.tensor(np.cumsum([0] + seqlens), dtype=torch.int32) if seqlens else None
+    h0 = t(N, HV, V, K) * 0.3
+    states = dict(initial_state=h0, output_final_state=True) if layout != "slots" else dict(
+        state_pool=torch.cat([t(1, HV, V, K), h0]), state_indices=torch.tensor([2, 1], dtype=torch.int32))
+    inter = seqlens is None
+    host = {n: x.clone() if torch.is_tensor(x) else x for n, x in states.items()}
+    ref = cula.chunk_fwd(family, q.float(), k.float(), v.float(), cu_seqlens=cu, backend="reference",
+                         return_intermediate_states=inter, **gate, **host)
+    dev = {n: x.cuda() if torch.is_tensor(x) else x for n, x in states.items()}
+    out = torch.full((B, T, HV, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+    got = cula.chunk_fwd(family, q.cuda(), k.cuda(), v.cuda(), cu_seqlens=None if cu is None else cu.cuda(), out=out,
+                         return_intermediate_states=inter, **{n: x.cuda() for n, x in gate.items()}, **dev)
+    torch.cuda.synchronize()
+    assert cula.last_kernel() == "cuda_fused"
+    assert torch.isfinite(out.float()).all(), "unwritten or non-finite output"
+    errs = [rel(out.float().cpu().numpy(), ref[0].float().numpy())]
+    if layout == "slots":
+        assert torch.equal(dev["state_pool"][0].cpu(), states["state_pool"][0]), "slot 0 not named but changed"
+        errs.append(rel(dev["state_pool"][1:].cpu().numpy(), host["state_pool"][1:].numpy()))
+    else:
+        errs.append(rel(got[1].cpu().numpy(), ref[1].float().numpy()))
+    if inter:
+        errs.append(rel(got[2].float().cpu().numpy(), ref[2].float().numpy()))
+    print(family, layout, errs)
+    assert max(errs) < TOL, errs

@@ -25,10 +25,16 @@
 // v slice, factors), S (bf16), the scaled v (Vd, bf16), the partial o (fp32).
 // Barriers per chunk: B1 stage in and S written; B2 Vd and partial o written, S read; B3 stage,
 // S, Vd and partial o free.
+// Split sequences (few sequence x head chains, long sequences; plan_fused): each sequence is cut
+// into nseg segments run by separate fused CTAs. A local pass (the same kernel, kLocal: k, v and
+// factors only, ~65 KB, state updates only) first computes each part's own contribution from a
+// zero state and its total decay; a segment's CTA starts from S0 and folds in the parts before it
+// (S = D_j S + L_j, fp32, the same sums in another order).
 // Where the time goes (docs/NOTES.md): issue-latency bound, two warps per scheduler.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <initializer_list>
 
 #include "common/error.h"
@@ -57,13 +63,28 @@ constexpr int kFactorWarps = 4;
 constexpr int kFG = 0, kFQS = kBT, kFO = 2 * kBT, kFV = 3 * kBT, kFP = 4 * kBT, kFL = 5 * kBT;
 constexpr int kFactorFloats = 5 * kBT + 4;  // 16-byte multiple
 
-template <int K, int VB>
+// kLocal: the local pass of a split sequence (state updates only: no q, no bf16 S, no partial o).
+template <int K, int VB, bool kLocal>
 struct FusedLayout {
   static constexpr int LDK = K + 8, LDV = VB + 8;
-  static constexpr int sQ = 0, sK = sQ + kBT * LDK * 2, sV = sK + kBT * LDK * 2, sF = sV + kBT * LDV * 2,
-                       stage = sF + kFactorFloats * 4;
+  static constexpr int sQ = 0, sK = sQ + (kLocal ? 0 : kBT * LDK * 2), sV = sK + kBT * LDK * 2,
+                       sF = sV + kBT * LDV * 2, stage = sF + kFactorFloats * 4;
   static constexpr int LDX = VB + 8;  // fp32 partial o of the partner warp (conflict-free float2 rows)
-  static constexpr int oS = 2 * stage, oVD = oS + K * LDV * 2, oX = oVD + kBT * LDV * 2, bytes = oX + kBT * LDX * 4;
+  static constexpr int oS = 2 * stage, oVD = oS + (kLocal ? 0 : K * LDV * 2), oX = oVD + kBT * LDV * 2,
+                       bytes = oX + (kLocal ? 0 : kBT * LDX * 4);
+};
+
+// A sequence split into nseg segments of nsub parts each (nseg = 1: not split). Part j of a
+// sequence with C chunks is chunks [j P, (j + 1) P) with P = ceil(C / (nseg nsub)), clipped to C;
+// segment s is parts [s nsub, (s + 1) nsub). Workspace, for the parts before the last segment:
+// loc, each part's own state contribution from a zero state, per (sequence, part, value head, V
+// slice), K x VB floats in StateSlice::save order; dec, each part's total decay (the product of
+// its chunks' e^{G_last}) per (sequence, part, value head); s0, the initial state per (sequence,
+// value head, V slice), copied by the local pass so that the fused pass never reads a pool slot
+// that its last segment writes.
+struct SplitState {
+  float *loc, *dec, *s0;
+  int nseg, nsub;
 };
 
 __device__ __forceinline__ uint32_t& u32at(bf16* p) { return *reinterpret_cast<uint32_t*>(p); }
@@ -142,10 +163,13 @@ __global__ void __launch_bounds__(32 * kFactorWarps)
   if (lane < 4) f[kFL + lane] = __expf(glast);
 }
 
-template <int K, int VB>
-__global__ void __launch_bounds__(kThreads, 1)
-    chunk_fused_kernel(const FwdParams p, const int32_t* __restrict__ chunk_base, const float* __restrict__ fac) {
-  using Ly = FusedLayout<K, VB>;
+// kLocal: the local pass of a split sequence, one CTA per (sequence, value head, V slice, part
+// before the last segment); otherwise one CTA per (sequence, value head, V slice, segment).
+template <int K, int VB, bool kLocal>
+__global__ void __launch_bounds__(kThreads, kLocal ? 3 : 1)  // the local pass: ~65 KB, three CTAs per SM
+    chunk_fused_kernel(const FwdParams p, const int32_t* __restrict__ chunk_base, const float* __restrict__ fac,
+                       const SplitState sp) {
+  using Ly = FusedLayout<K, VB, kLocal>;
   constexpr int LDK = Ly::LDK, LDV = Ly::LDV;
   constexpr int KS = K / 16;
   constexpr int NT = VB / 8;
@@ -165,9 +189,34 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int h = hv / (p.HV / p.H);
   const uint4 zero4 = make_uint4(0, 0, 0, 0);
 
+  // This CTA's chunks [c_begin, c_end) and the state at c_begin.
+  const int nvb = p.V / VB, vs = v0 / VB;
+  const int parts = sp.nseg * sp.nsub, part_len = (nchunks + parts - 1) / parts;
+  const int y = static_cast<int>(blockIdx.y), first_part = kLocal ? y : y * sp.nsub;
+  const int c_begin = min(first_part * part_len, nchunks);
+  const int c_end = min(c_begin + (kLocal ? 1 : sp.nsub) * part_len, nchunks);
+  const bool last_segment = !kLocal && y == sp.nseg - 1;
+  const int64_t slice_floats = int64_t{K} * VB;
+  const int64_t head_slice = static_cast<int64_t>(hv) * nvb + vs;
+  const int local_parts = (sp.nseg - 1) * sp.nsub;  // parts with a local state
   StateSlice<K, VB> S(warp, lane, v0);
   const int64_t slot = StateSlice<K, VB>::pool_slot(p, n);
-  S.load(p, n, hv, slot);
+  if (kLocal) {
+    if (y == 0) {
+      S.load(p, n, hv, slot);
+      S.save(sp.s0 + (static_cast<int64_t>(n) * p.HV * nvb + head_slice) * slice_floats, tid);
+    }
+    S.zero();
+  } else if (sp.nseg == 1) {
+    S.load(p, n, hv, slot);
+  } else {
+    if (c_begin == c_end && !last_segment) return;
+    S.load_saved(sp.s0 + (static_cast<int64_t>(n) * p.HV * nvb + head_slice) * slice_floats, tid);
+    for (int j = 0; j < first_part; ++j) {
+      const int64_t nj = static_cast<int64_t>(n) * local_parts + j;
+      S.scale_add(sp.loc + (nj * p.HV * nvb + head_slice) * slice_floats, tid, sp.dec[nj * p.HV + hv]);
+    }
+  }
 
   // One chunk's q, k, v slice and factors into stage st (rows past the sequence are zeros; an
   // empty commit group past the end).
@@ -179,7 +228,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const bf16* k_in = static_cast<const bf16*>(p.k) + sq.b_row * p.k_s[0] + sq.bos * p.k_s[1] + h * p.k_s[2] + ck.c8;
   const bf16* v_in = static_cast<const bf16*>(p.v) + sq.b_row * p.v_s[0] + sq.bos * p.v_s[1] + hv * p.v_s[2] + v0 + cv.c8;
   auto stage_in = [&](int c, int st) {
-    if (c < nchunks) {
+    if (c < c_end) {
       unsigned char* dst = smem + st * Ly::stage;
       const int64_t t0 = static_cast<int64_t>(c) * kBT;  // from the sequence start
       const int Lc = static_cast<int>(min(int64_t{kBT}, sq.eos - sq.bos - t0));
@@ -189,10 +238,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         bf16* dq = reinterpret_cast<bf16*>(dst + Ly::sQ) + r * LDK + ck.c8;
         bf16* dk = reinterpret_cast<bf16*>(dst + Ly::sK) + r * LDK + ck.c8;
         if (r < Lc) {
-          mma::cp_async16(dq, q_in + (t0 + r) * p.q_s[1]);
+          if (!kLocal) mma::cp_async16(dq, q_in + (t0 + r) * p.q_s[1]);
           mma::cp_async16(dk, k_in + (t0 + r) * p.k_s[1]);
         } else {
-          *reinterpret_cast<uint4*>(dq) = zero4;
+          if (!kLocal) *reinterpret_cast<uint4*>(dq) = zero4;
           *reinterpret_cast<uint4*>(dk) = zero4;
         }
       }
@@ -211,11 +260,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     mma::cp_async_commit();
   };
 
-  stage_in(0, 0);
-  stage_in(1, 1);
+  stage_in(c_begin, 0);
+  stage_in(c_begin + 1, 1);
   bf16* og = static_cast<bf16*>(p.out);
-  for (int c = 0; c < nchunks; ++c) {
-    const int st = c & 1;
+  float decay_product = 1.0f;  // kLocal: the part's total decay
+  for (int c = c_begin; c < c_end; ++c) {
+    const int st = (c - c_begin) & 1;
     const unsigned char* base = smem + st * Ly::stage;
     const bf16* q_s = reinterpret_cast<const bf16*>(base + Ly::sQ);
     const bf16* k_s = reinterpret_cast<const bf16*>(base + Ly::sK);
@@ -225,8 +275,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int Lc = static_cast<int>(min(int64_t{kBT}, sq.eos - t0));
 
     // S (bf16) for the products; intermediate state (chunk start)
-    S.to_smem(s_s, LDV);
-    if (p.inter) S.store(p, p.inter, p.inter_dt, cbase + c, hv);
+    if (!kLocal) {
+      S.to_smem(s_s, LDV);
+      if (p.inter) S.store(p, p.inter, p.inter_dt, cbase + c, hv);
+    }
     asm volatile("cp.async.wait_group 1;\n" ::: "memory");
     __syncthreads();  // B1: this chunk's stage landed; S visible
 
@@ -243,118 +295,134 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
 
-    // This warp's q rows as A fragments, once for q S and every block of q k^T
-    uint32_t qf[KS][4];
+    if constexpr (kLocal) {
+      __syncthreads();  // B2: Vd complete
+    } else {
+      // This warp's q rows as A fragments, once for q S and every block of q k^T
+      uint32_t qf[KS][4];
 #pragma unroll
-    for (int kk = 0; kk < KS; ++kk) mma::ldsm_x4(qf[kk], q_s + (bI + mma::a_row(lane)) * LDK + 16 * kk + mma::a_col(lane));
+      for (int kk = 0; kk < KS; ++kk) mma::ldsm_x4(qf[kk], q_s + (bI + mma::a_row(lane)) * LDK + 16 * kk + mma::a_col(lane));
 
-    // o = qs_i e^{G_i} (q_i S)
-    float o[NTH][4] = {};
+      // o = qs_i e^{G_i} (q_i S)
+      float o[NTH][4] = {};
 #pragma unroll
-    for (int kk = 0; kk < KS; ++kk)
+      for (int kk = 0; kk < KS; ++kk)
 #pragma unroll
-      for (int np = 0; np < NTH / 2; ++np) {
-        uint32_t b[4];
-        mma::ldsm_x4_t(b, s_s + (16 * kk + mma::bk_row(lane)) * LDV + hc0 + 16 * np + mma::bk_col(lane));
-        mma::mma16816(o[2 * np], qf[kk], b[0], b[1]);
-        mma::mma16816(o[2 * np + 1], qf[kk], b[2], b[3]);
+        for (int np = 0; np < NTH / 2; ++np) {
+          uint32_t b[4];
+          mma::ldsm_x4_t(b, s_s + (16 * kk + mma::bk_row(lane)) * LDV + hc0 + 16 * np + mma::bk_col(lane));
+          mma::mma16816(o[2 * np], qf[kk], b[0], b[1]);
+          mma::mma16816(o[2 * np + 1], qf[kk], b[2], b[3]);
+        }
+      float gi[2], qi[2];
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int row = bI + g + 8 * hh;
+        gi[hh] = F[kFG + row], qi[hh] = F[kFQS + row];
+        const float f = F[kFO + row];
+#pragma unroll
+        for (int nt = 0; nt < NTH; ++nt) o[nt][2 * hh] *= f, o[nt][2 * hh + 1] *= f;
       }
-    float gi[2], qi[2];
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int row = bI + g + 8 * hh;
-      gi[hh] = F[kFG + row], qi[hh] = F[kFQS + row];
-      const float f = F[kFO + row];
-#pragma unroll
-      for (int nt = 0; nt < NTH; ++nt) o[nt][2 * hh] *= f, o[nt][2 * hh + 1] *= f;
-    }
 
-    // o += A v block by block: A = (q k^T) scaled per pair, lower triangle only, kept in
-    // registers as bf16 hi + lo A fragments. The blocks Jb <= I are split between the two warps of
-    // row block I by parity and each is applied to all VB columns (the longest row block costs
-    // two blocks, not four); the partial for the partner's half goes through xo_s behind B2.
-    // Unrolled (two accumulator chains over the k-steps) so the blocks of a warp overlap.
-    const int hw = warp >> 2;
-    float ox[NT][4] = {};
+      // o += A v block by block: A = (q k^T) scaled per pair, lower triangle only, kept in
+      // registers as bf16 hi + lo A fragments. The blocks Jb <= I are split between the two warps of
+      // row block I by parity and each is applied to all VB columns (the longest row block costs
+      // two blocks, not four); the partial for the partner's half goes through xo_s behind B2.
+      // Unrolled (two accumulator chains over the k-steps) so the blocks of a warp overlap.
+      const int hw = warp >> 2;
+      float ox[NT][4] = {};
 #pragma unroll
-    for (int Jb = 0; Jb < 4; ++Jb) {
-      if (Jb > I || (Jb & 1) != hw) continue;
-      float a[2][4] = {}, a2[2][4] = {};
+      for (int Jb = 0; Jb < 4; ++Jb) {
+        if (Jb > I || (Jb & 1) != hw) continue;
+        float a[2][4] = {}, a2[2][4] = {};
 #pragma unroll
-      for (int kk = 0; kk < KS; ++kk) {
-        uint32_t b[4];
-        mma::ldsm_x4(b, k_s + (16 * Jb + mma::bn_row(lane)) * LDK + 16 * kk + mma::bn_col(lane));
-        mma::mma16816((kk & 1) ? a2[0] : a[0], qf[kk], b[0], b[1]);
-        mma::mma16816((kk & 1) ? a2[1] : a[1], qf[kk], b[2], b[3]);
-      }
-      uint32_t ahi[4], alo[4];
+        for (int kk = 0; kk < KS; ++kk) {
+          uint32_t b[4];
+          mma::ldsm_x4(b, k_s + (16 * Jb + mma::bn_row(lane)) * LDK + 16 * kk + mma::bn_col(lane));
+          mma::mma16816((kk & 1) ? a2[0] : a[0], qf[kk], b[0], b[1]);
+          mma::mma16816((kk & 1) ? a2[1] : a[1], qf[kk], b[2], b[3]);
+        }
+        uint32_t ahi[4], alo[4];
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const int j = 16 * Jb + nt * 8 + 2 * t;
-        const float2 pj = *reinterpret_cast<const float2*>(F + kFP + j);
+        for (int nt = 0; nt < 2; ++nt) {
+          const int j = 16 * Jb + nt * 8 + 2 * t;
+          const float2 pj = *reinterpret_cast<const float2*>(F + kFP + j);
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int i = bI + g + 8 * hh;
-          const float x0 = j <= i ? (a[nt][2 * hh] + a2[nt][2 * hh]) * qi[hh] * __expf(gi[hh] - pj.x) : 0.0f;
-          const float x1 = j + 1 <= i ? (a[nt][2 * hh + 1] + a2[nt][2 * hh + 1]) * qi[hh] * __expf(gi[hh] - pj.y) : 0.0f;
-          const uint32_t hi = pack(x0, x1);
-          const float2 h2 = unpack(hi);
-          ahi[2 * nt + hh] = hi;  // fragment a0..a3 = (row g, k lo), (row g+8, k lo), (row g, k hi), (row g+8, k hi)
-          alo[2 * nt + hh] = pack(x0 - h2.x, x1 - h2.y);
+          for (int hh = 0; hh < 2; ++hh) {
+            const int i = bI + g + 8 * hh;
+            const float x0 = j <= i ? (a[nt][2 * hh] + a2[nt][2 * hh]) * qi[hh] * __expf(gi[hh] - pj.x) : 0.0f;
+            const float x1 = j + 1 <= i ? (a[nt][2 * hh + 1] + a2[nt][2 * hh + 1]) * qi[hh] * __expf(gi[hh] - pj.y) : 0.0f;
+            const uint32_t hi = pack(x0, x1);
+            const float2 h2 = unpack(hi);
+            ahi[2 * nt + hh] = hi;  // fragment a0..a3 = (row g, k lo), (row g+8, k lo), (row g, k hi), (row g+8, k hi)
+            alo[2 * nt + hh] = pack(x0 - h2.x, x1 - h2.y);
+          }
+        }
+#pragma unroll
+        for (int np = 0; np < NT / 2; ++np) {
+          uint32_t b[4];
+          mma::ldsm_x4_t(b, v_s + (16 * Jb + mma::bk_row(lane)) * LDV + 16 * np + mma::bk_col(lane));
+          mma::mma16816(ox[2 * np], ahi, b[0], b[1]);
+          mma::mma16816(ox[2 * np + 1], ahi, b[2], b[3]);
+          mma::mma16816(ox[2 * np], alo, b[0], b[1]);
+          mma::mma16816(ox[2 * np + 1], alo, b[2], b[3]);
         }
       }
+      // own half into o, the partner's half to shared memory (n-tile indices stay compile-time)
 #pragma unroll
-      for (int np = 0; np < NT / 2; ++np) {
-        uint32_t b[4];
-        mma::ldsm_x4_t(b, v_s + (16 * Jb + mma::bk_row(lane)) * LDV + 16 * np + mma::bk_col(lane));
-        mma::mma16816(ox[2 * np], ahi, b[0], b[1]);
-        mma::mma16816(ox[2 * np + 1], ahi, b[2], b[3]);
-        mma::mma16816(ox[2 * np], alo, b[0], b[1]);
-        mma::mma16816(ox[2 * np + 1], alo, b[2], b[3]);
+      for (int nt = 0; nt < NT; ++nt) {
+        if (nt / NTH == hw) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) o[nt % NTH][r] += ox[nt][r];
+        } else {
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh)
+            *reinterpret_cast<float2*>(xo_s + (bI + g + 8 * hh) * LDX + nt * 8 + 2 * t) =
+                make_float2(ox[nt][2 * hh], ox[nt][2 * hh + 1]);
+        }
       }
-    }
-    // own half into o, the partner's half to shared memory (n-tile indices stay compile-time)
+      __syncthreads();  // B2: Vd and the partial o complete; every warp done reading S
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      if (nt / NTH == hw) {
+      for (int hh = 0; hh < 2; ++hh) {
+        const int row = bI + g + 8 * hh;
+        bf16* dst = og + sq.b_row * p.out_s[0] + (t0 + row) * p.out_s[1] + hv * p.out_s[2] + v0 + hc0 + 2 * t;
 #pragma unroll
-        for (int r = 0; r < 4; ++r) o[nt % NTH][r] += ox[nt][r];
-      } else {
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh)
-          *reinterpret_cast<float2*>(xo_s + (bI + g + 8 * hh) * LDX + nt * 8 + 2 * t) =
-              make_float2(ox[nt][2 * hh], ox[nt][2 * hh + 1]);
-      }
-    }
-    __syncthreads();  // B2: Vd and the partial o complete; every warp done reading S
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int row = bI + g + 8 * hh;
-      bf16* dst = og + sq.b_row * p.out_s[0] + (t0 + row) * p.out_s[1] + hv * p.out_s[2] + v0 + hc0 + 2 * t;
-#pragma unroll
-      for (int nt = 0; nt < NTH; ++nt) {
-        const float2 x = *reinterpret_cast<const float2*>(xo_s + row * LDX + hc0 + nt * 8 + 2 * t);
-        if (row < Lc) u32at(dst + nt * 8) = pack(o[nt][2 * hh] + x.x, o[nt][2 * hh + 1] + x.y);
+        for (int nt = 0; nt < NTH; ++nt) {
+          const float2 x = *reinterpret_cast<const float2*>(xo_s + row * LDX + hc0 + nt * 8 + 2 * t);
+          if (row < Lc) u32at(dst + nt * 8) = pack(o[nt][2 * hh] + x.x, o[nt][2 * hh + 1] + x.y);
+        }
       }
     }
 
     // S = e^{G_last} S + k^T Vd
     const float dl = F[kFL];
     S.update(k_s, LDK, vd_s, LDV, [&](int) { return dl; }, lane);
+    decay_product *= dl;
     __syncthreads();  // B3: stage st, S, Vd and the partial o no longer read
     stage_in(c + 2, st);
   }
 
-  if (p.ht) S.store(p, p.ht, p.ht_dt, n, hv);
-  if (slot >= 0) S.store(p, p.pool, p.pool_dt, slot, hv);
+  if (kLocal) {
+    const int64_t nj = static_cast<int64_t>(n) * local_parts + y;
+    S.save(sp.loc + (nj * p.HV * nvb + head_slice) * slice_floats, tid);
+    if (vs == 0 && tid == 0) sp.dec[nj * p.HV + hv] = decay_product;
+  } else if (last_segment) {
+    if (p.ht) S.store(p, p.ht, p.ht_dt, n, hv);
+    if (slot >= 0) S.store(p, p.pool, p.pool_dt, slot, hv);
+  }
 }
 
 template <int K, int VB>
-void run(const Recurrence& r, const FwdParams& p, int device, cudaStream_t stream) {
+void run(const Recurrence& r, const FwdParams& p, int nseg, int nsub, int device, cudaStream_t stream) {
   const int64_t max_chunks = chunk::max_chunks(p), base_bytes = chunk::base_bytes(p);
   const int64_t pairs = max_chunks * r.HV;
-  const int64_t bytes = base_bytes + pairs * kFactorFloats * 4;
   const int64_t fused_blocks = r.N * r.HV * (r.V / VB);
+  const int64_t local_parts = static_cast<int64_t>(nseg - 1) * nsub;
+  const int64_t slice_floats = int64_t{K} * VB, slices = fused_blocks;  // one per (sequence, head, V slice)
+  const int64_t fac_bytes = pairs * kFactorFloats * 4;
+  const int64_t loc_floats = local_parts * slices * slice_floats, dec_floats = (local_parts * r.N * r.HV + 3) / 4 * 4;
+  const int64_t s0_floats = nseg > 1 ? slices * slice_floats : 0;
+  const int64_t bytes = base_bytes + fac_bytes + (loc_floats + dec_floats + s0_floats) * 4;
   if (pairs >= (int64_t{1} << 31) || fused_blocks >= (int64_t{1} << 31))
     throw_unsupported("chunk_fwd", "too many chunks x heads for one launch");
   if (max_chunks == 0) return;
@@ -363,15 +431,53 @@ void run(const Recurrence& r, const FwdParams& p, int device, cudaStream_t strea
                "workspace allocation");
   int32_t* chunk_base = p.cu ? static_cast<int32_t*>(ws) : nullptr;
   float* fac = reinterpret_cast<float*>(static_cast<unsigned char*>(ws) + base_bytes);
+  SplitState sp{};
+  sp.nseg = nseg, sp.nsub = nsub;
+  sp.loc = fac + fac_bytes / 4;
+  sp.dec = sp.loc + loc_floats;
+  sp.s0 = sp.dec + dec_floats;
   if (p.cu) chunk::launch_chunk_base(p, chunk_base, stream);
   chunk_factor_kernel<<<static_cast<unsigned>((pairs + kFactorWarps - 1) / kFactorWarps), 32 * kFactorWarps, 0,
                         stream>>>(p, chunk_base, fac, static_cast<int>(pairs));
-  chunk::allow_smem(chunk_fused_kernel<K, VB>, FusedLayout<K, VB>::bytes);
-  chunk_fused_kernel<K, VB>
-      <<<static_cast<unsigned>(fused_blocks), kThreads, FusedLayout<K, VB>::bytes, stream>>>(p, chunk_base, fac);
+  if constexpr (VB == 64) {  // segments only with 64-column slices (plan_fused)
+    if (nseg > 1) {
+      chunk::allow_smem(chunk_fused_kernel<K, VB, true>, FusedLayout<K, VB, true>::bytes);
+      chunk_fused_kernel<K, VB, true>
+          <<<dim3(static_cast<unsigned>(fused_blocks), static_cast<unsigned>(local_parts)), kThreads,
+             FusedLayout<K, VB, true>::bytes, stream>>>(p, chunk_base, fac, sp);
+    }
+  }
+  chunk::allow_smem(chunk_fused_kernel<K, VB, false>, FusedLayout<K, VB, false>::bytes);
+  chunk_fused_kernel<K, VB, false>
+      <<<dim3(static_cast<unsigned>(fused_blocks), static_cast<unsigned>(nseg)), kThreads,
+         FusedLayout<K, VB, false>::bytes, stream>>>(p, chunk_base, fac, sp);
   const cudaError_t launched = cudaGetLastError();
   chunk::check(cudaFreeAsync(ws, stream), "workspace release");
   chunk::check(launched, "kernel launch");
+}
+
+// How a call is spread over the GPU (one fused CTA per SM, ~133 KB of shared memory at VB = 64).
+// Slices of 64 columns cost ~1.25x a 32-column slice per chunk (the q k^T work is per slice),
+// so 64 is the default; when the (sequence, head, 64-column slice) chains fill at most half the
+// SMs, sequences are split into segments (the chain per CTA shortens by the split factor; a local
+// pass costing ~1/4 of a fused chunk provides each segment's initial state); otherwise slices of
+// 32 columns when those still fit in one wave.
+struct FusedPlan {
+  int VB, nseg, nsub;
+};
+FusedPlan plan_fused(const Recurrence& r, bool varlen, int sms) {
+  const int64_t chains = r.N * r.HV * (r.V / 64);
+  // varlen: the lengths are on the device; their mean decides (each sequence is split evenly)
+  const int64_t chunks_per_seq = varlen ? r.T / kBT / std::max<int64_t>(r.N, 1) : (r.T + kBT - 1) / kBT;
+  int nseg = 1;
+  while (nseg < 4 && chains * nseg * 2 <= sms && chunks_per_seq / (nseg * 2) >= 32) nseg *= 2;
+  if (nseg > 1) {
+    // Enough local-pass CTAs to cover the SMs (it fits three per SM), parts of >= 16 chunks.
+    int nsub = 1;
+    while (nsub < 8 && chains * (nseg - 1) * nsub < sms && chunks_per_seq / (nseg * nsub * 2) >= 16) nsub *= 2;
+    return {64, nseg, nsub};
+  }
+  return {r.N * r.HV * (r.V / 32) <= sms ? 32 : 64, 1, 1};
 }
 
 }  // namespace
@@ -393,13 +499,14 @@ void cuda_chunk_fwd_fused(const Recurrence& r, const cula_chunk_fwd_args& a) {
   const int dev = a.q->device_id;
   chunk::check(cudaSetDevice(dev), "cudaSetDevice");
   const cudaStream_t stream = static_cast<cudaStream_t>(a.opt.stream);
-  // One CTA per SM (~133 KB of shared memory at VB = 64): slices of 32 columns when those still fit
-  // in one wave, else 64.
   int sms = 0;
   chunk::check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "device attribute");
-  const bool narrow = r.N * r.HV * (r.V / 32) <= sms;
-  if (r.K == 64) narrow ? run<64, 32>(r, p, dev, stream) : run<64, 64>(r, p, dev, stream);
-  else narrow ? run<128, 32>(r, p, dev, stream) : run<128, 64>(r, p, dev, stream);
+  const FusedPlan plan = plan_fused(r, a.cu_seqlens != nullptr, sms);
+  if (plan.VB == 32)
+    r.K == 64 ? run<64, 32>(r, p, 1, 1, dev, stream) : run<128, 32>(r, p, 1, 1, dev, stream);
+  else
+    r.K == 64 ? run<64, 64>(r, p, plan.nseg, plan.nsub, dev, stream)
+              : run<128, 64>(r, p, plan.nseg, plan.nsub, dev, stream);
 }
 
 }  // namespace cula

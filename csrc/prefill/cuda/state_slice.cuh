@@ -52,6 +52,41 @@ struct StateSlice {
         }
   }
 
+  // The slice in its register order, as float4s laid out thread-major (coalesced) for the 256
+  // threads of the CTA: K x VB floats at base (partial states of a split sequence).
+  static constexpr int kThreads = 256;
+  __device__ void save(float* base, int tid) const {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NTH; ++nt)
+        reinterpret_cast<float4*>(base)[(mt * NTH + nt) * kThreads + tid] =
+            make_float4(s[mt][nt][0], s[mt][nt][1], s[mt][nt][2], s[mt][nt][3]);
+  }
+  __device__ void load_saved(const float* base, int tid) {
+    zero();
+    scale_add(base, tid, 1.0f);
+  }
+  // S = d S + (the slice saved at base).
+  __device__ void scale_add(const float* base, int tid, float d) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NTH; ++nt) {
+        const float4 x = reinterpret_cast<const float4*>(base)[(mt * NTH + nt) * kThreads + tid];
+        s[mt][nt][0] = d * s[mt][nt][0] + x.x, s[mt][nt][1] = d * s[mt][nt][1] + x.y;
+        s[mt][nt][2] = d * s[mt][nt][2] + x.z, s[mt][nt][3] = d * s[mt][nt][3] + x.w;
+      }
+  }
+  __device__ void zero() {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NTH; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) s[mt][nt][r] = 0.0f;
+  }
+
   // Writes the slice as state row `row` of dst (intermediate, final or pool states).
   __device__ void store(const FwdParams& p, void* dst, int dt, int64_t row, int hv) const {
 #pragma unroll
