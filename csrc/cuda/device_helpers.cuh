@@ -27,6 +27,22 @@ __device__ __forceinline__ void st(void* p, int dtype, int64_t i, float x) {
   }
 }
 
+// Programmatic dependent launch (sm_90+; no-ops elsewhere). A kernel launched with the
+// programmatic-serialization attribute may start while the previous kernel of its stream is still
+// running: grid_dependency_wait() blocks until that kernel has finished and its writes are
+// visible, so it goes before the first read of anything a previous kernel may have written.
+// allow_dependents_launch() lets the next such kernel start its launch early.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allow_dependents_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);

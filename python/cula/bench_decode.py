@@ -20,6 +20,7 @@ HEADS = (32, 64)
 SEQS = (1, 8, 64, 256, 1024)
 STATE_DTYPES = ("float32", "bfloat16")
 K = V = 128
+GRAPH_CALLS = 20  # calls captured in the replayed graph (per-call time = replay time / GRAPH_CALLS)
 
 
 def _median_time_ms(torch, fn, n_calls, reps=25):
@@ -108,19 +109,17 @@ def bench_decode(out_dir: str, gpu_name: str | None = None) -> int:
         res = {}
         for name, fn in impls:
             eager = _median_time_ms(torch, fn, 20)
-            graphs = []
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for j in range(rot):
                     fn(j)
             torch.cuda.current_stream().wait_stream(stream)
-            for j in range(rot):
-                gr = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(gr):
+            gr = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(gr):  # decode steps back to back in one graph, as a model's layers are
+                for j in range(GRAPH_CALLS):
                     fn(j)
-                graphs.append(gr)
-            graph = _median_time_ms(torch, lambda i: graphs[i % rot].replay(), 50)
+            graph = _median_time_ms(torch, lambda i: gr.replay(), 1) / GRAPH_CALLS
             for mode, ms in (("eager", eager), ("graph", graph)):
                 gbs = bytes_moved / (ms * 1e-3) / 1e9
                 res[(name, mode)] = ms
@@ -135,7 +134,9 @@ def bench_decode(out_dir: str, gpu_name: str | None = None) -> int:
     os.makedirs(out_dir, exist_ok=True)
     meta = dict(gpu=gpu_name or props.name, copy_gb_per_s=round(bw, 1), torch=torch.__version__,
                 fla=_version("fla-core"), date=time.strftime("%Y-%m-%d"),
-                method="median over 25 (eager) / 25 (graph) timings of the mean of 20 / 50 back-to-back calls, CUDA events")
+                method="eager: median over 25 timings of the mean of 20 back-to-back calls; graph: "
+                       f"{GRAPH_CALLS} calls captured in one CUDA graph (rotating inputs), median over 25 replays of "
+                       f"the replay time / {GRAPH_CALLS}; CUDA events")
     with open(os.path.join(out_dir, "decode.json"), "w") as f:
         json.dump(dict(meta=meta, records=records), f, indent=1)
     lines = [f"# KDA decode, T=1, K=V=128, in-kernel gate (lb -5), K-last pool ({meta['gpu']})", "",

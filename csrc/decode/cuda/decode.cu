@@ -29,6 +29,7 @@
 
 #include "common/error.h"
 #include "cuda/check.cuh"
+#include "cuda/cuda_ops.h"
 #include "cuda/device_helpers.cuh"
 #include "decode/cuda/decode_cuda.h"
 
@@ -160,6 +161,11 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
   S* pool = static_cast<S*>(p.pool);
   const int64_t slot_elems = static_cast<int64_t>(p.HV) * p.V * K;
   const int64_t head_off = static_cast<int64_t>(hv) * p.V * K;
+
+  // Everything read below may come from the previous kernel (inputs, the pool of the previous
+  // step); only the index arithmetic above overlaps its tail.
+  dev::grid_dependency_wait();
+  dev::allow_dependents_launch();
 
   // 0. Issue every load that does not depend on the slot first, so that the slot index, the
   //    token inputs and v all arrive within one memory latency. Warp w loads token w (the
@@ -306,12 +312,16 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
 void check(cudaError_t e, const char* what) { cuda_check(e, "decode", what); }
 
 // Tile rows: 16 KB of state per CTA, so that a dozen CTAs per SM keep ~200 KB of loads in flight.
+// A small batch (fewer than two CTAs per SM) is bound by one CTA's latency, not by bandwidth:
+// thinner tiles, down to one batch of rows per warp (16 rows), spread it over more SMs.
 template <int EPL, typename S, bool KLAST, bool kServing, bool kKdaServing = false>
-void launch_tile(const DecodeParams& p, cudaStream_t stream) {
+void launch_tile(const DecodeParams& p, bool pdl, int sms, cudaStream_t stream) {
   constexpr int K = EPL * 32;
   int R = static_cast<int>(16384 / (K * sizeof(S)));
   R = std::max(4, std::min(R, p.V));
-  const int64_t blocks = static_cast<int64_t>(p.N) * p.HV * ((p.V + R - 1) / R);
+  auto blocks_of = [&](int rows) { return static_cast<int64_t>(p.N) * p.HV * ((p.V + rows - 1) / rows); };
+  while (R > 16 && blocks_of(R) < 2 * int64_t{sms}) R /= 2;
+  const int64_t blocks = blocks_of(R);
   if (blocks >= (int64_t{1} << 31)) throw_unsupported("decode", "too many sequences x heads for one launch");
   const size_t smem = smem_bytes<S>(R, K, p.T, KLAST);
   if (smem > 48 * 1024) {
@@ -320,7 +330,19 @@ void launch_tile(const DecodeParams& p, cudaStream_t stream) {
                                static_cast<int>(smem)),
           "cudaFuncSetAttribute");
   }
-  decode_kernel<EPL, S, KLAST, kServing, kKdaServing><<<static_cast<unsigned>(blocks), kWarps * 32, smem, stream>>>(p, R);
+  // Programmatic dependent launch where the device has it (sm_90+): the launch of a step overlaps
+  // the tail of the kernel before it, which is most of a small batch's time per step.
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
+  cfg.blockDim = dim3(kWarps * 32);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  check(cudaLaunchKernelEx(&cfg, decode_kernel<EPL, S, KLAST, kServing, kKdaServing>, p, R), "kernel launch");
 }
 
 bool serving_dtypes(const DecodeParams& p) {
@@ -329,24 +351,24 @@ bool serving_dtypes(const DecodeParams& p) {
 }
 
 template <int EPL, typename S>
-void launch_layout(const DecodeParams& p, bool k_last, cudaStream_t stream) {
+void launch_layout(const DecodeParams& p, bool k_last, bool pdl, int sms, cudaStream_t stream) {
   const bool kda_serving = p.gate_kind == 0 && p.delta && p.l2norm && p.gate_in_kernel && p.has_lb && p.beta_sigmoid;
   if (k_last && EPL <= 4 && serving_dtypes(p) && kda_serving)
-    launch_tile<EPL, S, true, true, true>(p, stream);
+    launch_tile<EPL, S, true, true, true>(p, pdl, sms, stream);
   else if (k_last && EPL <= 4 && serving_dtypes(p))
-    launch_tile<EPL, S, true, true>(p, stream);
+    launch_tile<EPL, S, true, true>(p, pdl, sms, stream);
   else if (k_last)
-    launch_tile<EPL, S, true, false>(p, stream);
+    launch_tile<EPL, S, true, false>(p, pdl, sms, stream);
   else
-    launch_tile<EPL, S, false, false>(p, stream);
+    launch_tile<EPL, S, false, false>(p, pdl, sms, stream);
 }
 
 template <int EPL>
-void launch_state(const DecodeParams& p, int state_dtype, bool k_last, cudaStream_t stream) {
+void launch_state(const DecodeParams& p, int state_dtype, bool k_last, bool pdl, int sms, cudaStream_t stream) {
   if (state_dtype == CULA_FLOAT32)
-    launch_layout<EPL, float>(p, k_last, stream);
+    launch_layout<EPL, float>(p, k_last, pdl, sms, stream);
   else
-    launch_layout<EPL, __nv_bfloat16>(p, k_last, stream);
+    launch_layout<EPL, __nv_bfloat16>(p, k_last, pdl, sms, stream);
 }
 
 }  // namespace
@@ -418,10 +440,13 @@ void cuda_decode(const Recurrence& r, const cula_decode_args& a) {
   check(cudaSetDevice(a.q->device_id), "cudaSetDevice");
   const cudaStream_t stream = static_cast<cudaStream_t>(a.opt.stream);
   const bool k_last = r.state_layout == CULA_STATE_K_LAST;
+  const bool pdl = cuda_device_arch(a.q->device_id) >= 90;
+  int sms = 0;
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, a.q->device_id), "device attribute");
   switch (r.K) {
-    case 64: launch_state<2>(p, a.state_pool->dtype, k_last, stream); break;
-    case 128: launch_state<4>(p, a.state_pool->dtype, k_last, stream); break;
-    default: launch_state<8>(p, a.state_pool->dtype, k_last, stream); break;
+    case 64: launch_state<2>(p, a.state_pool->dtype, k_last, pdl, sms, stream); break;
+    case 128: launch_state<4>(p, a.state_pool->dtype, k_last, pdl, sms, stream); break;
+    default: launch_state<8>(p, a.state_pool->dtype, k_last, pdl, sms, stream); break;
   }
   check(cudaGetLastError(), "kernel launch");
 }
