@@ -17,6 +17,8 @@
 //    It writes per chunk: W = -Minv (beta k e^G), U = Minv (beta v), Qg = q e^G,
 //    Kd = k e^{G_last - G} (bf16), tril(A_qk) as bf16 hi + lo (it scales whole rows of o, so it
 //    keeps ~16 bits) and e^{G_last} (fp32): 80.5 KB for K = V = 128.
+//    GDN (scalar gate): no Qg, Kd (their factors are per row): the row factors qs e^{G_i} and
+//    ks e^{G_last - G_i} instead, 48.5 KB; the scan reads q and k from the input.
 //    GLA (no delta rule, no bound): only A_qk, Qg, Kd and e^{G_last} (48.5 KB). Off the diagonal
 //    the right operand goes through the end of its own block, Kt_j = k_j e^{G_eJ - G_j}, and the
 //    left through E'_IJ = e^{G_bI - G_eJ}: all three factors <= 1 for any decay. Diagonal blocks
@@ -28,6 +30,8 @@
 //    S (K x VB, fp32) in registers; 8 warps, the second four on the other half of the columns):
 //    Vnew = U + W S;  o = Qg S + tril(A_qk) Vnew;
 //    S = e^{G_last} S + Kd^T Vnew. The next chunk's workspace streams in by cp.async (2 stages).
+//    GDN: Qg S = diag(qs e^G) (q S) scales rows of the accumulator; Kd^T Vnew = k^T Vd with
+//    Vd = diag(ks e^{G_last - G}) Vnew, a second bf16 copy of Vnew.
 //    Without the delta rule Vnew = v, read from the input into the U slot of the stage.
 // The in-block exponent bound (<= 15 |lower_bound|) is why the dispatch table sends only bounded
 // KDA gates (lower_bound >= -5) here; unbounded KDA gates take the recurrent kernel.
@@ -49,7 +53,7 @@
 // scan: 8 warps; warp w owns rows 16(w%4).. of the token-side products and channels (w%4)*K/4..
 // of the state, for half w/4 of the slice's columns. Two stages of (W, Qg, Kd, tril(A_qk) hi and
 // lo, U or v slice, e^{G_last}), S (bf16) and Vnew (bf16): 188 KB for K = 128, VB = 64, one CTA
-// per SM (GLA: no W, no Vnew).
+// per SM (GLA: no W, no Vnew; GDN: raw q, k in the Qg, Kd slots, row factors and Vd: 194 KB).
 // Barriers per chunk: B1 stage in and S written; B2 Vnew written (delta rule); B3 stage, S and
 // Vnew free.
 #include <cub/block/block_scan.cuh>
@@ -85,11 +89,15 @@ constexpr int kScanThreads = 256;  // scan
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
 
 // Workspace block of one (chunk, value head), in bytes; without the delta rule there is no W and
-// no U (the scan reads v from the input).
-template <int K, int V, bool DELTA>
+// no U (the scan reads v from the input). RAWQK (scalar gate with the delta rule: GDN): no Qg, Kd
+// tiles; their factors are per row, so the scan reads q, k from the input and applies the row
+// factors RF = (qs e^{G_i}, ks e^{G_last - G_i}) to o = q S and to Vnew in the state update.
+template <int K, int V, bool DELTA, bool RAWQK>
 struct Work {
-  static constexpr int oW = 0, oQ = oW + (DELTA ? kBT * K * 2 : 0), oKd = oQ + kBT * K * 2, oA = oKd + kBT * K * 2,
-                       oU = oA + 2 * kBT * kBT * 2, oDL = oU + (DELTA ? kBT * V * 2 : 0), bytes = oDL + K * 4;
+  static constexpr int QK = RAWQK ? 0 : kBT * K * 2;
+  static constexpr int oW = 0, oQ = oW + (DELTA ? kBT * K * 2 : 0), oKd = oQ + QK, oA = oKd + QK,
+                       oU = oA + 2 * kBT * kBT * 2, oDL = oU + (DELTA ? kBT * V * 2 : 0), oRF = oDL + K * 4,
+                       bytes = oRF + (RAWQK ? 2 * kBT * 4 : 0);
   static_assert(bytes % 16 == 0, "16-byte aligned blocks");
 };
 
@@ -119,12 +127,16 @@ struct PrepLayout {
 constexpr float kSteepSpan = 64.0f;
 
 // sU holds U (delta rule) or the v slice read from the input; Vnew exists only with the delta rule.
-template <int K, int VB, bool DELTA>
+// RAWQK: sQ and sKd hold the raw q and k, sRF the row factors, and VD the rows of Vnew scaled by
+// ks e^{G_last - G_i} for the state update.
+template <int K, int VB, bool DELTA, bool RAWQK>
 struct ScanLayout {
   static constexpr int LDK = K + 8, LDV = VB + 8, LDT = kBT + 8;
   static constexpr int sW = 0, sQ = sW + (DELTA ? kBT * LDK * 2 : 0), sKd = sQ + kBT * LDK * 2, sA = sKd + kBT * LDK * 2,
-                       sU = sA + 2 * kBT * LDT * 2, sDL = sU + kBT * LDV * 2, stage = sDL + K * 4;
-  static constexpr int oS = 2 * stage, oVN = oS + K * LDV * 2, bytes = oVN + (DELTA ? kBT * LDV * 2 : 0);
+                       sU = sA + 2 * kBT * LDT * 2, sDL = sU + kBT * LDV * 2, sRF = sDL + K * 4,
+                       stage = sRF + (RAWQK ? 2 * kBT * 4 : 0);
+  static constexpr int oS = 2 * stage, oVN = oS + K * LDV * 2, oVD = oVN + (DELTA ? kBT * LDV * 2 : 0),
+                       bytes = oVD + (RAWQK ? kBT * LDV * 2 : 0);
 };
 
 // Rows of the per-channel exponent table.
@@ -141,7 +153,7 @@ __global__ void __launch_bounds__(kThreads, DELTA ? 3 : 4)
     chunk_prep_kernel(const FwdParams p, const int32_t* __restrict__ chunk_base, unsigned char* __restrict__ work) {
   static_assert(DELTA || !SCALAR, "scalar gates without the delta rule take chunk_fwd_fused");
   using Ly = PrepLayout<K, V, DELTA>;
-  using Wk = Work<K, V, DELTA>;
+  using Wk = Work<K, V, DELTA, SCALAR>;  // scalar gates come with the delta rule here
   constexpr int LDK = Ly::LDK, LDV = Ly::LDV, LDT = Ly::LDT, MS = Ly::MS;
   constexpr int KS = K / 16;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -529,28 +541,28 @@ __global__ void __launch_bounds__(kThreads, DELTA ? 3 : 4)
   }
   __syncthreads();  // B_c2: every warp done with the k el tile (it becomes k e^G next)
   if constexpr (SCALAR) {
-    // This warp's rows, 16 bytes at a time: Qg = q qs e^{G_i} and Kd = k ks e^{G_last - G_i} out,
-    // beta k ks e^{G_i} in place (delta rule); e^{G_last} for every channel.
-    bf16* kdo = reinterpret_cast<bf16*>(blk + Wk::oKd);
+    // This warp's rows, 16 bytes at a time: beta k ks e^{G_i} in place; e^{G_last} for every
+    // channel; the row factors of q (qs e^{G_i}) and k (ks e^{G_last - G_i}) for the scan, which
+    // reads q and k raw (Work::RAWQK).
     const float glast = grow_s[kBT - 1];
+    if (lane < 16) {
+      const int row = bI + lane;
+      float* rf = reinterpret_cast<float*>(blk + Wk::oRF);
+      rf[row] = qsc_s[row] * __expf(grow_s[row]);
+      rf[kBT + row] = ksc_s[row] * __expf(glast - grow_s[row]);
+    }
     for (int idx = lane; idx < 16 * (K / 8); idx += 32) {
       const int row = bI + idx / (K / 8), c8 = (idx % (K / 8)) * 8;
-      const float eg = __expf(grow_s[row]), fq = qsc_s[row] * eg, fk = ksc_s[row];
-      const float fd = fk * __expf(glast - grow_s[row]), fw = fk * eg * beta_s[row];
-      const uint4 qv = *reinterpret_cast<const uint4*>(q_s + row * LDK + c8);
+      const float fw = ksc_s[row] * __expf(grow_s[row]) * beta_s[row];
       const uint4 kv = *reinterpret_cast<const uint4*>(k_s + row * LDK + c8);
-      uint4 oq, od, ow;
-      const uint32_t *qw = reinterpret_cast<const uint32_t*>(&qv), *kw = reinterpret_cast<const uint32_t*>(&kv);
-      uint32_t *oqw = reinterpret_cast<uint32_t*>(&oq), *odw = reinterpret_cast<uint32_t*>(&od), *oww = reinterpret_cast<uint32_t*>(&ow);
+      uint4 ow;
+      const uint32_t* kw = reinterpret_cast<const uint32_t*>(&kv);
+      uint32_t* oww = reinterpret_cast<uint32_t*>(&ow);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const float2 x = unpack(qw[j]), y = unpack(kw[j]);
-        oqw[j] = pack(x.x * fq, x.y * fq);
-        odw[j] = pack(y.x * fd, y.y * fd);
+        const float2 y = unpack(kw[j]);
         oww[j] = pack(y.x * fw, y.y * fw);
       }
-      *reinterpret_cast<uint4*>(qgo + row * K + c8) = oq;
-      *reinterpret_cast<uint4*>(kdo + row * K + c8) = od;
       *reinterpret_cast<uint4*>(ck_s + row * LDK + c8) = ow;
     }
     if (tid < K) reinterpret_cast<float*>(blk + Wk::oDL)[tid] = __expf(glast);
@@ -775,11 +787,11 @@ __global__ void __launch_bounds__(kThreads, DELTA ? 3 : 4)
   tri_out(std::true_type{}, ck_s, LDK, K, reinterpret_cast<bf16*>(blk + Wk::oW));
 }
 
-template <int K, int V, int VB, bool DELTA>
+template <int K, int V, int VB, bool DELTA, bool RAWQK>
 __global__ void __launch_bounds__(kScanThreads, 1)
     chunk_scan_kernel(const FwdParams p, const int32_t* __restrict__ chunk_base, const unsigned char* __restrict__ work) {
-  using Ly = ScanLayout<K, VB, DELTA>;
-  using Wk = Work<K, V, DELTA>;
+  using Ly = ScanLayout<K, VB, DELTA, RAWQK>;
+  using Wk = Work<K, V, DELTA, RAWQK>;
   constexpr int LDK = Ly::LDK, LDV = Ly::LDV, LDT = Ly::LDT;
   constexpr int KS = K / 16;
   constexpr int NT = VB / 8;
@@ -787,6 +799,7 @@ __global__ void __launch_bounds__(kScanThreads, 1)
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* s_s = reinterpret_cast<bf16*>(smem + Ly::oS);
   bf16* vn_s = reinterpret_cast<bf16*>(smem + Ly::oVN);
+  bf16* vd_s = reinterpret_cast<bf16*>(smem + Ly::oVD);
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int I = warp & 3, bI = 16 * I, hc0 = (warp >> 2) * (VB / 2);
@@ -809,16 +822,40 @@ __global__ void __launch_bounds__(kScanThreads, 1)
   const CopyA ca(tid);
   const CopyV cv(tid);
   const bf16* v_in = static_cast<const bf16*>(p.v) + sq.b_row * p.v_s[0] + sq.bos * p.v_s[1] + hv * p.v_s[2] + v0 + cv.c8;
+  const int h = hv / (p.HV / p.H);
+  const bf16* q_in = static_cast<const bf16*>(p.q) + sq.b_row * p.q_s[0] + sq.bos * p.q_s[1] + h * p.q_s[2] + ck.c8;
+  const bf16* k_in = static_cast<const bf16*>(p.k) + sq.b_row * p.k_s[0] + sq.bos * p.k_s[1] + h * p.k_s[2] + ck.c8;
   auto stage_in = [&](int c, int st) {
     if (c < nchunks) {
       const unsigned char* blk = work + ((cbase + c) * p.HV + hv) * Wk::bytes;
       unsigned char* dst = smem + st * Ly::stage;
+      if constexpr (RAWQK) {
+        // W from the workspace; q and k raw from the input (rows past the sequence zeros); row factors
+        const int Lc = static_cast<int>(min(int64_t{kBT}, sq.eos - sq.bos - static_cast<int64_t>(c) * kBT));
 #pragma unroll
-      for (int m = 3 - kMats; m < 3; ++m) {
-        const int so = m == 0 ? Ly::sW : m == 1 ? Ly::sQ : Ly::sKd, go = m == 0 ? Wk::oW : m == 1 ? Wk::oQ : Wk::oKd;
+        for (int j = 0; j < CopyK::J; ++j) {
+          const int r = ck.row(j);
+          mma::cp_async16(dst + Ly::sW + (r * LDK + ck.c8) * 2, blk + Wk::oW + (r * K + ck.c8) * 2);
+          unsigned char* dq = dst + Ly::sQ + (r * LDK + ck.c8) * 2;
+          unsigned char* dk = dst + Ly::sKd + (r * LDK + ck.c8) * 2;
+          if (r < Lc) {
+            const int64_t tok = static_cast<int64_t>(c) * kBT + r;
+            mma::cp_async16(dq, q_in + tok * p.q_s[1]);
+            mma::cp_async16(dk, k_in + tok * p.k_s[1]);
+          } else {
+            *reinterpret_cast<uint4*>(dq) = make_uint4(0, 0, 0, 0);
+            *reinterpret_cast<uint4*>(dk) = make_uint4(0, 0, 0, 0);
+          }
+        }
+        if (tid < 2 * kBT / 4) mma::cp_async16(dst + Ly::sRF + tid * 16, blk + Wk::oRF + tid * 16);
+      } else {
 #pragma unroll
-        for (int j = 0; j < CopyK::J; ++j)
-          mma::cp_async16(dst + so + (ck.row(j) * LDK + ck.c8) * 2, blk + go + (ck.row(j) * K + ck.c8) * 2);
+        for (int m = 3 - kMats; m < 3; ++m) {
+          const int so = m == 0 ? Ly::sW : m == 1 ? Ly::sQ : Ly::sKd, go = m == 0 ? Wk::oW : m == 1 ? Wk::oQ : Wk::oKd;
+#pragma unroll
+          for (int j = 0; j < CopyK::J; ++j)
+            mma::cp_async16(dst + so + (ck.row(j) * LDK + ck.c8) * 2, blk + go + (ck.row(j) * K + ck.c8) * 2);
+        }
       }
 #pragma unroll
       for (int j = 0; j < CopyA::J; ++j)  // rows 64..127: the lo plane
@@ -892,13 +929,26 @@ __global__ void __launch_bounds__(kScanThreads, 1)
       }
     }
     const bf16* vsrc = DELTA ? vn_s : u_s;
+    if constexpr (RAWQK) {  // o = qs e^{G_i} (q S); the update takes Vnew scaled by ks e^{G_last - G_i}
+      const float* rf = reinterpret_cast<const float*>(base + Ly::sRF);
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int row = bI + g + 8 * hh;
+        const float fq = rf[row], fk = rf[kBT + row];
+#pragma unroll
+        for (int nt = 0; nt < NTH; ++nt) {
+          o[nt][2 * hh] *= fq, o[nt][2 * hh + 1] *= fq;
+          u32at(vd_s + row * LDV + hc0 + nt * 8 + 2 * t) = pack(vn[nt][2 * hh] * fk, vn[nt][2 * hh + 1] * fk);
+        }
+      }
+    }
     if (DELTA) {
 #pragma unroll
       for (int nt = 0; nt < NTH; ++nt)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
           u32at(vn_s + (bI + g + 8 * hh) * LDV + hc0 + nt * 8 + 2 * t) = pack(vn[nt][2 * hh], vn[nt][2 * hh + 1]);
-      __syncthreads();  // B2: Vnew visible
+      __syncthreads();  // B2: Vnew (and its scaled copy) visible
     }
 
     // o += tril(A_qk) Vnew; store
@@ -927,8 +977,8 @@ __global__ void __launch_bounds__(kScanThreads, 1)
       for (int nt = 0; nt < NTH; ++nt) u32at(dst + nt * 8) = pack(o[nt][2 * hh], o[nt][2 * hh + 1]);
     }
 
-    // S = e^{G_last} S + Kd^T Vnew
-    S.update(kd_s, LDK, vsrc, LDV, [&](int ch) { return dl_s[ch]; }, lane);
+    // S = e^{G_last} S + Kd^T Vnew (RAWQK: k^T (diag(ks e^{G_last - G}) Vnew))
+    S.update(kd_s, LDK, RAWQK ? vd_s : vsrc, LDV, [&](int ch) { return dl_s[ch]; }, lane);
     __syncthreads();  // B3: stage st, S and Vnew no longer read
     stage_in(c + 2, st);
   }
@@ -940,7 +990,8 @@ __global__ void __launch_bounds__(kScanThreads, 1)
 template <int K, int V, int VB, bool SCALAR, bool DELTA>
 void run(const Recurrence& r, const FwdParams& p, int device, cudaStream_t stream) {
   const int64_t max_chunks = chunk::max_chunks(p), base_bytes = chunk::base_bytes(p);
-  const int64_t bytes = base_bytes + max_chunks * r.HV * Work<K, V, DELTA>::bytes;
+  constexpr bool RAWQK = SCALAR;  // scalar gates come with the delta rule here (GDN)
+  const int64_t bytes = base_bytes + max_chunks * r.HV * Work<K, V, DELTA, RAWQK>::bytes;
   const int64_t prep_blocks = max_chunks * r.HV, scan_blocks = r.N * r.HV * (V / VB);
   if (prep_blocks >= (int64_t{1} << 31) || scan_blocks >= (int64_t{1} << 31))
     throw_unsupported("chunk_fwd", "too many chunks x heads for one launch");
@@ -951,13 +1002,13 @@ void run(const Recurrence& r, const FwdParams& p, int device, cudaStream_t strea
   int32_t* chunk_base = p.cu ? static_cast<int32_t*>(ws) : nullptr;
   unsigned char* work = static_cast<unsigned char*>(ws) + base_bytes;
   if (p.cu) chunk::launch_chunk_base(p, chunk_base, stream);
-  using Scan = ScanLayout<K, VB, DELTA>;
+  using Scan = ScanLayout<K, VB, DELTA, RAWQK>;
   using Prep = PrepLayout<K, V, DELTA>;
   chunk::allow_smem(chunk_prep_kernel<K, V, SCALAR, DELTA>, Prep::bytes);
   chunk_prep_kernel<K, V, SCALAR, DELTA>
       <<<static_cast<unsigned>(prep_blocks), kThreads, Prep::bytes, stream>>>(p, chunk_base, work);
-  chunk::allow_smem(chunk_scan_kernel<K, V, VB, DELTA>, Scan::bytes);
-  chunk_scan_kernel<K, V, VB, DELTA>
+  chunk::allow_smem(chunk_scan_kernel<K, V, VB, DELTA, RAWQK>, Scan::bytes);
+  chunk_scan_kernel<K, V, VB, DELTA, RAWQK>
       <<<static_cast<unsigned>(scan_blocks), kScanThreads, Scan::bytes, stream>>>(p, chunk_base, work);
   const cudaError_t launched = cudaGetLastError();
   chunk::check(cudaFreeAsync(ws, stream), "workspace release");
