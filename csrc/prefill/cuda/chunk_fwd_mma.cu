@@ -18,7 +18,7 @@
 //    Kd = k e^{G_last - G} (bf16), tril(A_qk) as bf16 hi + lo (it scales whole rows of o, so it
 //    keeps ~16 bits) and e^{G_last} (fp32): 80.5 KB for K = V = 128.
 //    GDN (scalar gate): no Qg, Kd (their factors are per row): the row factors qs e^{G_i} and
-//    ks e^{G_last - G_i} instead, 48.5 KB; the scan reads q and k from the input.
+//    ks e^{G_last - G_i} instead, 49 KB; the scan reads q and k from the input.
 //    GLA (no delta rule, no bound): only A_qk, Qg, Kd and e^{G_last} (48.5 KB). Off the diagonal
 //    the right operand goes through the end of its own block, Kt_j = k_j e^{G_eJ - G_j}, and the
 //    left through E'_IJ = e^{G_bI - G_eJ}: all three factors <= 1 for any decay. Diagonal blocks
