@@ -33,6 +33,11 @@ inline R sigmoid(R x) {
   return R(1) / (R(1) + std::exp(-x));
 }
 constexpr double kL2NormEps = 1e-6;
+// The chunked kernels (CPU and CUDA) take each token's log-decay no lower than this: they sum
+// log-decays inside a chunk and use differences G_i - G_j, which a gate of -inf (log 0, a full
+// reset) would make NaN. e^-64 ~ 1.6e-28 is a full reset at fp32 resolution, and 64 tokens of it
+// keep the cumulative sums small enough for their differences (~5e-4 relative at worst).
+constexpr float kMinChunkLogDecay = -64.0f;
 
 struct Recurrence {
   const char* entry = "";

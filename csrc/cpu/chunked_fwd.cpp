@@ -334,6 +334,8 @@ void cpu_chunk_fwd(const Recurrence& r, const cula_chunk_fwd_args& a) {
         } else {
           r.load_gate<float>(r.tb(f), r.tt(f), hv, af.data());
         }
+        for (int64_t d = 0; d < K; ++d)
+          if (af[d] < kMinChunkLogDecay) af[d] = kMinChunkLogDecay;  // -inf: a reset, not NaN; NaN stays NaN
         for (int64_t d = 0; d < K; ++d) w.G[i * K + d] = af[d] + (i ? w.G[(i - 1) * K + d] : 0.0f);
         r.v.row(r.v.off(r.tb(f), r.tt(f), hv, j0), Vs, r.v.t->strides[3], &w.v[i * Vs]);
       }

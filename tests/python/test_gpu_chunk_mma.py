@@ -290,3 +290,30 @@ def test_fused_split_sequences(rng, family, layout):
         errs.append(rel(got[2].float().cpu().numpy(), ref[2].float().numpy()))
     print(family, layout, errs)
     assert max(errs) < TOL, errs
+
+
+@pytest.mark.parametrize("family", ["kda", "gdn", "gla", "simple_gla"])
+def test_gate_of_minus_infinity_is_a_reset_on_gpu(rng, family):
+    """Raw log-decays of -inf (log 0: forget everything) at some tokens, in one 16-token block,
+    across a chunk boundary and at the last token: finite and equal to float64, where the state
+    restarts (the chunked kernels sum log-decays; -inf - (-inf) must not become NaN). A raw KDA
+    gate takes the recurrent kernel."""
+    B, T, H, K, V = 1, 200, 2, 128, 64
+    t = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32))  # noqa: E731
+    q, k, v = t(B, T, H, K).bfloat16(), (t(B, T, H, K) * K ** -0.5).bfloat16(), t(B, T, H, V).bfloat16()
+    shape = (B, T, H, K) if family in ("kda", "gla") else (B, T, H)
+    g = torch.from_numpy(-rng.uniform(0.0, 0.3, shape).astype(np.float32))
+    g[:, [5, 9, 63, 64, 130, 199]] = float("-inf")
+    beta = torch.from_numpy(rng.uniform(0.1, 0.9, (B, T, H)).astype(np.float32)) if family in ("kda", "gdn") else None
+    h0 = t(B, H, V, K) * 0.3  # K-last
+    ref = cula.chunk_fwd(family, q.float(), k.float(), v.float(), g=g, beta=beta, initial_state=h0,
+                         output_final_state=True, backend="reference")
+    out = torch.full((B, T, H, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+    o, s = cula.chunk_fwd(family, q.cuda(), k.cuda(), v.cuda(), g=g.cuda(), beta=None if beta is None else beta.cuda(),
+                          initial_state=h0.cuda(), output_final_state=True, out=out)
+    torch.cuda.synchronize()
+    assert cula.last_kernel() == ("cuda" if family == "kda" else KERNEL[family])
+    assert torch.isfinite(out.float()).all() and torch.isfinite(s).all()
+    errs = (rel(out.float().cpu().numpy(), ref[0].float().numpy()), rel(s.cpu().numpy(), ref[1].float().numpy()))
+    print(family, errs)
+    assert max(errs) < TOL, errs

@@ -72,3 +72,20 @@ def test_engine_matches_numpy_loops(rng, family, opts, backend):
     tol = 1e-6 if backend == "reference" else 1e-4  # reference: only the float32 output rounds
     assert rel(o, o_ref) < tol
     assert rel(s, s_ref) < tol
+
+
+@pytest.mark.parametrize("family", ["kda", "gdn", "gla", "simple_gla"])
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_gate_of_minus_infinity_is_a_reset(rng, family, backend):
+    """A log-decay of -inf (log 0: forget everything) at some tokens, twice in a row at a chunk
+    boundary and at the last token: the state restarts there, as the numpy loops compute it;
+    the chunked CPU path sums log-decays and must not turn -inf - (-inf) into NaN."""
+    q, k, v, kw, h0, _ = make(rng, family, {}, B=1, T=150, H=2, K=8, V=6)
+    kw["g"][:, [3, 63, 64, 100, 149]] = -np.inf
+    o_ref, s_ref = recurrence(family, q, k, v, g=kw["g"], beta=kw.get("beta"), h0=h0)
+    o, s = cula.chunk_fwd(family, q, k, v, kw["g"], kw.get("beta"), initial_state=h0, output_final_state=True,
+                          state_layout="k_first", state_dtype="float64" if backend == "reference" else None,
+                          backend=backend)
+    assert np.isfinite(o).all() and np.isfinite(s).all()
+    assert rel(o, o_ref) < (1e-6 if backend == "reference" else 1e-4)
+    assert rel(s, s_ref) < (1e-6 if backend == "reference" else 1e-4)

@@ -123,6 +123,7 @@ __global__ void __launch_bounds__(32 * kFactorWarps)
           a = p.has_lb ? __fdividef(p.lb, 1.0f + __expf(-eA * a)) : -eA * (a > 20.0f ? a : log1pf(__expf(a)));
         }
       }
+      if (a < kMinChunkLogDecay) a = kMinChunkLogDecay;  // -inf: a reset, not NaN; NaN stays NaN
       if (p.l2norm) {
         const bf16* qr = static_cast<const bf16*>(p.q) + sq.b_row * p.q_s[0] + tok * p.q_s[1] + h * p.q_s[2];
         const bf16* kr = static_cast<const bf16*>(p.k) + sq.b_row * p.k_s[0] + tok * p.k_s[1] + h * p.k_s[2];

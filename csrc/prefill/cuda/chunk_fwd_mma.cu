@@ -199,10 +199,11 @@ __global__ void __launch_bounds__(kThreads, DELTA ? 3 : 4)
       p.gate_kind == 2 ? -dev::ld(p.decay, p.decay_dt, p.decay_heads == p.HV ? hv : (hv / (p.HV / p.H))) : 0.0f;
   const uint4 zero4 = make_uint4(0, 0, 0, 0);
   // log-decay of one element from its raw gate (SPEC §2)
+  // (no lower than kMinChunkLogDecay: a gate of -inf is a reset, not NaN; NaN stays NaN)
   auto activate = [&](float x) {
     if (p.gate_in_kernel && p.gate_kind != 2)
       x = p.has_lb ? __fdividef(p.lb, 1.0f + __expf(-eA * x)) : -eA * (x > 20.0f ? x : log1pf(__expf(x)));
-    return x;
+    return x < kMinChunkLogDecay ? kMinChunkLogDecay : x;
   };
 
   // ---- q, k (and per-channel gate) tiles; rows past the sequence are zeros
