@@ -4,7 +4,10 @@
 // Design. The work is memory-bound (each step reads and writes the K x V state), so the kernel
 // is built to keep many state bytes in flight without holding them in registers:
 //  - grid: one CTA per (sequence n, value head hv, tile of R state rows along V), R chosen so a
-//    tile is 16 KB; block: 4 warps.
+//    tile is 16 KB (thinner, down to 16 rows, while the grid has fewer than two CTAs per SM);
+//    block: 4 warps. On sm_90+ the launch is a programmatic dependent one: the CTAs wait
+//    (griddepcontrol.wait) for the previous kernel before their first read, so a decode step's
+//    launch overlaps the end of the kernel before it.
 //  - phase 1: the CTA starts the tile's copy into shared memory with cp.async (K-last: the rows
 //    are one contiguous run; 16-byte chunks, coalesced). Nothing waits on it yet.
 //  - phase 2, overlapping the copy: warp w preprocesses tokens w, w+4, ... (q/k L2 norm by warp
