@@ -245,19 +245,19 @@ def test_mma_gla_steep_and_gentle_blocks(rng, span):
     assert max(errs) < TOL, errs
 
 
-@pytest.mark.parametrize("layout", ["batch", "varlen", "slots", "short"])
+@pytest.mark.parametrize("layout", ["batch", "varlen", "slots", "short", "long"])
 @pytest.mark.parametrize("family", ["simple_gla", "lightning"])
 def test_fused_split_sequences(rng, family, layout):
     """Few long sequences: the fused kernel splits each sequence into segments that start from
-    states a local pass combines (at these shapes on any GPU with >= 16 SMs: 2 to 4 segments of
-    2 parts). Gentle decays, so every segment's initial state matters; against float64 with an
+    states a local pass combines (at these shapes on any GPU with >= 16 SMs: 2 to 8 segments of
+    2 parts; 8 takes >= 64 SMs). Gentle decays, so every segment's initial state matters; against float64 with an
     initial state, final and intermediate states, uneven, short and empty varlen sequences, and a
     state pool updated in place ("slots"); "short" is the smallest split (K = V = 64, 4200 tokens) for
-    the sanitizer."""
+    the sanitizer, "long" one sequence of 16384 tokens in 8 segments."""
     H, group, K, V = 1, 2, (64 if layout == "short" else 128), (64 if layout == "short" else 128)
     HV = H * group
-    seqlens = {"batch": None, "short": None, "varlen": [10000, 0, 7000, 100], "slots": [9000, 8100]}[layout]
-    B, T = ((2, 8192) if layout == "batch" else (1, 4200)) if seqlens is None else (1, sum(seqlens))
+    seqlens = {"varlen": [10000, 0, 7000, 100], "slots": [9000, 8100]}.get(layout)
+    B, T = {"batch": (2, 8192), "short": (1, 4200), "long": (1, 16384)}.get(layout, (1, sum(seqlens or [])))
     N = B if seqlens is None else len(seqlens)
     t = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32))  # noqa: E731
     q, k, v = t(B, T, H, K).bfloat16(), (t(B, T, H, K) * K ** -0.5).bfloat16(), t(B, T, HV, V).bfloat16()

@@ -460,7 +460,7 @@ void run(const Recurrence& r, const FwdParams& p, int nseg, int nsub, int device
 // How a call is spread over the GPU (one fused CTA per SM, ~133 KB of shared memory at VB = 64).
 // Slices of 64 columns cost ~1.25x a 32-column slice per chunk (the q k^T work is per slice),
 // so 64 is the default; when the (sequence, head, 64-column slice) chains fill at most half the
-// SMs, sequences are split into segments (the chain per CTA shortens by the split factor; a local
+// SMs, sequences are split into 2-16 segments (the chain per CTA shortens by that factor; a local
 // pass costing ~1/4 of a fused chunk provides each segment's initial state); otherwise slices of
 // 32 columns when those still fit in one wave.
 struct FusedPlan {
@@ -470,8 +470,9 @@ FusedPlan plan_fused(const Recurrence& r, bool varlen, int sms) {
   const int64_t chains = r.N * r.HV * (r.V / 64);
   // varlen: the lengths are on the device; their mean decides (each sequence is split evenly)
   const int64_t chunks_per_seq = varlen ? r.T / kBT / std::max<int64_t>(r.N, 1) : (r.T + kBT - 1) / kBT;
+  // Up to 16 segments of >= 32 chunks (few heads per GPU, e.g. heads split by tensor parallelism).
   int nseg = 1;
-  while (nseg < 4 && chains * nseg * 2 <= sms && chunks_per_seq / (nseg * 2) >= 32) nseg *= 2;
+  while (nseg < 16 && chains * nseg * 2 <= sms && chunks_per_seq / (nseg * 2) >= 32) nseg *= 2;
   if (nseg > 1) {
     // Enough local-pass CTAs to cover the SMs (it fits three per SM), parts of >= 16 chunks.
     int nsub = 1;
