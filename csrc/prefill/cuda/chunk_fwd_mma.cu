@@ -830,9 +830,9 @@ __global__ void __launch_bounds__(kScanThreads, 1)
     if (c < nchunks) {
       const unsigned char* blk = work + ((cbase + c) * p.HV + hv) * Wk::bytes;
       unsigned char* dst = smem + st * Ly::stage;
+      const int Lc = static_cast<int>(min(int64_t{kBT}, sq.eos - sq.bos - static_cast<int64_t>(c) * kBT));
       if constexpr (RAWQK) {
         // W from the workspace; q and k raw from the input (rows past the sequence zeros); row factors
-        const int Lc = static_cast<int>(min(int64_t{kBT}, sq.eos - sq.bos - static_cast<int64_t>(c) * kBT));
 #pragma unroll
         for (int j = 0; j < CopyK::J; ++j) {
           const int r = ck.row(j);
@@ -861,7 +861,6 @@ __global__ void __launch_bounds__(kScanThreads, 1)
 #pragma unroll
       for (int j = 0; j < CopyA::J; ++j)  // rows 64..127: the lo plane
         mma::cp_async16(dst + Ly::sA + (ca.row(j) * LDT + ca.c8) * 2, blk + Wk::oA + (ca.row(j) * kBT + ca.c8) * 2);
-      const int Lc = static_cast<int>(min(int64_t{kBT}, sq.eos - sq.bos - static_cast<int64_t>(c) * kBT));
 #pragma unroll
       for (int j = 0; j < CopyV::J; ++j) {
         const int r = cv.row(j);
