@@ -8,14 +8,21 @@
 //    block: 4 warps. On sm_90+ the launch is a programmatic dependent one: the CTAs wait
 //    (griddepcontrol.wait) for the previous kernel before their first read, so a decode step's
 //    launch overlaps the end of the kernel before it.
-//  - phase 1: the CTA starts the tile's copy into shared memory with cp.async (K-last: the rows
-//    are one contiguous run; 16-byte chunks, coalesced). Nothing waits on it yet.
+//  - phase 1: each warp starts the copy of the rows it will update into shared memory with
+//    cp.async, one group per batch of 4 rows (K-last: 16-byte pieces, a row per warp
+//    instruction). Nothing waits on it yet.
 //  - phase 2, overlapping the copy: warp w preprocesses tokens w, w+4, ... (q/k L2 norm by warp
-//    reductions, scale, gate activation, exp of the log-decay, beta) into shared memory.
-//  - cp.async.wait_all + one __syncthreads, then phase 3: warp w runs rows w, w+4, ...; lane l
-//    holds elements [l*EPL, (l+1)*EPL) of the row (EPL = K/32) in registers through the T
-//    tokens: S' = S*exp(a), the delta rule's S'^T k and the output S^T q are warp reductions;
-//    the row goes straight back to the pool from registers (16-byte stores for fp32, K = 128).
+//    reductions, scale, gate activation, exp of the log-decay, beta) into shared memory; one
+//    __syncthreads publishes them.
+//  - phase 3: warp w runs its batches of rows (w, w+4, ..., then w+16, ...) as their groups land
+//    (cp.async.wait_group + __syncwarp: no block barrier on the tile), so a CTA's first stores
+//    overlap its last reads; lane l holds elements [l*EPL, (l+1)*EPL) of the row (EPL = K/32)
+//    in registers through the T tokens: S' = S*exp(a), the delta rule's S'^T k and the output
+//    S^T q are warp reductions; the row goes straight back to the pool from registers (16-byte
+//    stores for fp32, K = 128).
+//  - the path from launch to the first load is kept short for small batches, which are bound by
+//    latency: block index decomposed by multiply-high divisions by launch constants (FastDiv),
+//    v staged one row per thread, no integer division before the slot and tile loads.
 //  - speculative decoding: after token t the row also goes to slot idx[n, t].
 //  - padding (slot < 0, or >= P for device-side indices, which cannot be range-checked on the
 //    host without a synchronisation): outputs are zeros, the pool is not touched.
@@ -60,6 +67,9 @@ struct DecodeParams {
   int gate_kind;        // 0 per channel, 1 scalar, 2 constant
   int delta, l2norm, gate_in_kernel, has_lb, beta_sigmoid, decay_heads, dt_bias_per_channel;
   float lb, beta_mult, scale;
+  dev::FastDiv value_heads_per_head;  // HV / H
+  dev::FastDiv value_heads;           // HV
+  dev::FastDiv tiles;                 // tiles per head (set at launch)
 };
 
 using dev::ld;
@@ -106,9 +116,25 @@ __device__ __forceinline__ int read_slot(const DecodeParams& p, int n) {
   return p.idx[static_cast<int64_t>(n) * p.T + a - 1];
 }
 
-__device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem_src));
+
+// A 16-byte global -> shared copy that bypasses L1 (the state is read once).
+__device__ __forceinline__ void cp_async16(unsigned smem_dst, const void* gmem_src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_dst), "l"(gmem_src));
+}
+
+// Waits until at most n of this thread's most recent cp.async groups are still in flight (the
+// instruction takes an immediate; more than 7 pending waits as for 7, which is only earlier).
+__device__ __forceinline__ void cp_async_wait_pending(int n) {
+  switch (n) {
+    case 0: asm volatile("cp.async.wait_group 0;\n" ::: "memory"); break;
+    case 1: asm volatile("cp.async.wait_group 1;\n" ::: "memory"); break;
+    case 2: asm volatile("cp.async.wait_group 2;\n" ::: "memory"); break;
+    case 3: asm volatile("cp.async.wait_group 3;\n" ::: "memory"); break;
+    case 4: asm volatile("cp.async.wait_group 4;\n" ::: "memory"); break;
+    case 5: asm volatile("cp.async.wait_group 5;\n" ::: "memory"); break;
+    case 6: asm volatile("cp.async.wait_group 6;\n" ::: "memory"); break;
+    default: asm volatile("cp.async.wait_group 7;\n" ::: "memory"); break;
+  }
 }
 
 // Shared memory: the CTA's state tile (K-last [R][K]; K-first [K][R + 4]) padded to 16 bytes,
@@ -152,12 +178,13 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int K = EPL * 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, tid = threadIdx.x;
-  const int tiles = (p.V + R - 1) / R;
-  const int64_t bid = blockIdx.x;
-  const int tile_id = static_cast<int>(bid % tiles);
-  const int hv = static_cast<int>((bid / tiles) % p.HV);
-  const int n = static_cast<int>(bid / (static_cast<int64_t>(tiles) * p.HV));
-  const int h = hv / (p.HV / p.H);
+  // CTA = (n, hv, tile), tiles fastest: consecutive CTAs read one slot's rows (DRAM locality).
+  // Divisions by launch constants (FastDiv): the path to the first load is latency at small N.
+  const uint32_t head_tile = p.tiles.div(blockIdx.x);
+  const int tile_id = static_cast<int>(blockIdx.x - head_tile * p.tiles.divisor);
+  const int n = static_cast<int>(p.value_heads.div(head_tile));
+  const int hv = static_cast<int>(head_tile - static_cast<uint32_t>(n) * p.value_heads.divisor);
+  const int h = static_cast<int>(p.value_heads_per_head.div(static_cast<uint32_t>(hv)));
   const int j0 = tile_id * R;
   const int rows = min(R, p.V - j0);
   const int k0 = lane * EPL;
@@ -198,15 +225,13 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
     if (delta && lane == 0) rbeta = ldf(p.beta, p.beta_dtype, f * p.HV + hv);
   };
   if (has_tok) load_token(my_t);
-  const bool has_v = tid < rows * p.T;
-  const float rv = has_v ? ldx(p.v, p.v_dtype, ((static_cast<int64_t>(n) * p.T + tid / rows) * p.HV + hv) * p.V + j0 + tid % rows)
-                         : 0.0f;
+  const bool has_v = tid < rows;  // rows <= R <= the CTA's threads (launch_tile): thread j stages v[.., j0 + j]
+  auto v_index = [&](int t) { return ((static_cast<int64_t>(n) * p.T + t) * p.HV + hv) * p.V + j0 + tid; };
+  const float rv = has_v ? ldx(p.v, p.v_dtype, v_index(0)) : 0.0f;
 
   if (rs < 0 || rs >= p.P) {  // padding: zeros out, pool untouched
-    for (int i = tid; i < rows * p.T; i += blockDim.x) {
-      const int t = i / rows, j = j0 + i % rows;
-      sto((static_cast<int64_t>(n * p.T + t) * p.HV + hv) * p.V + j, 0.0f);
-    }
+    if (has_v)
+      for (int t = 0; t < p.T; ++t) sto(v_index(t), 0.0f);
     return;
   }
 
@@ -215,13 +240,29 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
   float* tok_beta = tok + static_cast<size_t>(p.T) * 3 * K;
   float* tok_v = tok_beta + p.T;  // [T][R]: this tile's v values, off the rows' critical path
 
-  // 1. Start the state tile on its way: K-last rows j0.. are one contiguous run.
+  // 1. Start the state tile on its way. K-last: each warp copies the rows it will update, one
+  //    cp.async group per batch of rows, so that it can start on its first batch (and its stores)
+  //    while the later batches are still arriving: a CTA's reads and writes overlap.
+  constexpr int kBatch = 4;  // rows per warp per step (8 for bf16 measured slower: registers)
+  constexpr int kRowsPerStep = kWarps * kBatch;
   const S* src = pool + static_cast<int64_t>(rs) * slot_elems + head_off;
+  const int my_steps = warp < rows ? (rows - warp + kRowsPerStep - 1) / kRowsPerStep : 0;
   if constexpr (KLAST) {
-    const int chunks = rows * K * static_cast<int>(sizeof(S)) / 16;
+    constexpr int kPiecesPerRow = K * static_cast<int>(sizeof(S)) / 16;  // 16-byte pieces
+    constexpr int kPiecesPerLane = kBatch * kPiecesPerRow / 32;
+    static_assert(kBatch * kPiecesPerRow % 32 == 0, "a batch of rows is whole pieces per lane");
     const char* gsrc = reinterpret_cast<const char*>(src + static_cast<int64_t>(j0) * K);
-    for (int c = tid; c < chunks; c += blockDim.x) cp_async16(reinterpret_cast<char*>(tile) + c * 16, gsrc + c * 16);
-    asm volatile("cp.async.commit_group;\n" ::);
+    const unsigned sdst = static_cast<unsigned>(__cvta_generic_to_shared(tile));
+    for (int step = 0; step < my_steps; ++step) {
+#pragma unroll
+      for (int i = 0; i < kPiecesPerLane; ++i) {
+        const int c = lane + 32 * i;
+        const int r = step * kRowsPerStep + warp + (c / kPiecesPerRow) * kWarps;
+        const int off = (r * kPiecesPerRow + c % kPiecesPerRow) * 16;
+        if (r < rows) cp_async16(sdst + off, gsrc + off);
+      }
+      asm volatile("cp.async.commit_group;\n" ::);
+    }
   } else {
     for (int i = tid; i < K * rows; i += blockDim.x) {
       const int kk = i / rows, j = i % rows;
@@ -231,9 +272,10 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
 
   // 2. Meanwhile, preprocess the tokens into shared memory (q/k L2 norm by warp reductions,
   //    scale, gate activation, exp of the log-decay, beta) and stage v.
-  if (has_v) tok_v[(tid / rows) * R + tid % rows] = rv;
-  for (int i = tid + blockDim.x; i < rows * p.T; i += blockDim.x)
-    tok_v[(i / rows) * R + i % rows] = ldx(p.v, p.v_dtype, ((static_cast<int64_t>(n) * p.T + i / rows) * p.HV + hv) * p.V + j0 + i % rows);
+  if (has_v) {
+    tok_v[tid] = rv;
+    for (int t = 1; t < p.T; ++t) tok_v[t * R + tid] = ldx(p.v, p.v_dtype, v_index(t));
+  }
   if (gate_in_kernel && p.A_log) eA = __expf(eA);
   for (int t = my_t; t < p.T; t += kWarps) {
     if (t != my_t) load_token(t);
@@ -251,25 +293,28 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
       float a = rg[e];
       if (gate_in_kernel) {
         a += rbias[e];
-        a = has_lb ? p.lb / (1.0f + __expf(-eA * a)) : -eA * (a > 20.0f ? a : log1pf(__expf(a)));
+        a = has_lb ? __fdividef(p.lb, 1.0f + __expf(-eA * a)) : -eA * (a > 20.0f ? a : log1pf(__expf(a)));
       }
       tq[k0 + e] = rq[e] * qs;
       tq[K + k0 + e] = rk[e] * ks;
       tq[2 * K + k0 + e] = __expf(a);
     }
-    if (lane == 0) tok_beta[t] = (delta && beta_sigmoid) ? p.beta_mult / (1.0f + __expf(-rbeta)) : rbeta;
+    if (lane == 0) tok_beta[t] = (delta && beta_sigmoid) ? __fdividef(p.beta_mult, 1.0f + __expf(-rbeta)) : rbeta;
   }
-  if constexpr (KLAST) asm volatile("cp.async.wait_all;\n" ::);
-  __syncthreads();
+  __syncthreads();  // the token inputs (K-first: also the tile)
 
   // 3. Rows: warp w takes rows w, w + 4, ..., kBatch of them at a time so that their warp
   //    reductions interleave instead of running back to back.
-  constexpr int kBatch = 4;  // 8 for bf16 measured slower (registers, occupancy)
-  for (int r0 = warp; r0 < rows; r0 += kWarps * kBatch) {
+  for (int step = 0; step < my_steps; ++step) {
+    const int r0 = step * kRowsPerStep + warp;
+    if constexpr (KLAST) {
+      cp_async_wait_pending(my_steps - 1 - step);  // this warp's batches up to this one have landed
+      __syncwarp();
+    }
     float s[kBatch][EPL];
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
-      const int r = min(r0 + b * kWarps, rows - 1);  // clamped rows are computed, never stored
+      const int r = r0 + b * kWarps < rows ? r0 + b * kWarps : r0;  // past the tile: computed, never stored
       if constexpr (KLAST) {
         load_row<EPL, S>(tile + r * K + k0, s[b]);
       } else {
@@ -299,7 +344,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
       for (int e = 0; e < EPL; ++e) qv[e] = tq[k0 + e], kv[e] = tq[K + k0 + e], av[e] = tq[2 * K + k0 + e];
       float u[kBatch], o[kBatch];
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b) u[b] = tok_v[t * R + min(r0 + b * kWarps, rows - 1)];
+      for (int b = 0; b < kBatch; ++b) u[b] = tok_v[t * R + (r0 + b * kWarps < rows ? r0 + b * kWarps : r0)];
       dev::update_rows<EPL, kBatch>(s, qv, kv, av, u, tok_beta[t], delta, o);
       if (lane < kBatch && r0 + lane * kWarps < rows)
         sto((f * p.HV + hv) * p.V + j0 + r0 + lane * kWarps, dev::pick_lane<kBatch>(o, lane));
@@ -318,14 +363,16 @@ void check(cudaError_t e, const char* what) { cuda_check(e, "decode", what); }
 // A small batch (fewer than two CTAs per SM) is bound by one CTA's latency, not by bandwidth:
 // thinner tiles, down to one batch of rows per warp (16 rows), spread it over more SMs.
 template <int EPL, typename S, bool KLAST, bool kServing, bool kKdaServing = false>
-void launch_tile(const DecodeParams& p, bool pdl, int sms, cudaStream_t stream) {
+void launch_tile(DecodeParams p, bool pdl, int sms, cudaStream_t stream) {
   constexpr int K = EPL * 32;
   int R = static_cast<int>(16384 / (K * sizeof(S)));
   R = std::max(4, std::min(R, p.V));
   auto blocks_of = [&](int rows) { return static_cast<int64_t>(p.N) * p.HV * ((p.V + rows - 1) / rows); };
   while (R > 16 && blocks_of(R) < 2 * int64_t{sms}) R /= 2;
+  R = std::min(R, kWarps * 32);  // one thread per tile row stages v
   const int64_t blocks = blocks_of(R);
   if (blocks >= (int64_t{1} << 31)) throw_unsupported("decode", "too many sequences x heads for one launch");
+  p.tiles = dev::FastDiv(static_cast<uint32_t>((p.V + R - 1) / R));
   const size_t smem = smem_bytes<S>(R, K, p.T, KLAST);
   if (smem > 48 * 1024) {
     if (smem > 200 * 1024) throw_unsupported("decode", "too many draft tokens per sequence for the CUDA decode kernel");
@@ -439,6 +486,8 @@ void cuda_decode(const Recurrence& r, const cula_decode_args& a) {
   p.scale = static_cast<float>(r.scale);
   p.decay_heads = static_cast<int>(r.decay_heads);
   p.dt_bias_per_channel = r.dt_bias_per_channel;
+  p.value_heads_per_head = dev::FastDiv(static_cast<uint32_t>(r.HV / r.H));
+  p.value_heads = dev::FastDiv(static_cast<uint32_t>(r.HV));
   if (r.N == 0 || r.T == 0) return;
   check(cudaSetDevice(a.q->device_id), "cudaSetDevice");
   const cudaStream_t stream = static_cast<cudaStream_t>(a.opt.stream);
