@@ -17,11 +17,12 @@ def reject_unknown(fn_name: str, kwargs: dict) -> None:
 
 
 def _needs_grad(tensors) -> bool:
-    if not any(is_torch(t) for t in tensors if t is not None):
+    torch_inputs = [t for t in tensors if t is not None and is_torch(t)]
+    if not torch_inputs:
         return False
     import torch
 
-    return torch.is_grad_enabled() and any(t is not None and is_torch(t) and t.requires_grad for t in tensors)
+    return torch.is_grad_enabled() and any(t.requires_grad for t in torch_inputs)
 
 
 def chunk(family: str, q, k, v, g=None, beta=None, decay=None, *, A_log=None, dt_bias=None, initial_state=None,

@@ -4,13 +4,12 @@ cula_tensor views, and output allocation in the caller's array library."""
 from __future__ import annotations
 
 import ctypes
+import struct
 
 import numpy as np
 
 from . import _lib
 from ._lib import CulaError
-
-_Dims = ctypes.c_int64 * _lib.MAX_DIMS  # shape / strides of a cula_tensor
 
 _NP_DTYPES = {
     np.dtype(np.float16): _lib.FLOAT16,
@@ -21,8 +20,15 @@ _NP_DTYPES = {
 }
 
 
+_IS_TORCH = {}  # type -> bool: the check runs for every argument of every call (host time per call)
+
+
 def is_torch(x) -> bool:
-    return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr")
+    t = type(x)
+    r = _IS_TORCH.get(t)
+    if r is None:
+        r = _IS_TORCH[t] = t.__module__.startswith("torch") and hasattr(x, "data_ptr")
+    return r
 
 
 _TORCH_CODES = None  # torch dtype -> DLPack code, built on first use (importing cula does not import torch)
@@ -45,7 +51,7 @@ def _torch_dtype_code(x):
 
 
 def as_array(x, name):
-    """Returns an object view() accepts: torch tensors and numpy arrays as they are, other
+    """Returns an object tensor_fields() accepts: torch tensors and numpy arrays as they are, other
     DLPack producers through numpy, Python sequences are refused."""
     if x is None or is_torch(x) or isinstance(x, np.ndarray):
         return x
@@ -57,10 +63,14 @@ def as_array(x, name):
     raise CulaError(f"argument '{name}': expected a torch tensor or a numpy array, got {type(x).__name__}")
 
 
-def view(x, name) -> _lib.Tensor | None:
-    """A cula_tensor describing x (no copy). The caller keeps x alive for the call."""
-    if x is None:
-        return None
+_TENSOR = struct.Struct("=Qii6q6qii")  # the bytes of a cula_tensor, packed in one call
+assert _TENSOR.size == ctypes.sizeof(_lib.Tensor), "cula_tensor layout changed"
+_PAD = (0,) * _lib.MAX_DIMS
+_ADDR = struct.Struct("=Q")
+
+
+def tensor_fields(x, name) -> tuple:
+    """The cula_tensor fields describing x (no copy), in _TENSOR's order."""
     if is_torch(x):
         code = _torch_dtype_code(x)
         if code is None:
@@ -75,23 +85,47 @@ def view(x, name) -> _lib.Tensor | None:
             dev_type, dev_id = _lib.CPU, 0
         else:
             raise CulaError(f"argument '{name}': expected a CPU or CUDA tensor, got a tensor on {x.device}")
-        # one constructor call (this runs for every tensor of every call: host time per call)
-        return _lib.Tensor(x.data_ptr() or None, code, n, _Dims(*shape), _Dims(*x.stride()), dev_type, dev_id)
+        return (x.data_ptr(), code, n, *shape, *_PAD[n:], *x.stride(), *_PAD[n:], dev_type, dev_id)
     if isinstance(x, np.ndarray):
         code = _NP_DTYPES.get(x.dtype)
         if code is None:
             raise CulaError(f"argument '{name}': expected a float16/float32/float64 or int32/int64 array, got {x.dtype}")
-        if x.ndim > _lib.MAX_DIMS:
-            raise CulaError(f"argument '{name}': expected at most {_lib.MAX_DIMS} dimensions, got {x.ndim}")
+        n = x.ndim
+        if n > _lib.MAX_DIMS:
+            raise CulaError(f"argument '{name}': expected at most {_lib.MAX_DIMS} dimensions, got {n}")
         if any(s % x.itemsize for s in x.strides):
             raise CulaError(f"argument '{name}': expected strides that are multiples of the item size, got {x.strides}")
-        return _lib.Tensor(x.ctypes.data or None, code, x.ndim, _Dims(*x.shape),
-                           _Dims(*(st // x.itemsize for st in x.strides)), _lib.CPU, 0)
+        return (x.ctypes.data, code, n, *x.shape, *_PAD[n:], *(st // x.itemsize for st in x.strides), *_PAD[n:],
+                _lib.CPU, 0)
     raise CulaError(f"argument '{name}': expected a torch tensor or a numpy array, got {type(x).__name__}")
 
 
-def ptr(t):
-    return ctypes.pointer(t) if t is not None else None
+_FIELD_OFFSETS = {}  # argument struct type -> {tensor field name: byte offset}
+
+
+def call(args_type, entry, opt, tensors: dict, **scalars) -> None:
+    """Fills one C ABI argument struct and its tensor descriptions in one buffer (the struct, then
+    one cula_tensor per array given; fields of arrays not given stay NULL) and calls the entry,
+    raising the library's error as a Python exception. The arrays stay alive for the call."""
+    offsets = _FIELD_OFFSETS.get(args_type)
+    if offsets is None:
+        offsets = _FIELD_OFFSETS[args_type] = {n: getattr(args_type, n).offset for n, t in args_type._fields_
+                                               if t is _lib.TP}
+    present = [(n, x) for n, x in tensors.items() if x is not None]
+    size = ctypes.sizeof(args_type)  # a multiple of 8: the cula_tensors after it stay aligned
+    buf = ctypes.create_string_buffer(size + _TENSOR.size * len(present))
+    base = ctypes.addressof(buf)
+    a = args_type.from_buffer(buf)
+    a.struct_size = size
+    a.opt = opt
+    at = size
+    for n, x in present:
+        _TENSOR.pack_into(buf, at, *tensor_fields(x, n))
+        _ADDR.pack_into(buf, offsets[n], base + at)
+        at += _TENSOR.size
+    for n, x in scalars.items():
+        setattr(a, n, x)
+    _lib.check(entry(ctypes.byref(a)))
 
 
 def empty_like_family(ref, shape, dtype=None):

@@ -7,31 +7,16 @@ canonical layout) or ``"k_first"`` ([.., HV, K, V], FLA's default).
 
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 
 from . import _lib
-from ._lib import CulaError, check
-from ._tensor import as_array, dtype_name, empty_like_family, is_torch, ptr, stream_of, view
+from ._lib import CulaError
+from ._tensor import as_array, call, dtype_name, empty_like_family, is_torch, stream_of
 
 __all__ = [
     "chunk_fwd", "chunk_kda", "chunk_gdn", "chunk_gated_delta_rule", "chunk_gla", "chunk_simple_gla",
     "chunk_lightning", "decode", "chunk_bwd", "kda_gate", "backend_for", "set_num_threads",
 ]
-
-
-def _call(args_type, entry, opt, views, **scalars):
-    """Fills one C ABI argument struct (tensor views by field name, plus scalar fields) and calls
-    the entry, raising the library's error as a Python exception."""
-    a = args_type()
-    a.struct_size = ctypes.sizeof(a)
-    a.opt = opt
-    for n, t in views.items():
-        setattr(a, n, ptr(t))
-    for n, x in scalars.items():
-        setattr(a, n, x)
-    check(entry(ctypes.byref(a)))
 
 
 def _host_offsets(cu_seqlens):
@@ -53,7 +38,7 @@ def _shape(x, name, ndim):
         raise CulaError(f"argument '{name}': expected a tensor, got None")
     if len(x.shape) != ndim:
         raise CulaError(f"argument '{name}': expected a {ndim}-D tensor, got shape {list(x.shape)}")
-    return tuple(int(s) for s in x.shape)
+    return tuple(x.shape)  # ints for numpy and torch alike
 
 
 def chunk_fwd(family, q, k, v, g=None, beta=None, decay=None, *, scale=None, initial_state=None,
@@ -103,11 +88,8 @@ def chunk_fwd(family, q, k, v, g=None, beta=None, decay=None, *, scale=None, ini
                        safe_gate=safe_gate, lower_bound=lower_bound, beta_sigmoid=use_beta_sigmoid_in_kernel,
                        allow_neg_eigval=allow_neg_eigval, state_layout=state_layout, backend=backend,
                        stream=stream_of(q))
-    views = {n: view(arrays[n], n) for n in names if n != "out"}
-    views["out"] = view(o, "out")
-    views["final_state"] = view(final, "final_state")
-    views["intermediate_states"] = view(inter, "intermediate_states")
-    _call(_lib.ChunkFwdArgs, _lib.LIB.cula_chunk_fwd, opt, views, chunk_size=chunk_size)
+    arrays.update(out=o, final_state=final, intermediate_states=inter)
+    call(_lib.ChunkFwdArgs, _lib.LIB.cula_chunk_fwd, opt, arrays, chunk_size=chunk_size)
     if return_intermediate_states:
         return o, final, inter
     return o, final
@@ -165,9 +147,8 @@ def decode(q, k, v, state_pool, *, mode="kda", g=None, beta=None, decay=None, st
                        lower_bound=lower_bound, beta_sigmoid=use_beta_sigmoid_in_kernel,
                        allow_neg_eigval=allow_neg_eigval, state_layout=state_layout, backend=backend,
                        stream=stream_of(q))
-    views = {n: view(arrays[n], n) for n in names if n != "out"}
-    views["out"] = view(o, "out")
-    _call(_lib.DecodeArgs, _lib.LIB.cula_decode, opt, views)
+    arrays["out"] = o
+    call(_lib.DecodeArgs, _lib.LIB.cula_decode, opt, arrays)
     return o, arrays["state_pool"]
 
 
@@ -195,9 +176,7 @@ def chunk_bwd(family, q, k, v, g, beta, d_out, *, d_final_state=None, scale=None
                        safe_gate=safe_gate, lower_bound=lower_bound, beta_sigmoid=use_beta_sigmoid_in_kernel,
                        allow_neg_eigval=allow_neg_eigval, state_layout=state_layout, backend=backend,
                        stream=stream_of(arrays["q"]))
-    views = {n: view(arrays[n], n) for n in names}
-    views.update({n: view(x, n) for n, x in grads.items()})
-    _call(_lib.ChunkBwdArgs, _lib.LIB.cula_chunk_bwd, opt, views)
+    call(_lib.ChunkBwdArgs, _lib.LIB.cula_chunk_bwd, opt, {**arrays, **grads})
     return {n: x for n, x in grads.items() if x is not None}
 
 
@@ -210,9 +189,7 @@ def kda_gate(g, A_log=None, dt_bias=None, lower_bound=None, safe_gate=False, out
         raise CulaError(f"argument 'output_dtype': expected 'float32' or 'bfloat16', got {output_dtype!r}")
     out = empty_like_family(g, tuple(g.shape), output_dtype)
     opt = _lib.options("kda", lower_bound=lower_bound, safe_gate=safe_gate, backend=backend, stream=stream_of(g))
-    views = {"g": view(g, "g"), "A_log": view(A_log, "A_log"), "dt_bias": view(dt_bias, "dt_bias"),
-             "g_out": view(out, "g_out")}
-    _call(_lib.KdaGateArgs, _lib.LIB.cula_kda_gate, opt, views)
+    call(_lib.KdaGateArgs, _lib.LIB.cula_kda_gate, opt, {"g": g, "A_log": A_log, "dt_bias": dt_bias, "g_out": out})
     return out
 
 
