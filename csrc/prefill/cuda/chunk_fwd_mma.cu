@@ -39,13 +39,15 @@
 // prep: 4 warps; warp w owns chunk rows 16w..16w+15 for the element-wise work (norms, gate, el,
 // Kr, k e^G or Kt, Kd, Qg); the ten lower 16x16 block pairs of A are dealt round-robin to the
 // warps and U, W are split by column quarters, so the triangle costs every warp the same. The gate
-// goes from global memory into registers in the A-fragment layout; its cumulative sum inside a
+// goes into registers in the A-fragment layout (KDA with a bf16 gate: from a tile copied into TB and
+// TAB with q and k; otherwise from global memory, one k-step ahead); its cumulative sum inside a
 // 16-row block is a shuffle scan (block_scan), the block sums meet in shared memory. The code is
 // kept small on purpose (rolled k-step loops): a fully unrolled body thrashed the instruction cache
 // (docs/NOTES.md).
 // Shared buffers (K = V = 128: ~75 KB, three CTAs per SM): R1 q tile -> q el -> M (fp32);
-// KRAW k tile -> k el (or Kt) -> beta k e^G; KR Kr -> v tile (-> beta v; absent for GLA); TB Minv
-// (or the exact path's scratch, row factors and steep flags); TAB per-channel exponent rows; BT block sums and
+// KRAW k tile -> k el (or Kt) -> beta k e^G; KR Kr -> v tile (-> beta v; absent for GLA); TB + TAB
+// KDA's bf16 gate tile until the block sums are out; TB Minv (or the exact path's scratch, row
+// factors and steep flags); TAB per-channel exponent rows; BT block sums and
 // dt_bias; per-row beta, scalar gate and fp32 q.k.
 // Barriers: B_a0 tiles in; B_b block sums; B_c Kr and table; B_c2 pair products done; B_d tiles
 // free; B_e M; B_f diagonal inverses; B_g Minv and v in; one more after beta v (GLA stops after
@@ -198,6 +200,15 @@ __global__ void __launch_bounds__(kThreads, DELTA ? 3 : 4)
   const float const_decay =
       p.gate_kind == 2 ? -dev::ld(p.decay, p.decay_dt, p.decay_heads == p.HV ? hv : (hv / (p.HV / p.H))) : 0.0f;
   const uint4 zero4 = make_uint4(0, 0, 0, 0);
+  // KDA with a bf16 gate: the chunk's gate tile streams into shared memory with q and k (TB and TAB
+  // are free until Minv and the exponent table), so the rolled k-step loop reads it without a
+  // global-memory latency per step (a register prefetch one step ahead left ~20% of the prep's
+  // warp time waiting there). Unpadded rows, 16-byte pieces swizzled by row (piece ^ row % 8): the
+  // A-fragment reads of eight rows hit eight different bank groups.
+  constexpr bool kGateTileFits = DELTA && !SCALAR && Ly::oBT - Ly::oTB >= kBT * K * 2;
+  const bool gate_tile = kGateTileFits && p.g_dt == CULA_BFLOAT16;
+  bf16* gt_s = reinterpret_cast<bf16*>(smem + Ly::oTB);
+  auto gate_at = [&](int row, int col) { return gt_s + row * K + (((col >> 3) ^ (row & 7)) << 3) + (col & 7); };
   // log-decay of one element from its raw gate (SPEC §2)
   // (no lower than kMinChunkLogDecay: a gate of -inf is a reset, not NaN; NaN stays NaN)
   auto activate = [&](float x) {
@@ -222,6 +233,14 @@ __global__ void __launch_bounds__(kThreads, DELTA ? 3 : 4)
       } else {
         *reinterpret_cast<uint4*>(dq) = zero4;
         *reinterpret_cast<uint4*>(dk) = zero4;
+      }
+    }
+    if (gate_tile) {  // rows past the sequence are never read (load_gate)
+      const bf16* g_in = static_cast<const bf16*>(p.g) + b_row * p.g_s[0] + t0 * p.g_s[1] + hv * p.g_s[2] + ck.c8;
+#pragma unroll
+      for (int j = 0; j < CopyK::J; ++j) {
+        const int r = ck.row(j);
+        if (r < Lc) mma::cp_async16(gate_at(r, ck.c8), g_in + r * p.g_s[1]);
       }
     }
     mma::cp_async_commit();
@@ -251,8 +270,9 @@ __global__ void __launch_bounds__(kThreads, DELTA ? 3 : 4)
       float2 v = make_float2(0.0f, 0.0f);
       if (!SCALAR && row < Lc) {
         const int64_t off = b_row * p.g_s[0] + (t0 + row) * p.g_s[1] + hv * p.g_s[2] + col;
-        v = p.g_dt == CULA_FLOAT32 ? *reinterpret_cast<const float2*>(static_cast<const float*>(p.g) + off)
-                                   : bf2(static_cast<const bf16*>(p.g) + off);
+        v = gate_tile                  ? bf2(gate_at(row, col))
+            : p.g_dt == CULA_FLOAT32 ? *reinterpret_cast<const float2*>(static_cast<const float*>(p.g) + off)
+                                     : bf2(static_cast<const bf16*>(p.g) + off);
       }
       x[2 * rr] = v.x, x[2 * rr + 1] = v.y;
     }
@@ -284,9 +304,10 @@ __global__ void __launch_bounds__(kThreads, DELTA ? 3 : 4)
       }
   };
   float gnext[8];
-  if (!SCALAR) load_gate(bI, 0, gnext);
+  if (!SCALAR && !gate_tile) load_gate(bI, 0, gnext);
   mma::cp_async_wait_all();
   __syncthreads();  // B_a0: tiles landed
+  if (!SCALAR && gate_tile) load_gate(bI, 0, gnext);
 
   // ---- row norms of this warp's rows (before the tiles are scaled in place)
   float qs[2], ks[2];
