@@ -116,7 +116,6 @@ __device__ __forceinline__ int read_slot(const DecodeParams& p, int n) {
   return p.idx[static_cast<int64_t>(n) * p.T + a - 1];
 }
 
-
 // A 16-byte global -> shared copy that bypasses L1 (the state is read once).
 __device__ __forceinline__ void cp_async16(unsigned smem_dst, const void* gmem_src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_dst), "l"(gmem_src));
