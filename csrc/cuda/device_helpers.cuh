@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "common/fast_div.h"
 #include "cula/cula.h"
 
 namespace cula {
@@ -42,19 +43,6 @@ __device__ __forceinline__ void allow_dependents_launch() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
-
-// Division by a divisor fixed at launch (a head-group size, a tile count) as a multiply-high, an
-// add and a shift instead of the ~20 dependent instructions of an integer division, which sit on a
-// latency-bound kernel's path to its first load. Exact for dividends below 2^31.
-struct FastDiv {
-  uint32_t divisor = 1, mul = 0, shift = 0;
-  FastDiv() = default;
-  __host__ explicit FastDiv(uint32_t d) : divisor(d) {
-    while ((uint64_t{1} << shift) < d) ++shift;
-    mul = d <= 1 ? 0 : static_cast<uint32_t>(((uint64_t{1} << 32) * ((uint64_t{1} << shift) - d)) / d + 1);
-  }
-  __device__ __forceinline__ uint32_t div(uint32_t n) const { return (__umulhi(n, mul) + n) >> shift; }
-};
 
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll

@@ -67,9 +67,9 @@ struct DecodeParams {
   int gate_kind;        // 0 per channel, 1 scalar, 2 constant
   int delta, l2norm, gate_in_kernel, has_lb, beta_sigmoid, decay_heads, dt_bias_per_channel;
   float lb, beta_mult, scale;
-  dev::FastDiv value_heads_per_head;  // HV / H
-  dev::FastDiv value_heads;           // HV
-  dev::FastDiv tiles;                 // tiles per head (set at launch)
+  FastDiv value_heads_per_head;  // HV / H
+  FastDiv value_heads;           // HV
+  FastDiv tiles;                 // tiles per head (set at launch)
 };
 
 using dev::ld;
@@ -371,7 +371,7 @@ void launch_tile(DecodeParams p, bool pdl, int sms, cudaStream_t stream) {
   R = std::min(R, kWarps * 32);  // one thread per tile row stages v
   const int64_t blocks = blocks_of(R);
   if (blocks >= (int64_t{1} << 31)) throw_unsupported("decode", "too many sequences x heads for one launch");
-  p.tiles = dev::FastDiv(static_cast<uint32_t>((p.V + R - 1) / R));
+  p.tiles = FastDiv(static_cast<uint32_t>((p.V + R - 1) / R));
   const size_t smem = smem_bytes<S>(R, K, p.T, KLAST);
   if (smem > 48 * 1024) {
     if (smem > 200 * 1024) throw_unsupported("decode", "too many draft tokens per sequence for the CUDA decode kernel");
@@ -485,8 +485,8 @@ void cuda_decode(const Recurrence& r, const cula_decode_args& a) {
   p.scale = static_cast<float>(r.scale);
   p.decay_heads = static_cast<int>(r.decay_heads);
   p.dt_bias_per_channel = r.dt_bias_per_channel;
-  p.value_heads_per_head = dev::FastDiv(static_cast<uint32_t>(r.HV / r.H));
-  p.value_heads = dev::FastDiv(static_cast<uint32_t>(r.HV));
+  p.value_heads_per_head = FastDiv(static_cast<uint32_t>(r.HV / r.H));
+  p.value_heads = FastDiv(static_cast<uint32_t>(r.HV));
   if (r.N == 0 || r.T == 0) return;
   check(cudaSetDevice(a.q->device_id), "cudaSetDevice");
   const cudaStream_t stream = static_cast<cudaStream_t>(a.opt.stream);
