@@ -203,8 +203,9 @@ __global__ void __launch_bounds__(kThreads, DELTA ? 3 : 4)
   // KDA with a bf16 gate: the chunk's gate tile streams into shared memory with q and k (TB and TAB
   // are free until Minv and the exponent table), so the rolled k-step loop reads it without a
   // global-memory latency per step (the register prefetch one step ahead converted bf16 to fp32
-  // right after the load, so it waited at once: ~20% of the prep's warp time). Unpadded rows, 16-byte pieces swizzled by row (piece ^ row % 8): the
-  // A-fragment reads of eight rows hit eight different bank groups.
+  // right after the load, so it waited at once: ~20% of the prep's warp time). Unpadded rows,
+  // 16-byte pieces swizzled by row (piece ^ row % 8): the A-fragment reads of eight rows hit eight
+  // different bank groups.
   constexpr bool kGateTileFits = DELTA && !SCALAR && Ly::oBT - Ly::oTB >= kBT * K * 2;
   const bool gate_tile = kGateTileFits && p.g_dt == CULA_BFLOAT16;
   bf16* gt_s = reinterpret_cast<bf16*>(smem + Ly::oTB);
