@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "common/fast_div.h"
+#include "common/problem.h"
 #include "cula/cula.h"
 
 namespace cula {
@@ -43,6 +44,16 @@ __device__ __forceinline__ void allow_dependents_launch() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
+
+// The per-step log-decay of a gate computed in the kernel (SPEC §2) from a raw gate x (dt_bias
+// already added) and eA = exp(A_log): lb * sigmoid(eA x) with a lower bound, else -eA softplus(x).
+__device__ __forceinline__ float activate_gate(float x, float eA, bool has_lb, float lb) {
+  return has_lb ? __fdividef(lb, 1.0f + __expf(-eA * x)) : -eA * (x > 20.0f ? x : log1pf(__expf(x)));
+}
+
+// A chunked kernel's log-decay: no lower than kMinChunkLogDecay (a gate of -inf is a reset, not
+// NaN; NaN stays NaN).
+__device__ __forceinline__ float chunk_log_decay(float a) { return a < kMinChunkLogDecay ? kMinChunkLogDecay : a; }
 
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll

@@ -290,10 +290,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
 #pragma unroll
     for (int e = 0; e < EPL; ++e) {
       float a = rg[e];
-      if (gate_in_kernel) {
-        a += rbias[e];
-        a = has_lb ? __fdividef(p.lb, 1.0f + __expf(-eA * a)) : -eA * (a > 20.0f ? a : log1pf(__expf(a)));
-      }
+      if (gate_in_kernel) a = dev::activate_gate(a + rbias[e], eA, has_lb, p.lb);
       tq[k0 + e] = rq[e] * qs;
       tq[K + k0 + e] = rk[e] * ks;
       tq[2 * K + k0 + e] = __expf(a);

@@ -118,12 +118,9 @@ __global__ void __launch_bounds__(32 * kFactorWarps)
         a = decay;
       } else {
         a = dev::ld(p.g, p.g_dt, sq.b_row * p.g_s[0] + tok * p.g_s[1] + hv * p.g_s[2]);
-        if (p.gate_in_kernel) {
-          a += bias;
-          a = p.has_lb ? __fdividef(p.lb, 1.0f + __expf(-eA * a)) : -eA * (a > 20.0f ? a : log1pf(__expf(a)));
-        }
+        if (p.gate_in_kernel) a = dev::activate_gate(a + bias, eA, p.has_lb, p.lb);
       }
-      if (a < kMinChunkLogDecay) a = kMinChunkLogDecay;  // -inf: a reset, not NaN; NaN stays NaN
+      a = dev::chunk_log_decay(a);
       if (p.l2norm) {
         const bf16* qr = static_cast<const bf16*>(p.q) + sq.b_row * p.q_s[0] + tok * p.q_s[1] + h * p.q_s[2];
         const bf16* kr = static_cast<const bf16*>(p.k) + sq.b_row * p.k_s[0] + tok * p.k_s[1] + h * p.k_s[2];

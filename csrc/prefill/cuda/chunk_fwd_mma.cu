@@ -210,12 +210,10 @@ __global__ void __launch_bounds__(kThreads, DELTA ? 3 : 4)
   const bool gate_tile = kGateTileFits && p.g_dt == CULA_BFLOAT16;
   bf16* gt_s = reinterpret_cast<bf16*>(smem + Ly::oTB);
   auto gate_at = [&](int row, int col) { return gt_s + row * K + (((col >> 3) ^ (row & 7)) << 3) + (col & 7); };
-  // log-decay of one element from its raw gate (SPEC §2)
-  // (no lower than kMinChunkLogDecay: a gate of -inf is a reset, not NaN; NaN stays NaN)
+  // log-decay of one element from its raw gate
   auto activate = [&](float x) {
-    if (p.gate_in_kernel && p.gate_kind != 2)
-      x = p.has_lb ? __fdividef(p.lb, 1.0f + __expf(-eA * x)) : -eA * (x > 20.0f ? x : log1pf(__expf(x)));
-    return x < kMinChunkLogDecay ? kMinChunkLogDecay : x;
+    if (p.gate_in_kernel && p.gate_kind != 2) x = dev::activate_gate(x, eA, p.has_lb, p.lb);
+    return dev::chunk_log_decay(x);
   };
 
   // ---- q, k (and per-channel gate) tiles; rows past the sequence are zeros
