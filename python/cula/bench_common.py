@@ -112,9 +112,11 @@ def replot(out_dir):
     return 0
 
 
-def write_report(out_dir, op, title, meta, rows, records, peers):
+def write_report(out_dir, op, title, meta, rows, records, peers, quiet=False):
     """rows: (config name, {impl: ms}, floor ms, cula kernel, {"rel_vs_fla": x}). Appends the
-    geometric-mean records, writes <op>.json, <op>.md and <op>.png; returns the Markdown lines."""
+    geometric-mean records (to a copy of records), writes <op>.json, <op>.md and <op>.png; returns the
+    Markdown lines (printed unless quiet)."""
+    records = list(records)
     lines = [f"# {title} ({meta['gpu']})", "", f"{meta['method']}. Copy bandwidth {meta['copy_gb_per_s']:.0f} GB/s. "
              "Times in ms; ratios are peer time / cula time (> 1: cula faster).", "",
              "| config | floor | cula | " + " | ".join(peers) + " | " + " | ".join(f"{p}/cula" for p in peers) +
@@ -146,5 +148,6 @@ def write_report(out_dir, op, title, meta, rows, records, peers):
     with open(os.path.join(out_dir, f"{op}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     plot(os.path.join(out_dir, f"{op}.png"), f"{title} ({meta['gpu']})", *series_from_records(records))  # as replot
-    print("\n".join(lines))
+    if not quiet:
+        print("\n".join(lines))
     return lines

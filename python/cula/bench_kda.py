@@ -11,6 +11,7 @@ per call with CUDA events (median of 20 after warm-up), alternating between two 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import time
 
@@ -59,7 +60,41 @@ def _peers():
     return fla_fn, flash_fn
 
 
-def bench_kda(out_dir: str, gpu_name: str | None = None, configs=None) -> int:
+def _flashkda_version():
+    """FlashKDA's package version, or where the importable module came from when it was built in place
+    (no package metadata)."""
+    v = _version("flash_kda")
+    if v != "absent":
+        return v
+    import flash_kda
+
+    return f"built from source, no package metadata ({os.path.dirname(flash_kda.__file__)})"
+
+
+def _done_rows(out_dir, gpu):
+    """Records and table rows of the configurations already in out_dir/kda_fwd.json (same GPU),
+    in grid order, for a resumed run; the grid's geometric means are recomputed at the end."""
+    path = os.path.join(out_dir, "kda_fwd.json")
+    if not os.path.exists(path):
+        return [], []
+    with open(path) as f:
+        data = json.load(f)
+    if data.get("meta", {}).get("gpu") != gpu:
+        return [], []
+    records = [r for r in data["records"] if isinstance(r.get("config"), dict)]
+    rows = []
+    for name in dict.fromkeys(r["config"]["name"] for r in records):
+        mine = [r for r in records if r["config"]["name"] == name]
+        res = {r["impl"]: r["median_ms"] for r in mine if "median_ms" in r and r["impl"] != "floor"}
+        floor = next(r["median_ms"] for r in mine if r["impl"] == "floor")
+        kern = next(r for r in mine if r["impl"] == "cula_kernel")
+        rows.append((name, res, floor, kern["name"], {k: v for k, v in kern.items() if k == "rel_vs_fla"}))
+    return records, rows
+
+
+def bench_kda(out_dir: str, gpu_name: str | None = None, configs=None, resume=False) -> int:
+    """Writes the results after every configuration; with resume, the configurations already in
+    out_dir's kda_fwd.json (measured on this GPU) are kept and not run again."""
     import torch
 
     from . import ops
@@ -67,7 +102,14 @@ def bench_kda(out_dir: str, gpu_name: str | None = None, configs=None) -> int:
     fla_fn, flash_fn = _peers()
     dev, props, bw = cuda_device(torch)
     configs = configs or CONFIGS
-    records, rows = [], []
+    gpu = gpu_name or props.name
+    records, rows = _done_rows(out_dir, gpu) if resume else ([], [])
+    configs = [c for c in configs if c[0] not in {r[0] for r in rows}]
+    meta = dict(gpu=gpu, copy_gb_per_s=round(bw, 1), torch=torch.__version__,
+                fla=_version("fla-core"), flashkda=_flashkda_version() if flash_fn else None,
+                date=time.strftime("%Y-%m-%d"), method=f"median of {REPS} single calls (CUDA events) after 3 warm-up "
+                "calls, alternating two input sets; FLA with FLA_FLASH_KDA=0, under torch.inference_mode; every "
+                "row's implementations timed side by side in one process")
     prog = Progress(len(configs), "bench kda")
     for name, B, T, H, seqlens in configs:
         if seqlens:
@@ -140,11 +182,16 @@ def bench_kda(out_dir: str, gpu_name: str | None = None, configs=None) -> int:
         prog.step(f"{name}: cula {res['cula']:.3f} ms")
         del sets
         torch.cuda.empty_cache()
-    meta = dict(gpu=gpu_name or props.name, copy_gb_per_s=round(bw, 1), torch=torch.__version__,
-                fla=_version("fla-core"), flashkda=_version("flash_kda") if flash_fn else None,
-                date=time.strftime("%Y-%m-%d"), method=f"median of {REPS} single calls (CUDA events) after 3 warm-up "
-                "calls, alternating two input sets; FLA with FLA_FLASH_KDA=0, under torch.inference_mode")
+        _report(out_dir, meta, rows, records, quiet=True)  # a run cut short keeps what it measured
+    _report(out_dir, meta, rows, records)
+    return 0
+
+
+def _report(out_dir, meta, rows, records, quiet=False):
+    order = [c[0] for c in CONFIGS]
+    rows = sorted(rows, key=lambda r: order.index(r[0]) if r[0] in order else len(order))
+    records = sorted(records, key=lambda r: order.index(r["config"]["name"]) if r["config"]["name"] in order
+                     else len(order))
     peers = [p for p in ("fla_triton", "flashkda", "torch_sdpa") if any(p in r[1] for r in rows)]
     write_report(out_dir, "kda_fwd", f"KDA chunked forward, bf16, K=V=128, gate in kernel (lb {LOWER_BOUND}), l2norm, "
-                 "beta sigmoid", meta, rows, records, peers)
-    return 0
+                 "beta sigmoid", meta, rows, records, peers, quiet=quiet)

@@ -42,6 +42,8 @@ def main(argv=None) -> int:
                        "(default: all)")
     bench.add_argument("--out", default=None, help="directory for the JSON and Markdown results "
                        "(default bench/results/cpu, or bench/results/<gpu> for GPU suites)")
+    bench.add_argument("--resume", action="store_true", help="kda: keep the configurations already in --out's "
+                       "kda_fwd.json (same GPU) and run only the others")
     bench.add_argument("--reps", type=int, default=5)
     args = parser.parse_args(argv)
     if args.cmd == "info":
@@ -63,7 +65,8 @@ def main(argv=None) -> int:
         if args.suite == "kda":
             from .bench_kda import CONFIGS, bench_kda
 
-            return bench_kda(args.out or "bench/results/gpu", configs=[c for c in CONFIGS if not only or c[0] in only])
+            return bench_kda(args.out or "bench/results/gpu", configs=[c for c in CONFIGS if not only or c[0] in only],
+                             resume=args.resume)
         if args.suite in ("gdn", "gla", "simple_gla", "lightning"):
             from .bench_fwd import CONFIGS, bench_fwd
 
