@@ -191,3 +191,29 @@ def test_kda_bench_resume_keeps_measured_rows_and_recomputes_the_means(tmp_path)
     assert len(gm) == 1 and abs(gm[0]["ratio"] - (4.0 * 1.5) ** 0.5) < 1e-3 and gm[0]["worst"] == 1.5
     md = (tmp_path / "kda_fwd.md").read_text()
     assert md.index(f"| {names[0]} |") < md.index(f"| {names[2]} |")
+
+
+def test_decode_markdown_shows_both_modes_ratios(tmp_path):
+    """decode.md is drawn from decode.json's records: one row per configuration in measured order,
+    with FLA / cula for eager calls and for graph replay; without FLA the peer columns are dashes."""
+    from cula.bench_decode import write_decode_markdown
+
+    def recs(sd, H, N, cula, fla=None):
+        cfg = dict(T=1, N=N, H=H, K=128, V=128, state_dtype=sd)
+        out = [dict(config=cfg, impl="cula", mode=m, median_ms=ms, gb_per_s=1000.0, pct_copy_bw=50.0)
+               for m, ms in zip(("eager", "graph"), cula)]
+        if fla:
+            out += [dict(config=cfg, impl="fla_triton", mode=m, median_ms=ms, gb_per_s=900.0, pct_copy_bw=45.0)
+                    for m, ms in zip(("eager", "graph"), fla)]
+            out += [dict(config=cfg, impl="ratio_fla_over_cula", mode=m, ratio=round(f / c, 3))
+                    for m, f, c in zip(("eager", "graph"), fla, cula)]
+        return out
+
+    meta = dict(gpu="g", copy_gb_per_s=3000.0, method="m", fla="0.6.0")
+    lines = write_decode_markdown(str(tmp_path), meta, recs("float32", 32, 64, (0.2, 0.1), (0.1, 0.15)) +
+                                  recs("bfloat16", 64, 1, (0.05, 0.004)))
+    assert (tmp_path / "decode.md").read_text().splitlines() == lines
+    rows = [l for l in lines if l.startswith("| float32") or l.startswith("| bfloat16")]
+    assert rows[0].endswith("| 0.50x | 1.50x |") and rows[0].startswith("| float32 | 32 | 64 |")
+    assert rows[1].endswith("| - | - | - | - | - |") and rows[1].startswith("| bfloat16 | 64 | 1 |")
+    assert all(l.count("|") == lines[4].count("|") for l in rows)
