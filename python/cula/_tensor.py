@@ -34,24 +34,23 @@ def is_torch(x) -> bool:
 _TORCH_CODES = None  # torch dtype -> DLPack code, built on first use (importing cula does not import torch)
 
 
-def _torch_dtype_code(x):
+def _torch_codes():
     global _TORCH_CODES
-    if _TORCH_CODES is None:
-        import torch
+    import torch
 
-        _TORCH_CODES = {
-            torch.float16: _lib.FLOAT16,
-            torch.float32: _lib.FLOAT32,
-            torch.float64: _lib.FLOAT64,
-            torch.bfloat16: _lib.BFLOAT16,
-            torch.int32: _lib.INT32,
-            torch.int64: _lib.INT64,
-        }
-    return _TORCH_CODES.get(x.dtype)
+    _TORCH_CODES = {
+        torch.float16: _lib.FLOAT16,
+        torch.float32: _lib.FLOAT32,
+        torch.float64: _lib.FLOAT64,
+        torch.bfloat16: _lib.BFLOAT16,
+        torch.int32: _lib.INT32,
+        torch.int64: _lib.INT64,
+    }
+    return _TORCH_CODES
 
 
 def as_array(x, name):
-    """Returns an object tensor_fields() accepts: torch tensors and numpy arrays as they are, other
+    """Returns an object call() accepts: torch tensors and numpy arrays as they are, other
     DLPack producers through numpy, Python sequences are refused."""
     if x is None or is_torch(x) or isinstance(x, np.ndarray):
         return x
@@ -63,16 +62,20 @@ def as_array(x, name):
     raise CulaError(f"argument '{name}': expected a torch tensor or a numpy array, got {type(x).__name__}")
 
 
-_TENSOR = struct.Struct("=Qii6q6qii")  # the bytes of a cula_tensor, packed in one call
+_TENSOR = struct.Struct("=Qii6q6qii")  # the bytes of a cula_tensor
 assert _TENSOR.size == ctypes.sizeof(_lib.Tensor), "cula_tensor layout changed"
-_PAD = (0,) * _lib.MAX_DIMS
+# One struct per rank n: the dims past n are pad bytes, left as the zeroed buffer has them, so a
+# tensor's shape and strides go in as they are (no padded tuples built per call).
+_TENSOR_RANK = [struct.Struct(f"=Qii{n}q{8 * (_lib.MAX_DIMS - n)}x{n}q{8 * (_lib.MAX_DIMS - n)}xii")
+                for n in range(_lib.MAX_DIMS + 1)]
+assert all(t.size == _TENSOR.size for t in _TENSOR_RANK)
 _ADDR = struct.Struct("=Q")
 
 
-def tensor_fields(x, name) -> tuple:
-    """The cula_tensor fields describing x (no copy), in _TENSOR's order."""
+def _pack_tensor(buf, at, x, name) -> None:
+    """Writes the cula_tensor describing x (no copy) at byte `at` of buf (zeroed)."""
     if is_torch(x):
-        code = _torch_dtype_code(x)
+        code = (_TORCH_CODES or _torch_codes()).get(x.dtype)
         if code is None:
             raise CulaError(f"argument '{name}': expected a float16/bfloat16/float32/float64 or int32/int64 tensor, got {x.dtype}")
         shape = x.shape
@@ -85,7 +88,8 @@ def tensor_fields(x, name) -> tuple:
             dev_type, dev_id = _lib.CPU, 0
         else:
             raise CulaError(f"argument '{name}': expected a CPU or CUDA tensor, got a tensor on {x.device}")
-        return (x.data_ptr(), code, n, *shape, *_PAD[n:], *x.stride(), *_PAD[n:], dev_type, dev_id)
+        _TENSOR_RANK[n].pack_into(buf, at, x.data_ptr(), code, n, *shape, *x.stride(), dev_type, dev_id)
+        return
     if isinstance(x, np.ndarray):
         code = _NP_DTYPES.get(x.dtype)
         if code is None:
@@ -95,8 +99,9 @@ def tensor_fields(x, name) -> tuple:
             raise CulaError(f"argument '{name}': expected at most {_lib.MAX_DIMS} dimensions, got {n}")
         if any(s % x.itemsize for s in x.strides):
             raise CulaError(f"argument '{name}': expected strides that are multiples of the item size, got {x.strides}")
-        return (x.ctypes.data, code, n, *x.shape, *_PAD[n:], *(st // x.itemsize for st in x.strides), *_PAD[n:],
-                _lib.CPU, 0)
+        _TENSOR_RANK[n].pack_into(buf, at, x.ctypes.data, code, n, *x.shape, *(st // x.itemsize for st in x.strides),
+                                  _lib.CPU, 0)
+        return
     raise CulaError(f"argument '{name}': expected a torch tensor or a numpy array, got {type(x).__name__}")
 
 
@@ -111,18 +116,20 @@ def call(args_type, entry, opt, tensors: dict, **scalars) -> None:
     if offsets is None:
         offsets = _FIELD_OFFSETS[args_type] = {n: getattr(args_type, n).offset for n, t in args_type._fields_
                                                if t is _lib.TP}
-    present = [(n, x) for n, x in tensors.items() if x is not None]
     size = ctypes.sizeof(args_type)  # a multiple of 8: the cula_tensors after it stay aligned
-    buf = ctypes.create_string_buffer(size + _TENSOR.size * len(present))
+    count = sum(x is not None for x in tensors.values())
+    buf = ctypes.create_string_buffer(size + _TENSOR.size * count)
     base = ctypes.addressof(buf)
     a = args_type.from_buffer(buf)
     a.struct_size = size
     a.opt = opt
     at = size
-    for n, x in present:
-        _TENSOR.pack_into(buf, at, *tensor_fields(x, n))
-        _ADDR.pack_into(buf, offsets[n], base + at)
-        at += _TENSOR.size
+    pack_addr = _ADDR.pack_into
+    for n, x in tensors.items():
+        if x is not None:
+            _pack_tensor(buf, at, x, n)
+            pack_addr(buf, offsets[n], base + at)
+            at += _TENSOR.size
     for n, x in scalars.items():
         setattr(a, n, x)
     _lib.check(entry(ctypes.byref(a)))
