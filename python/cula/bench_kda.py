@@ -73,7 +73,7 @@ def _flashkda_version():
 
 def _done_rows(out_dir, gpu):
     """Records and table rows of the configurations already in out_dir/kda_fwd.json (same GPU),
-    in grid order, for a resumed run; the grid's geometric means are recomputed at the end."""
+    for a resumed run; the report puts them in grid order and recomputes the geometric means."""
     path = os.path.join(out_dir, "kda_fwd.json")
     if not os.path.exists(path):
         return [], []
@@ -104,7 +104,8 @@ def bench_kda(out_dir: str, gpu_name: str | None = None, configs=None, resume=Fa
     configs = configs or CONFIGS
     gpu = gpu_name or props.name
     records, rows = _done_rows(out_dir, gpu) if resume else ([], [])
-    configs = [c for c in configs if c[0] not in {r[0] for r in rows}]
+    done = {r[0] for r in rows}
+    configs = [c for c in configs if c[0] not in done]
     meta = dict(gpu=gpu, copy_gb_per_s=round(bw, 1), torch=torch.__version__,
                 fla=_version("fla-core"), flashkda=_flashkda_version() if flash_fn else None,
                 date=time.strftime("%Y-%m-%d"), method=f"median of {REPS} single calls (CUDA events) after 3 warm-up "
@@ -187,11 +188,15 @@ def bench_kda(out_dir: str, gpu_name: str | None = None, configs=None, resume=Fa
     return 0
 
 
+def _grid_rank(name):
+    """Position of a configuration in the grid (names outside it last)."""
+    names = [c[0] for c in CONFIGS]
+    return names.index(name) if name in names else len(names)
+
+
 def _report(out_dir, meta, rows, records, quiet=False):
-    order = [c[0] for c in CONFIGS]
-    rows = sorted(rows, key=lambda r: order.index(r[0]) if r[0] in order else len(order))
-    records = sorted(records, key=lambda r: order.index(r["config"]["name"]) if r["config"]["name"] in order
-                     else len(order))
+    rows = sorted(rows, key=lambda r: _grid_rank(r[0]))
+    records = sorted(records, key=lambda r: _grid_rank(r["config"]["name"]))
     peers = [p for p in ("fla_triton", "flashkda", "torch_sdpa") if any(p in r[1] for r in rows)]
     write_report(out_dir, "kda_fwd", f"KDA chunked forward, bf16, K=V=128, gate in kernel (lb {LOWER_BOUND}), l2norm, "
                  "beta sigmoid", meta, rows, records, peers, quiet=quiet)
