@@ -12,6 +12,8 @@ int cuda_device_count();
 bool cuda_device_info(int device, std::string& out);
 // Compute capability of the device owning `ptr`'s tensors (major*10+minor), or 0.
 int cuda_device_arch(int device);
+// Number of SMs of the device (cached); throws where it cannot be read.
+int cuda_sm_count(int device);
 
 // KDA gate activation on contiguous tensors of one CUDA device.
 void cuda_kda_gate(const cula_kda_gate_args& a, int64_t HV, int64_t K);

@@ -2,7 +2,11 @@
 // simply reports zero devices.
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdio>
+#include <string>
+
+#include "common/error.h"
 
 #include "cuda/cuda_ops.h"
 
@@ -30,7 +34,22 @@ bool cuda_device_info(int device, std::string& out) {
   return true;
 }
 
-int cuda_device_arch(int device) {
+namespace {
+
+// Attributes fixed for the life of the process, cached per device: the launchers ask for them on
+// every call (a runtime call each, ~1 us of host time). 0 = not asked yet (or no such device).
+constexpr int kMaxDevices = 64;
+std::atomic<int> arch_cache[kMaxDevices];
+std::atomic<int> sm_cache[kMaxDevices];
+
+int cached_attribute(std::atomic<int>* cache, int device, int (*query)(int)) {
+  if (device < 0 || device >= kMaxDevices) return query(device);
+  int v = cache[device].load(std::memory_order_relaxed);
+  if (v == 0) cache[device].store(v = query(device), std::memory_order_relaxed);
+  return v;
+}
+
+int query_arch(int device) {
   int major = 0, minor = 0;
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
       cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
@@ -38,6 +57,25 @@ int cuda_device_arch(int device) {
     return 0;
   }
   return major * 10 + minor;
+}
+
+int query_sm_count(int device) {
+  int n = 0;
+  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+}  // namespace
+
+int cuda_device_arch(int device) { return cached_attribute(arch_cache, device, query_arch); }
+
+int cuda_sm_count(int device) {
+  const int n = cached_attribute(sm_cache, device, query_sm_count);
+  if (n <= 0) throw_unsupported("CUDA", "cannot read the multiprocessor count of device " + std::to_string(device));
+  return n;
 }
 
 }  // namespace cula

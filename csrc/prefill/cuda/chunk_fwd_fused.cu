@@ -498,8 +498,7 @@ void cuda_chunk_fwd_fused(const Recurrence& r, const cula_chunk_fwd_args& a) {
   const int dev = a.q->device_id;
   chunk::check(cudaSetDevice(dev), "cudaSetDevice");
   const cudaStream_t stream = static_cast<cudaStream_t>(a.opt.stream);
-  int sms = 0;
-  chunk::check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "device attribute");
+  const int sms = cuda_sm_count(dev);
   const FusedPlan plan = plan_fused(r, a.cu_seqlens != nullptr, sms);
   if (plan.VB == 32)
     r.K == 64 ? run<64, 32>(r, p, 1, 1, dev, stream) : run<128, 32>(r, p, 1, 1, dev, stream);

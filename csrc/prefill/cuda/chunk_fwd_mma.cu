@@ -1105,8 +1105,7 @@ template <int K, int V, bool SCALAR, bool DELTA>
 void run_vb(const Recurrence& r, const FwdParams& p, int device, cudaStream_t stream) {
   // The scan has one CTA per (sequence, head, V slice), one CTA per SM: slices of 32 when those
   // still fit in one wave, else 64.
-  int sms = 0;
-  chunk::check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "device attribute");
+  const int sms = cuda_sm_count(device);
   if (r.N * r.HV * (V / 32) <= sms)
     run<K, V, 32, SCALAR, DELTA>(r, p, device, stream);
   else
