@@ -23,6 +23,9 @@
 //  - the path from launch to the first load is kept short for small batches, which are bound by
 //    latency: block index decomposed by multiply-high divisions by launch constants (FastDiv),
 //    v staged one row per thread, no integer division before the slot and tile loads.
+//  - the slot index: read by every warp, or, in a one-wave launch where hundreds of CTAs share one
+//    sequence (N = 1), by one thread per CTA and passed on through shared memory behind one block
+//    barrier.
 //  - speculative decoding: after token t the row also goes to slot idx[n, t].
 //  - padding (slot < 0, or >= P for device-side indices, which cannot be range-checked on the
 //    host without a synchronisation): outputs are zeros, the pool is not touched.
@@ -152,7 +155,7 @@ __host__ __device__ inline size_t smem_bytes(int R, int K, int T, bool k_last) {
 // kServing: the serving engines' dtypes (q, k, v, out bf16; g, beta fp32) with the loads and
 // stores resolved at compile time, which shortens every warp's instruction stream (the small-batch
 // case is bound by it); any other dtype mix takes the generic instantiation.
-template <int EPL, typename S, bool KLAST, bool kServing, bool kKdaServing>
+template <int EPL, typename S, bool KLAST, bool kServing, bool kKdaServing, bool kSlotPerCta>
 __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodeParams p, const int R) {
   // kKdaServing fixes the options of KDA serving (per-channel gate computed in kernel with a lower
   // bound, q/k L2 norm, beta sigmoid) at compile time; otherwise they are read from p.
@@ -199,14 +202,22 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
   // 0. Issue every load that does not depend on the slot first, so that the slot index, the
   //    token inputs and v all arrive within one memory latency. Warp w loads token w (the
   //    common case T <= 4 needs no more); lane 0 also loads beta.
-  const int rs = read_slot(p, n);
+  // In a one-wave launch where hundreds of CTAs share one sequence (N = 1), one thread per CTA
+  // reads the slot and shares it: every warp of those CTAs would ask for the same 4 bytes at once.
+  // Otherwise each warp reads it (a block barrier there costs more than the repeated request).
+  __shared__ int shared_slot;
+  int rs = 0;
+  if (!kSlotPerCta) rs = read_slot(p, n);
+  else if (tid == 0) shared_slot = read_slot(p, n);
   const int my_t = warp;
   const bool has_tok = my_t < p.T;
   float rq[EPL], rk[EPL], rg[EPL], rbias[EPL], rbeta = 1.0f, eA = 1.0f;
-  if (gate_in_kernel && p.A_log) eA = p.A_log[hv];
+  // Only the warps that preprocess a token read the gate's constants: every CTA reads the same
+  // few lines of A_log and dt_bias, so fewer requests to them at the start of a wave.
+  if (gate_in_kernel && p.A_log && has_tok) eA = p.A_log[hv];
 #pragma unroll
   for (int e = 0; e < EPL; ++e) rbias[e] = 0.0f;
-  if (gate_in_kernel && p.dt_bias) {
+  if (gate_in_kernel && p.dt_bias && has_tok) {
 #pragma unroll
     for (int e = 0; e < EPL; ++e) rbias[e] = p.dt_bias_per_channel ? p.dt_bias[hv * K + k0 + e] : p.dt_bias[hv];
   }
@@ -227,6 +238,10 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
   const bool has_v = tid < rows;  // rows <= R <= the CTA's threads (launch_tile): thread j stages v[.., j0 + j]
   auto v_index = [&](int t) { return ((static_cast<int64_t>(n) * p.T + t) * p.HV + hv) * p.V + j0 + tid; };
   const float rv = has_v ? ldx(p.v, p.v_dtype, v_index(0)) : 0.0f;
+  if constexpr (kSlotPerCta) {
+    __syncthreads();
+    rs = shared_slot;
+  }
 
   if (rs < 0 || rs >= p.P) {  // padding: zeros out, pool untouched
     if (has_v)
@@ -369,10 +384,21 @@ void launch_tile(DecodeParams p, bool pdl, int sms, cudaStream_t stream) {
   const int64_t blocks = blocks_of(R);
   if (blocks >= (int64_t{1} << 31)) throw_unsupported("decode", "too many sequences x heads for one launch");
   p.tiles = FastDiv(static_cast<uint32_t>((p.V + R - 1) / R));
+  // One slot read per CTA for a launch of one wave (at most 4 CTAs per SM) in which at least 256
+  // CTAs share each sequence's slot index (N = 1 at H = 32, 64): fp32 H32 N = 1 3.97 -> 3.53 us
+  // per step, H64 4.90 -> 4.59; bf16 unchanged. With fewer CTAs per sequence (N = 8) or several
+  // waves the block barrier costs more (bf16 H32 N = 8: 8.98 -> 9.45 us).
+  const bool slot_per_cta = blocks <= 4 * int64_t{sms} && blocks >= 256 * int64_t{p.N};
+  // A compile-time choice: with the choice read at run time the kernel was 3% slower at N >= 64
+  // (same FLA times: fp32 H32 N = 1024 1.498 -> 1.549 ms; bf16 H64 1.515 -> 1.564).
+  auto kernel = decode_kernel<EPL, S, KLAST, kServing, kKdaServing, false>;
+  if constexpr (KLAST && kServing) {
+    if (slot_per_cta) kernel = decode_kernel<EPL, S, KLAST, kServing, kKdaServing, true>;
+  }
   const size_t smem = smem_bytes<S>(R, K, p.T, KLAST);
   if (smem > 48 * 1024) {
     if (smem > 200 * 1024) throw_unsupported("decode", "too many draft tokens per sequence for the CUDA decode kernel");
-    check(cudaFuncSetAttribute(decode_kernel<EPL, S, KLAST, kServing, kKdaServing>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                static_cast<int>(smem)),
           "cudaFuncSetAttribute");
   }
@@ -388,7 +414,7 @@ void launch_tile(DecodeParams p, bool pdl, int sms, cudaStream_t stream) {
   attr.val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = &attr;
   cfg.numAttrs = pdl ? 1 : 0;
-  check(cudaLaunchKernelEx(&cfg, decode_kernel<EPL, S, KLAST, kServing, kKdaServing>, p, R), "kernel launch");
+  check(cudaLaunchKernelEx(&cfg, kernel, p, R), "kernel launch");
 }
 
 bool serving_dtypes(const DecodeParams& p) {
@@ -489,8 +515,7 @@ void cuda_decode(const Recurrence& r, const cula_decode_args& a) {
   const cudaStream_t stream = static_cast<cudaStream_t>(a.opt.stream);
   const bool k_last = r.state_layout == CULA_STATE_K_LAST;
   const bool pdl = cuda_device_arch(a.q->device_id) >= 90;
-  int sms = 0;
-  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, a.q->device_id), "device attribute");
+  const int sms = cuda_sm_count(a.q->device_id);
   switch (r.K) {
     case 64: launch_state<2>(p, a.state_pool->dtype, k_last, pdl, sms, stream); break;
     case 128: launch_state<4>(p, a.state_pool->dtype, k_last, pdl, sms, stream); break;
