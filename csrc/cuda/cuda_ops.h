@@ -12,7 +12,7 @@ int cuda_device_count();
 bool cuda_device_info(int device, std::string& out);
 // Compute capability of the device owning `ptr`'s tensors (major*10+minor), or 0.
 int cuda_device_arch(int device);
-// Number of SMs of the device (cached); throws where it cannot be read.
+// Number of SMs of the device (cached); throws the CUDA error where it cannot be read.
 int cuda_sm_count(int device);
 
 // KDA gate activation on contiguous tensors of one CUDA device.

@@ -4,10 +4,8 @@
 
 #include <atomic>
 #include <cstdio>
-#include <string>
 
-#include "common/error.h"
-
+#include "cuda/check.cuh"
 #include "cuda/cuda_ops.h"
 
 namespace cula {
@@ -61,10 +59,7 @@ int query_arch(int device) {
 
 int query_sm_count(int device) {
   int n = 0;
-  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
+  cuda_check(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device), "CUDA", "multiprocessor count");
   return n;
 }
 
@@ -72,10 +67,6 @@ int query_sm_count(int device) {
 
 int cuda_device_arch(int device) { return cached_attribute(arch_cache, device, query_arch); }
 
-int cuda_sm_count(int device) {
-  const int n = cached_attribute(sm_cache, device, query_sm_count);
-  if (n <= 0) throw_unsupported("CUDA", "cannot read the multiprocessor count of device " + std::to_string(device));
-  return n;
-}
+int cuda_sm_count(int device) { return cached_attribute(sm_cache, device, query_sm_count); }
 
 }  // namespace cula
