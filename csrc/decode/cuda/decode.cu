@@ -44,6 +44,7 @@
 #include "cuda/check.cuh"
 #include "cuda/cuda_ops.h"
 #include "cuda/device_helpers.cuh"
+#include "cuda/mma.cuh"
 #include "decode/cuda/decode_cuda.h"
 
 namespace cula {
@@ -117,26 +118,6 @@ __device__ __forceinline__ int read_slot(const DecodeParams& p, int n) {
   int a = p.acc ? p.acc[n] : 1;
   a = min(max(a, 1), max(p.T, 1));
   return p.idx[static_cast<int64_t>(n) * p.T + a - 1];
-}
-
-// A 16-byte global -> shared copy that bypasses L1 (the state is read once).
-__device__ __forceinline__ void cp_async16(unsigned smem_dst, const void* gmem_src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_dst), "l"(gmem_src));
-}
-
-// Waits until at most n of this thread's most recent cp.async groups are still in flight (the
-// instruction takes an immediate; more than 7 pending waits as for 7, which is only earlier).
-__device__ __forceinline__ void cp_async_wait_pending(int n) {
-  switch (n) {
-    case 0: asm volatile("cp.async.wait_group 0;\n" ::: "memory"); break;
-    case 1: asm volatile("cp.async.wait_group 1;\n" ::: "memory"); break;
-    case 2: asm volatile("cp.async.wait_group 2;\n" ::: "memory"); break;
-    case 3: asm volatile("cp.async.wait_group 3;\n" ::: "memory"); break;
-    case 4: asm volatile("cp.async.wait_group 4;\n" ::: "memory"); break;
-    case 5: asm volatile("cp.async.wait_group 5;\n" ::: "memory"); break;
-    case 6: asm volatile("cp.async.wait_group 6;\n" ::: "memory"); break;
-    default: asm volatile("cp.async.wait_group 7;\n" ::: "memory"); break;
-  }
 }
 
 // Shared memory: the CTA's state tile (K-last [R][K]; K-first [K][R + 4]) padded to 16 bytes,
@@ -266,16 +247,16 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
     constexpr int kPiecesPerLane = kBatch * kPiecesPerRow / 32;
     static_assert(kBatch * kPiecesPerRow % 32 == 0, "a batch of rows is whole pieces per lane");
     const char* gsrc = reinterpret_cast<const char*>(src + static_cast<int64_t>(j0) * K);
-    const unsigned sdst = static_cast<unsigned>(__cvta_generic_to_shared(tile));
+    const uint32_t sdst = mma::smem_addr(tile);
     for (int step = 0; step < my_steps; ++step) {
 #pragma unroll
       for (int i = 0; i < kPiecesPerLane; ++i) {
         const int c = lane + 32 * i;
         const int r = step * kRowsPerStep + warp + (c / kPiecesPerRow) * kWarps;
         const int off = (r * kPiecesPerRow + c % kPiecesPerRow) * 16;
-        if (r < rows) cp_async16(sdst + off, gsrc + off);
+        if (r < rows) mma::cp_async16(sdst + off, gsrc + off);
       }
-      asm volatile("cp.async.commit_group;\n" ::);
+      mma::cp_async_commit();
     }
   } else {
     for (int i = tid; i < K * rows; i += blockDim.x) {
@@ -319,7 +300,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
   for (int step = 0; step < my_steps; ++step) {
     const int r0 = step * kRowsPerStep + warp;
     if constexpr (KLAST) {
-      cp_async_wait_pending(my_steps - 1 - step);  // this warp's batches up to this one have landed
+      mma::cp_async_wait_pending(my_steps - 1 - step);  // this warp's batches up to this one have landed
       __syncwarp();
     }
     float s[kBatch][EPL];
