@@ -19,7 +19,8 @@
 //    overlap its last reads; lane l holds elements [l*EPL, (l+1)*EPL) of the row (EPL = K/32)
 //    in registers through the T tokens: S' = S*exp(a), the delta rule's S'^T k and the output
 //    S^T q are warp reductions; the row goes straight back to the pool from registers (16-byte
-//    stores for fp32, K = 128).
+//    stores for fp32, K = 128); its output waits in shared memory.
+//  - phase 4: after one block barrier, the tile's outputs leave in one coalesced store per token.
 //  - the path from launch to the first load is kept short for small batches, which are bound by
 //    latency: block index decomposed by multiply-high divisions by launch constants (FastDiv),
 //    v staged one row per thread, no integer division before the slot and tile loads.
@@ -121,7 +122,8 @@ __device__ __forceinline__ int read_slot(const DecodeParams& p, int n) {
 }
 
 // Shared memory: the CTA's state tile (K-last [R][K]; K-first [K][R + 4]) padded to 16 bytes,
-// then per token the preprocessed q, k and exp(a) (K each), beta, and the tile's R values of v.
+// then per token the preprocessed q, k and exp(a) (K each), beta, the tile's R values of v and
+// its R outputs.
 template <typename S>
 __host__ __device__ inline size_t tile_bytes(int R, int K, bool k_last) {
   const size_t tile = k_last ? static_cast<size_t>(R) * K * sizeof(S) : static_cast<size_t>(K) * (R + 4) * sizeof(S);
@@ -130,7 +132,7 @@ __host__ __device__ inline size_t tile_bytes(int R, int K, bool k_last) {
 
 template <typename S>
 __host__ __device__ inline size_t smem_bytes(int R, int K, int T, bool k_last) {
-  return tile_bytes<S>(R, K, k_last) + static_cast<size_t>(T) * (3 * K + 1 + R) * sizeof(float);
+  return tile_bytes<S>(R, K, k_last) + static_cast<size_t>(T) * (3 * K + 1 + 2 * R) * sizeof(float);
 }
 
 // kServing: the serving engines' dtypes (q, k, v, out bf16; g, beta fp32) with the loads and
@@ -234,6 +236,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
   float* tok = reinterpret_cast<float*>(smem + tile_bytes<S>(R, K, KLAST));  // [T][3][K], then [T] beta
   float* tok_beta = tok + static_cast<size_t>(p.T) * 3 * K;
   float* tok_v = tok_beta + p.T;  // [T][R]: this tile's v values, off the rows' critical path
+  float* tok_o = tok_v + static_cast<size_t>(p.T) * R;  // [T][R]: its outputs, stored together at the end
 
   // 1. Start the state tile on its way. K-last: each warp copies the rows it will update, one
   //    cp.async group per batch of rows, so that it can start on its first batch (and its stores)
@@ -338,8 +341,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) u[b] = tok_v[t * R + (r0 + b * kWarps < rows ? r0 + b * kWarps : r0)];
       dev::update_rows<EPL, kBatch>(s, qv, kv, av, u, tok_beta[t], delta, o);
-      if (lane < kBatch && r0 + lane * kWarps < rows)
-        sto((f * p.HV + hv) * p.V + j0 + r0 + lane * kWarps, dev::pick_lane<kBatch>(o, lane));
+      if (lane < kBatch && r0 + lane * kWarps < rows) tok_o[t * R + r0 + lane * kWarps] = dev::pick_lane<kBatch>(o, lane);
       if (p.per_token_slots) {
         const int ws = p.idx[f];
         if (ws >= 0 && ws < p.P) store_to(ws);
@@ -347,6 +349,11 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
     }
     if (!p.per_token_slots) store_to(rs);
   }
+  // 4. The outputs leave in one coalesced store per token (thread j: row j0 + j) instead of the
+  //    rows' scattered 2-byte stores, which wrote parts of the same sectors from four warps.
+  __syncthreads();
+  if (has_v)
+    for (int t = 0; t < p.T; ++t) sto(v_index(t), tok_o[t * R + tid]);
 }
 
 void check(cudaError_t e, const char* what) { cuda_check(e, "decode", what); }
