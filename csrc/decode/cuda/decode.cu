@@ -341,7 +341,8 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) u[b] = tok_v[t * R + (r0 + b * kWarps < rows ? r0 + b * kWarps : r0)];
       dev::update_rows<EPL, kBatch>(s, qv, kv, av, u, tok_beta[t], delta, o);
-      if (lane < kBatch && r0 + lane * kWarps < rows) tok_o[t * R + r0 + lane * kWarps] = dev::pick_lane<kBatch>(o, lane);
+      if (lane < kBatch && r0 + lane * kWarps < rows)
+        tok_o[t * R + r0 + lane * kWarps] = dev::pick_lane<kBatch>(o, lane);
       if (p.per_token_slots) {
         const int ws = p.idx[f];
         if (ws >= 0 && ws < p.P) store_to(ws);
