@@ -277,7 +277,7 @@ __global__ void __launch_bounds__(kThreads, kLocal ? 3 : 1)  // the local pass: 
       S.to_smem(s_s, LDV);
       if (p.inter) S.store(p, p.inter, p.inter_dt, cbase + c, hv);
     }
-    asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+    mma::cp_async_wait_pending(1);
     __syncthreads();  // B1: this chunk's stage landed; S visible
 
     // Vd = ks_j e^{G_last - G_j} v_j for this warp's rows and columns

@@ -915,7 +915,7 @@ __global__ void __launch_bounds__(kScanThreads, 1)
     // S (bf16) for the products; intermediate state (chunk start)
     S.to_smem(s_s, LDV);
     if (p.inter) S.store(p, p.inter, p.inter_dt, cbase + c, hv);
-    asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+    mma::cp_async_wait_pending(1);
     __syncthreads();  // B1: this chunk's stage landed; S visible
 
     // Vnew = U + W S (delta rule; else Vnew = v, the stage's v slice) and o = Qg S, sharing the S
