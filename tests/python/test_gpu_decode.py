@@ -38,9 +38,11 @@ CASES = [
     ("kda", 1, 128, 128, True, True, torch.bfloat16, "k_last"),
     ("kda", 3, 128, 64, False, False, torch.float32, "k_last"),
     ("kda", 2, 64, 128, True, True, torch.bfloat16, "k_first"),
+    ("kda", 3, 128, 64, False, True, torch.bfloat16, "k_last"),
     ("gdn", 1, 128, 128, False, True, torch.float32, "k_last"),
     ("gdn", 4, 64, 64, True, True, torch.bfloat16, "k_last"),
     ("gdn", 1, 128, 128, False, False, torch.float32, "k_first"),
+    ("gdn", 2, 128, 128, True, True, torch.bfloat16, "k_last"),
     ("lightning", 1, 128, 128, False, False, torch.float32, "k_last"),
     ("lightning", 2, 64, 128, True, False, torch.bfloat16, "k_last"),
 ]

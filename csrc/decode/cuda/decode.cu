@@ -220,7 +220,12 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
   if (has_tok) load_token(my_t);
   const bool has_v = tid < rows;  // rows <= R <= the CTA's threads (launch_tile): thread j stages v[.., j0 + j]
   auto v_index = [&](int t) { return ((static_cast<int64_t>(n) * p.T + t) * p.HV + hv) * p.V + j0 + tid; };
-  const float rv = has_v ? ldx(p.v, p.v_dtype, v_index(0)) : 0.0f;
+  // K <= 128: v of the first token for this warp's rows (w, w + 4, ...): lane m holds that of row
+  // w + 4m and the rows take it by a shuffle, so the block barrier does not wait for v. (K = 256
+  // stages it in shared memory with the later tokens': the extra register spills there.)
+  constexpr bool kVInRegs = EPL <= 4;
+  const int my_vrow = kVInRegs ? warp + kWarps * lane : tid;
+  const float rv = my_vrow < rows ? ldx(p.v, p.v_dtype, v_index(0) - tid + my_vrow) : 0.0f;
   if constexpr (kSlotPerCta) {
     __syncthreads();
     rs = shared_slot;
@@ -271,7 +276,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
   // 2. Meanwhile, preprocess the tokens into shared memory (q/k L2 norm by warp reductions,
   //    scale, gate activation, exp of the log-decay, beta) and stage v.
   if (has_v) {
-    tok_v[tid] = rv;
+    if (!kVInRegs) tok_v[tid] = rv;
     for (int t = 1; t < p.T; ++t) tok_v[t * R + tid] = ldx(p.v, p.v_dtype, v_index(t));
   }
   if (gate_in_kernel && p.A_log) eA = __expf(eA);
@@ -339,10 +344,11 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
       for (int e = 0; e < EPL; ++e) qv[e] = tq[k0 + e], kv[e] = tq[K + k0 + e], av[e] = tq[2 * K + k0 + e];
       float u[kBatch], o[kBatch];
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b) u[b] = tok_v[t * R + (r0 + b * kWarps < rows ? r0 + b * kWarps : r0)];
+      for (int b = 0; b < kBatch; ++b)
+        u[b] = kVInRegs && t == 0 ? __shfl_sync(0xffffffffu, rv, step * kBatch + b)
+                      : tok_v[t * R + (r0 + b * kWarps < rows ? r0 + b * kWarps : r0)];
       dev::update_rows<EPL, kBatch>(s, qv, kv, av, u, tok_beta[t], delta, o);
-      if (lane < kBatch && r0 + lane * kWarps < rows)
-        tok_o[t * R + r0 + lane * kWarps] = dev::pick_lane<kBatch>(o, lane);
+      if (lane < kBatch && r0 + lane * kWarps < rows) tok_o[t * R + r0 + lane * kWarps] = dev::pick_lane<kBatch>(o, lane);
       if (p.per_token_slots) {
         const int ws = p.idx[f];
         if (ws >= 0 && ws < p.P) store_to(ws);
