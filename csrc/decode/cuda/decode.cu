@@ -13,7 +13,9 @@
 //    instruction). Nothing waits on it yet.
 //  - phase 2, overlapping the copy: warp w preprocesses tokens w, w+4, ... (q/k L2 norm by warp
 //    reductions, scale, gate activation, exp of the log-decay, beta) into shared memory; one
-//    __syncthreads publishes them.
+//    __syncthreads publishes them. v of the first token does not pass through it (K <= 128): each
+//    warp loads v for its own rows up front and hands it to the rows by a shuffle; later draft
+//    tokens' v is staged in shared memory.
 //  - phase 3: warp w runs its batches of rows (w, w+4, ..., then w+16, ...) as their groups land
 //    (cp.async.wait_group + __syncwarp: no block barrier on the tile), so a CTA's first stores
 //    overlap its last reads; lane l holds elements [l*EPL, (l+1)*EPL) of the row (EPL = K/32)
@@ -23,7 +25,7 @@
 //  - phase 4: after one block barrier, the tile's outputs leave in one coalesced store per token.
 //  - the path from launch to the first load is kept short for small batches, which are bound by
 //    latency: block index decomposed by multiply-high divisions by launch constants (FastDiv),
-//    v staged one row per thread, no integer division before the slot and tile loads.
+//    no integer division before the slot and tile loads.
 //  - the slot index: read by every warp, or, in a one-wave launch where hundreds of CTAs share one
 //    sequence (N = 1), by one thread per CTA and passed on through shared memory behind one block
 //    barrier.
