@@ -104,6 +104,33 @@ def test_cuda_decode_matches_reference(rng, case, size):
     assert rel(pg.float().numpy(), pool_ref.float().numpy()) < tol
 
 
+@pytest.mark.parametrize("which", ["q", "k", "g", "dt_bias"])
+def test_cuda_decode_takes_inputs_at_odd_offsets(rng, which):
+    """A view one element into its buffer cannot take the serving kernel's vector loads: the launch
+    picks the generic instantiation, and the answer is the same."""
+    N, H, K, V = 9, 2, 128, 128
+    d, kw = make(rng, "kda", N, 1, H, H, K, V, True)
+    dev = {n: x.cuda() for n, x in d.items()}
+    x = dev[which]
+    buf = torch.empty(x.numel() + 1, dtype=x.dtype, device="cuda")
+    buf[1:].copy_(x.flatten())
+    dev[which] = buf[1:].view(x.shape)
+    assert dev[which].data_ptr() % 8 != 0
+    pool = (torch.from_numpy(rng.standard_normal((2 * N, H, V, K)).astype(np.float32)) * 0.5).to(torch.bfloat16)
+    idx = torch.from_numpy(rng.permutation(2 * N)[:N].astype(np.int32))
+    pool_ref = pool.clone()
+    o_ref, _ = cula.decode(**{n: (x.float() if x.dtype == torch.bfloat16 else x) for n, x in d.items()},
+                           state_pool=pool_ref, mode="kda", state_indices=idx, backend="reference", **kw)
+    pool_gpu = pool.cuda()
+    out = torch.full((N, 1, H, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+    cula.decode(**dev, state_pool=pool_gpu, mode="kda", state_indices=idx.cuda(), out=out, **kw)
+    torch.cuda.synchronize()
+    o = out.float().cpu()
+    assert torch.isfinite(o).all(), "unwritten or non-finite output"
+    assert rel(o.numpy(), o_ref.float().numpy()) < 5e-3
+    assert rel(pool_gpu.cpu().float().numpy(), pool_ref.float().numpy()) < 5e-3
+
+
 def test_cuda_decode_matches_fla_fused_recurrent_kda(rng):
     pytest.importorskip("fla", reason="fla-core is not installed")
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd

@@ -203,19 +203,37 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
 #pragma unroll
   for (int e = 0; e < EPL; ++e) rbias[e] = 0.0f;
   if (gate_in_kernel && p.dt_bias && has_tok) {
+    if (kServing && p.dt_bias_per_channel) {
+      load_row<EPL, float>(p.dt_bias + hv * K + k0, rbias);
+    } else {
 #pragma unroll
-    for (int e = 0; e < EPL; ++e) rbias[e] = p.dt_bias_per_channel ? p.dt_bias[hv * K + k0 + e] : p.dt_bias[hv];
+      for (int e = 0; e < EPL; ++e) rbias[e] = p.dt_bias_per_channel ? p.dt_bias[hv * K + k0 + e] : p.dt_bias[hv];
+    }
   }
+  // kServing: one vector load per input and lane (the launch checked the alignment) instead of
+  // EPL scalar ones: fewer load instructions ahead of the tile's at the start of every CTA.
   auto load_token = [&](int t) {
     const int64_t f = static_cast<int64_t>(n) * p.T + t;
     const int64_t qk_off = (f * p.H + h) * K + k0;
+    if constexpr (kServing) {
+      load_row<EPL, __nv_bfloat16>(static_cast<const __nv_bfloat16*>(p.q) + qk_off, rq);
+      load_row<EPL, __nv_bfloat16>(static_cast<const __nv_bfloat16*>(p.k) + qk_off, rk);
+      if (gate_kind == 0) {
+        load_row<EPL, float>(static_cast<const float*>(p.g) + (f * p.HV + hv) * K + k0, rg);
+      } else {
+        const float x = gate_kind == 1 ? static_cast<const float*>(p.g)[f * p.HV + hv] : -p.decay[p.decay_heads == p.HV ? hv : h];
 #pragma unroll
-    for (int e = 0; e < EPL; ++e) {
-      rq[e] = ldx(p.q, p.q_dtype, qk_off + e);
-      rk[e] = ldx(p.k, p.q_dtype, qk_off + e);
-      rg[e] = gate_kind == 0 ? ldf(p.g, p.g_dtype, (f * p.HV + hv) * K + k0 + e)
-              : gate_kind == 1 ? ldf(p.g, p.g_dtype, f * p.HV + hv)
-                                 : -p.decay[p.decay_heads == p.HV ? hv : h];
+        for (int e = 0; e < EPL; ++e) rg[e] = x;
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < EPL; ++e) {
+        rq[e] = ldx(p.q, p.q_dtype, qk_off + e);
+        rk[e] = ldx(p.k, p.q_dtype, qk_off + e);
+        rg[e] = gate_kind == 0 ? ldf(p.g, p.g_dtype, (f * p.HV + hv) * K + k0 + e)
+                : gate_kind == 1 ? ldf(p.g, p.g_dtype, f * p.HV + hv)
+                                   : -p.decay[p.decay_heads == p.HV ? hv : h];
+      }
     }
     if (delta && lane == 0) rbeta = ldf(p.beta, p.beta_dtype, f * p.HV + hv);
   };
@@ -414,17 +432,23 @@ void launch_tile(DecodeParams p, bool pdl, int sms, cudaStream_t stream) {
   check(cudaLaunchKernelEx(&cfg, kernel, p, R), "kernel launch");
 }
 
+// The serving engines' dtypes, with q, k, a per-channel gate and dt_bias aligned for one vector
+// load of EPL elements per lane (views at odd offsets take the generic instantiation).
+template <int EPL>
 bool serving_dtypes(const DecodeParams& p) {
+  auto aligned = [](const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; };
   return p.q_dtype == CULA_BFLOAT16 && p.v_dtype == CULA_BFLOAT16 && p.out_dtype == CULA_BFLOAT16 &&
-         (!p.g || p.g_dtype == CULA_FLOAT32) && (!p.beta || p.beta_dtype == CULA_FLOAT32);
+         (!p.g || p.g_dtype == CULA_FLOAT32) && (!p.beta || p.beta_dtype == CULA_FLOAT32) &&
+         aligned(p.q, EPL * 2) && aligned(p.k, EPL * 2) && (p.gate_kind != 0 || !p.g || aligned(p.g, EPL * 4)) &&
+         (!p.dt_bias || !p.dt_bias_per_channel || aligned(p.dt_bias, EPL * 4));
 }
 
 template <int EPL, typename S>
 void launch_layout(const DecodeParams& p, bool k_last, bool pdl, int sms, cudaStream_t stream) {
   const bool kda_serving = p.gate_kind == 0 && p.delta && p.l2norm && p.gate_in_kernel && p.has_lb && p.beta_sigmoid;
-  if (k_last && EPL <= 4 && serving_dtypes(p) && kda_serving)
+  if (k_last && EPL <= 4 && serving_dtypes<EPL>(p) && kda_serving)
     launch_tile<EPL, S, true, true, true>(p, pdl, sms, stream);
-  else if (k_last && EPL <= 4 && serving_dtypes(p))
+  else if (k_last && EPL <= 4 && serving_dtypes<EPL>(p))
     launch_tile<EPL, S, true, true>(p, pdl, sms, stream);
   else if (k_last)
     launch_tile<EPL, S, true, false>(p, pdl, sms, stream);
