@@ -238,7 +238,9 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
     if (delta && lane == 0) rbeta = ldf(p.beta, p.beta_dtype, f * p.HV + hv);
   };
   if (has_tok) load_token(my_t);
-  const bool has_v = tid < rows;  // rows <= R <= the CTA's threads (launch_tile): thread j stages v[.., j0 + j]
+  // rows <= R <= the CTA's threads (launch_tile): thread j stores the outputs of row j0 + j (and
+  // stages v[.., j0 + j] of the tokens that do not come by shuffle)
+  const bool has_v = tid < rows;
   auto v_index = [&](int t) { return ((static_cast<int64_t>(n) * p.T + t) * p.HV + hv) * p.V + j0 + tid; };
   // K <= 128: v of the first token for this warp's rows (w, w + 4, ...): lane m holds that of row
   // w + 4m and the rows take it by a shuffle, so the block barrier does not wait for v. (K = 256
@@ -366,9 +368,10 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
 #pragma unroll
       for (int b = 0; b < kBatch; ++b)
         u[b] = kVInRegs && t == 0 ? __shfl_sync(0xffffffffu, rv, step * kBatch + b)
-                      : tok_v[t * R + (r0 + b * kWarps < rows ? r0 + b * kWarps : r0)];
+                                  : tok_v[t * R + (r0 + b * kWarps < rows ? r0 + b * kWarps : r0)];
       dev::update_rows<EPL, kBatch>(s, qv, kv, av, u, tok_beta[t], delta, o);
-      if (lane < kBatch && r0 + lane * kWarps < rows) tok_o[t * R + r0 + lane * kWarps] = dev::pick_lane<kBatch>(o, lane);
+      if (lane < kBatch && r0 + lane * kWarps < rows)
+        tok_o[t * R + r0 + lane * kWarps] = dev::pick_lane<kBatch>(o, lane);
       if (p.per_token_slots) {
         const int ws = p.idx[f];
         if (ws >= 0 && ws < p.P) store_to(ws);
@@ -435,7 +438,7 @@ void launch_tile(DecodeParams p, bool pdl, int sms, cudaStream_t stream) {
 // The serving engines' dtypes, with q, k, a per-channel gate and dt_bias aligned for one vector
 // load of EPL elements per lane (views at odd offsets take the generic instantiation).
 template <int EPL>
-bool serving_dtypes(const DecodeParams& p) {
+bool serving_inputs(const DecodeParams& p) {
   auto aligned = [](const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; };
   return p.q_dtype == CULA_BFLOAT16 && p.v_dtype == CULA_BFLOAT16 && p.out_dtype == CULA_BFLOAT16 &&
          (!p.g || p.g_dtype == CULA_FLOAT32) && (!p.beta || p.beta_dtype == CULA_FLOAT32) &&
@@ -446,9 +449,9 @@ bool serving_dtypes(const DecodeParams& p) {
 template <int EPL, typename S>
 void launch_layout(const DecodeParams& p, bool k_last, bool pdl, int sms, cudaStream_t stream) {
   const bool kda_serving = p.gate_kind == 0 && p.delta && p.l2norm && p.gate_in_kernel && p.has_lb && p.beta_sigmoid;
-  if (k_last && EPL <= 4 && serving_dtypes<EPL>(p) && kda_serving)
+  if (k_last && EPL <= 4 && serving_inputs<EPL>(p) && kda_serving)
     launch_tile<EPL, S, true, true, true>(p, pdl, sms, stream);
-  else if (k_last && EPL <= 4 && serving_dtypes<EPL>(p))
+  else if (k_last && EPL <= 4 && serving_inputs<EPL>(p))
     launch_tile<EPL, S, true, true>(p, pdl, sms, stream);
   else if (k_last)
     launch_tile<EPL, S, true, false>(p, pdl, sms, stream);
