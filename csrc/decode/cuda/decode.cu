@@ -449,11 +449,17 @@ bool serving_inputs(const DecodeParams& p) {
 template <int EPL, typename S>
 void launch_layout(const DecodeParams& p, bool k_last, bool pdl, int sms, cudaStream_t stream) {
   const bool kda_serving = p.gate_kind == 0 && p.delta && p.l2norm && p.gate_in_kernel && p.has_lb && p.beta_sigmoid;
-  if (k_last && EPL <= 4 && serving_inputs<EPL>(p) && kda_serving)
-    launch_tile<EPL, S, true, true, true>(p, pdl, sms, stream);
-  else if (k_last && EPL <= 4 && serving_inputs<EPL>(p))
-    launch_tile<EPL, S, true, true>(p, pdl, sms, stream);
-  else if (k_last)
+  // The serving instantiations exist for K <= 128 only (K = 256 takes the generic one).
+  if constexpr (EPL <= 4) {
+    if (k_last && serving_inputs<EPL>(p)) {
+      if (kda_serving)
+        launch_tile<EPL, S, true, true, true>(p, pdl, sms, stream);
+      else
+        launch_tile<EPL, S, true, true>(p, pdl, sms, stream);
+      return;
+    }
+  }
+  if (k_last)
     launch_tile<EPL, S, true, false>(p, pdl, sms, stream);
   else
     launch_tile<EPL, S, false, false>(p, pdl, sms, stream);
