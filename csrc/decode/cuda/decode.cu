@@ -218,22 +218,18 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
     if constexpr (kServing) {
       load_row<EPL, __nv_bfloat16>(static_cast<const __nv_bfloat16*>(p.q) + qk_off, rq);
       load_row<EPL, __nv_bfloat16>(static_cast<const __nv_bfloat16*>(p.k) + qk_off, rk);
-      if (gate_kind == 0) {
-        load_row<EPL, float>(static_cast<const float*>(p.g) + (f * p.HV + hv) * K + k0, rg);
-      } else {
-        const float x = gate_kind == 1 ? static_cast<const float*>(p.g)[f * p.HV + hv] : -p.decay[p.decay_heads == p.HV ? hv : h];
-#pragma unroll
-        for (int e = 0; e < EPL; ++e) rg[e] = x;
-      }
     } else {
 #pragma unroll
-      for (int e = 0; e < EPL; ++e) {
-        rq[e] = ldx(p.q, p.q_dtype, qk_off + e);
-        rk[e] = ldx(p.k, p.q_dtype, qk_off + e);
+      for (int e = 0; e < EPL; ++e) rq[e] = ldx(p.q, p.q_dtype, qk_off + e), rk[e] = ldx(p.k, p.q_dtype, qk_off + e);
+    }
+    if (kServing && gate_kind == 0) {
+      load_row<EPL, float>(static_cast<const float*>(p.g) + (f * p.HV + hv) * K + k0, rg);
+    } else {
+#pragma unroll
+      for (int e = 0; e < EPL; ++e)
         rg[e] = gate_kind == 0 ? ldf(p.g, p.g_dtype, (f * p.HV + hv) * K + k0 + e)
                 : gate_kind == 1 ? ldf(p.g, p.g_dtype, f * p.HV + hv)
                                    : -p.decay[p.decay_heads == p.HV ? hv : h];
-      }
     }
     if (delta && lane == 0) rbeta = ldf(p.beta, p.beta_dtype, f * p.HV + hv);
   };
