@@ -58,6 +58,26 @@ SIZES = {
 }
 
 
+def run_both(d, kw, pool, mode, idx, acc=None, layout="k_last", dev=None):
+    """The float64 reference on the host and the CUDA kernel (output poisoned) on the same inputs;
+    dev: the device inputs, where a test wants particular views of them. Returns the CUDA output
+    (checked written and finite), the reference output, the CUDA pool and the reference pool."""
+    pool_ref = pool.clone()
+    o_ref, _ = cula.decode(**{n: (x.float() if x.dtype == torch.bfloat16 and n in ("q", "k", "v") else x) for n, x in d.items()},
+                           state_pool=pool_ref, mode=mode, state_indices=idx, num_accepted_tokens=acc,
+                           state_layout=layout, backend="reference", **kw)
+    dev = dev or {n: x.cuda() for n, x in d.items()}
+    pool_gpu = pool.cuda()
+    N, T, HV, V = d["v"].shape
+    out = torch.full((N, T, HV, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+    cula.decode(**dev, state_pool=pool_gpu, mode=mode, state_indices=idx.cuda(),
+                num_accepted_tokens=acc.cuda() if acc is not None else None, state_layout=layout, out=out, **kw)
+    torch.cuda.synchronize()
+    o = out.float().cpu()
+    assert torch.isfinite(o).all(), "unwritten or non-finite output"
+    return o, o_ref.float(), pool_gpu.cpu(), pool_ref
+
+
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-T{c[1]}-K{c[2]}V{c[3]}-{'gva' if c[4] else 'mha'}-"
                                             f"{'gate' if c[5] else 'g'}-{str(c[6])[6:]}-{c[7]}" for c in CASES])
 @pytest.mark.parametrize("size", list(SIZES))
@@ -80,23 +100,9 @@ def test_cuda_decode_matches_reference(rng, case, size):
         idx[pad] = -1
         idx[4 if N > 4 else 0, T - 1] = -1  # a draft token whose state is not kept
         acc = torch.from_numpy((np.arange(N) % (T + 1)).astype(np.int32))  # every count, 0 included
-    # reference on the host
-    pool_ref = pool.clone()
-    o_ref, _ = cula.decode(**{n: (x.float() if x.dtype == torch.bfloat16 and n in ("q", "k", "v") else x) for n, x in d.items()},
-                           state_pool=pool_ref, mode=mode, state_indices=idx, num_accepted_tokens=acc,
-                           state_layout=layout, backend="reference", **kw)
-    # CUDA
-    dev = {n: x.cuda() for n, x in d.items()}
-    pool_gpu = pool.cuda()
-    out = torch.full((N, T, HV, V), float("nan"), dtype=torch.bfloat16, device="cuda")
-    cula.decode(**dev, state_pool=pool_gpu, mode=mode, state_indices=idx.cuda(),
-                num_accepted_tokens=acc.cuda() if acc is not None else None, state_layout=layout, out=out, **kw)
-    torch.cuda.synchronize()
-    o = out.float().cpu()
-    assert torch.isfinite(o).all(), "unwritten or non-finite output"
-    assert rel(o.numpy(), o_ref.float().numpy()) < 5e-3
+    o, o_ref, pg, pool_ref = run_both(d, kw, pool, mode, idx, acc, layout)
+    assert rel(o.numpy(), o_ref.numpy()) < 5e-3
     assert (o[pad] == 0).all(), "padding sequence must output zeros"
-    pg = pool_gpu.cpu()
     named = set(int(x) for x in idx.flatten().tolist() if x >= 0)
     untouched = [s for s in range(P) if s not in named]
     assert torch.equal(pg[untouched], pool[untouched]), "slots not named by state_indices changed"
@@ -118,17 +124,9 @@ def test_cuda_decode_takes_inputs_at_odd_offsets(rng, which):
     assert dev[which].data_ptr() % 8 != 0
     pool = (torch.from_numpy(rng.standard_normal((2 * N, H, V, K)).astype(np.float32)) * 0.5).to(torch.bfloat16)
     idx = torch.from_numpy(rng.permutation(2 * N)[:N].astype(np.int32))
-    pool_ref = pool.clone()
-    o_ref, _ = cula.decode(**{n: (x.float() if x.dtype == torch.bfloat16 else x) for n, x in d.items()},
-                           state_pool=pool_ref, mode="kda", state_indices=idx, backend="reference", **kw)
-    pool_gpu = pool.cuda()
-    out = torch.full((N, 1, H, V), float("nan"), dtype=torch.bfloat16, device="cuda")
-    cula.decode(**dev, state_pool=pool_gpu, mode="kda", state_indices=idx.cuda(), out=out, **kw)
-    torch.cuda.synchronize()
-    o = out.float().cpu()
-    assert torch.isfinite(o).all(), "unwritten or non-finite output"
-    assert rel(o.numpy(), o_ref.float().numpy()) < 5e-3
-    assert rel(pool_gpu.cpu().float().numpy(), pool_ref.float().numpy()) < 5e-3
+    o, o_ref, pg, pool_ref = run_both(d, kw, pool, "kda", idx, dev=dev)
+    assert rel(o.numpy(), o_ref.numpy()) < 5e-3
+    assert rel(pg.float().numpy(), pool_ref.float().numpy()) < 5e-3
 
 
 def test_cuda_decode_matches_fla_fused_recurrent_kda(rng):
