@@ -61,13 +61,34 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
+// Warp sums of R per-lane partials (R a power of two <= 32) by reduce-scatter: each step, a lane
+// keeps half of its values and adds the partner's copies of them, so the R sums take
+// R - 1 + log2(32 / R) shuffles instead of 5 R. On exit lane l holds the sum of x[l / (32 / R)].
+template <int R>
+__device__ __forceinline__ float warp_sum_scatter(float (&x)[R], int lane) {
+  static_assert(R >= 1 && R <= 32 && (R & (R - 1)) == 0, "R is a power of two <= 32");
+#pragma unroll
+  for (int half = R / 2, off = 16; half >= 1; half /= 2, off /= 2) {
+    const bool upper = lane & off;  // this lane keeps values [half, 2 half) of the current range
+#pragma unroll
+    for (int i = 0; i < half; ++i) {
+      const float keep = upper ? x[i + half] : x[i], send = upper ? x[i] : x[i + half];
+      x[i] = keep + __shfl_xor_sync(0xffffffffu, send, off);
+    }
+  }
+#pragma unroll
+  for (int off = 16 / R; off > 0; off >>= 1) x[0] += __shfl_xor_sync(0xffffffffu, x[0], off);
+  return x[0];
+}
+
 // One token's update of R state rows held by a warp (lane l holds row elements
 // [l*EPL, (l+1)*EPL)): S' = S * decay; with the delta rule u = beta (v - S'^T k), else u = v;
-// S = S' + k u^T; o = S^T q. The rows' warp reductions are interleaved so their shuffles overlap.
-// On entry u holds v for each row; on exit o holds the outputs (in every lane).
+// S = S' + k u^T; o = S^T q. The rows' reductions run together (warp_sum_scatter); the delta
+// rule's dot products go back to every lane from the lanes that hold them.
+// On entry u holds v for each row; returns the output of row lane / (32 / R) (every lane).
 template <int EPL, int R>
-__device__ __forceinline__ void update_rows(float (&s)[R][EPL], const float* q, const float* k, const float* decay,
-                                            float (&u)[R], float beta, bool delta, float (&o)[R]) {
+__device__ __forceinline__ float update_rows(float (&s)[R][EPL], const float* q, const float* k, const float* decay,
+                                             float (&u)[R], float beta, bool delta, int lane) {
   float dot[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
@@ -79,13 +100,11 @@ __device__ __forceinline__ void update_rows(float (&s)[R][EPL], const float* q, 
     }
   }
   if (delta) {
+    const float mine = warp_sum_scatter<R>(dot, lane);
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1)
-#pragma unroll
-      for (int r = 0; r < R; ++r) dot[r] += __shfl_xor_sync(0xffffffffu, dot[r], off);
-#pragma unroll
-    for (int r = 0; r < R; ++r) u[r] = (u[r] - dot[r]) * beta;
+    for (int r = 0; r < R; ++r) u[r] = (u[r] - __shfl_sync(0xffffffffu, mine, r * (32 / R))) * beta;
   }
+  float o[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     o[r] = 0;
@@ -95,20 +114,7 @@ __device__ __forceinline__ void update_rows(float (&s)[R][EPL], const float* q, 
       o[r] += s[r][e] * q[e];
     }
   }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1)
-#pragma unroll
-    for (int r = 0; r < R; ++r) o[r] += __shfl_xor_sync(0xffffffffu, o[r], off);
-}
-
-// The value lane r (< R) should write: o[r], selected without dynamic register indexing.
-template <int R>
-__device__ __forceinline__ float pick_lane(const float (&o)[R], int lane) {
-  float mine = o[0];
-#pragma unroll
-  for (int r = 1; r < R; ++r)
-    if (lane == r) mine = o[r];
-  return mine;
+  return warp_sum_scatter<R>(o, lane);
 }
 
 }  // namespace dev

@@ -15,13 +15,15 @@
 //    reductions, scale, gate activation, exp of the log-decay, beta) into shared memory; one
 //    __syncthreads publishes them. v of the first token does not pass through it (K <= 128): each
 //    warp loads v for its own rows up front and hands it to the rows by a shuffle; later draft
-//    tokens' v is staged in shared memory.
+//    tokens' v is staged in shared memory. In a one-wave launch at T = 1 (N = 1: hundreds of CTAs
+//    per sequence) every warp prepares the token itself, in registers, and skips that barrier.
 //  - phase 3: warp w runs its batches of rows (w, w+4, ..., then w+16, ...) as their groups land
 //    (cp.async.wait_group + __syncwarp: no block barrier on the tile), so a CTA's first stores
 //    overlap its last reads; lane l holds elements [l*EPL, (l+1)*EPL) of the row (EPL = K/32)
 //    in registers through the T tokens: S' = S*exp(a), the delta rule's S'^T k and the output
-//    S^T q are warp reductions; the row goes straight back to the pool from registers (16-byte
-//    stores for fp32, K = 128); its output waits in shared memory.
+//    S^T q are warp reductions, the 4 rows' sums together by reduce-scatter (6 shuffles instead
+//    of 20); the row goes straight back to the pool from registers (16-byte stores for fp32,
+//    K = 128); its output waits in shared memory.
 //  - phase 4: after one block barrier, the tile's outputs leave in one coalesced store per token.
 //  - the path from launch to the first load is kept short for small batches, which are bound by
 //    latency: block index decomposed by multiply-high divisions by launch constants (FastDiv),
@@ -81,7 +83,6 @@ struct DecodeParams {
 
 using dev::ld;
 using dev::st;
-using dev::warp_sum;
 
 // EPL consecutive state elements starting at p (K-last) as floats.
 template <int EPL, typename S>
@@ -140,7 +141,11 @@ __host__ __device__ inline size_t smem_bytes(int R, int K, int T, bool k_last) {
 // kServing: the serving engines' dtypes (q, k, v, out bf16; g, beta fp32) with the loads and
 // stores resolved at compile time, which shortens every warp's instruction stream (the small-batch
 // case is bound by it); any other dtype mix takes the generic instantiation.
-template <int EPL, typename S, bool KLAST, bool kServing, bool kKdaServing, bool kSlotPerCta>
+// kOneToken (K-last serving kernels of a one-wave launch with one slot read per CTA, T = 1): every
+// warp loads and prepares the token itself, in registers, so no block barrier for the token stands
+// between a warp and its first rows (several waves lost with it: each warp asks for the same
+// token inputs).
+template <int EPL, typename S, bool KLAST, bool kServing, bool kKdaServing, bool kSlotPerCta, bool kOneToken = false>
 __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodeParams p, const int R) {
   // kKdaServing fixes the options of KDA serving (per-channel gate computed in kernel with a lower
   // bound, q/k L2 norm, beta sigmoid) at compile time; otherwise they are read from p.
@@ -194,7 +199,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
   int rs = 0;
   if (!kSlotPerCta) rs = read_slot(p, n);
   else if (tid == 0) shared_slot = read_slot(p, n);
-  const int my_t = warp;
+  const int my_t = kOneToken ? 0 : warp;
   const bool has_tok = my_t < p.T;
   float rq[EPL], rk[EPL], rg[EPL], rbias[EPL], rbeta = 1.0f, eA = 1.0f;
   // Only the warps that preprocess a token read the gate's constants: every CTA reads the same
@@ -231,7 +236,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
                 : gate_kind == 1 ? ldf(p.g, p.g_dtype, f * p.HV + hv)
                                    : -p.decay[p.decay_heads == p.HV ? hv : h];
     }
-    if (delta && lane == 0) rbeta = ldf(p.beta, p.beta_dtype, f * p.HV + hv);
+    if (delta && (kOneToken || lane == 0)) rbeta = ldf(p.beta, p.beta_dtype, f * p.HV + hv);
   };
   if (has_tok) load_token(my_t);
   // rows <= R <= the CTA's threads (launch_tile): thread j stores the outputs of row j0 + j (and
@@ -298,28 +303,42 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
     for (int t = 1; t < p.T; ++t) tok_v[t * R + tid] = ldx(p.v, p.v_dtype, v_index(t));
   }
   if (gate_in_kernel && p.A_log) eA = __expf(eA);
-  for (int t = my_t; t < p.T; t += kWarps) {
-    if (t != my_t) load_token(t);
+  // The token in rq, rk, rg, rbeta prepared: put(e, q, k, exp of the log-decay) per element e of
+  // this lane (q, k scaled: L2 norm); returns beta.
+  auto prepare = [&](auto&& put) {
     float qq = 0, kk = 0;
 #pragma unroll
     for (int e = 0; e < EPL; ++e) qq += rq[e] * rq[e], kk += rk[e] * rk[e];
     float qs = p.scale, ks = 1.0f;
-    if (l2norm) {
-      qs *= rsqrtf(warp_sum(qq) + 1e-6f);
-      ks = rsqrtf(warp_sum(kk) + 1e-6f);
+    if (l2norm) {  // both sums in one reduce-scatter: lanes 0-15 end with |q|^2, 16-31 with |k|^2
+      float sq[2] = {qq, kk};
+      const float mine = dev::warp_sum_scatter<2>(sq, lane);
+      qs *= rsqrtf(__shfl_sync(0xffffffffu, mine, 0) + 1e-6f);
+      ks = rsqrtf(__shfl_sync(0xffffffffu, mine, 16) + 1e-6f);
     }
-    float* tq = tok + static_cast<size_t>(t) * 3 * K;
 #pragma unroll
     for (int e = 0; e < EPL; ++e) {
       float a = rg[e];
       if (gate_in_kernel) a = dev::activate_gate(a + rbias[e], eA, has_lb, p.lb);
-      tq[k0 + e] = rq[e] * qs;
-      tq[K + k0 + e] = rk[e] * ks;
-      tq[2 * K + k0 + e] = __expf(a);
+      put(e, rq[e] * qs, rk[e] * ks, __expf(a));
     }
-    if (lane == 0) tok_beta[t] = (delta && beta_sigmoid) ? __fdividef(p.beta_mult, 1.0f + __expf(-rbeta)) : rbeta;
+    return (delta && beta_sigmoid) ? __fdividef(p.beta_mult, 1.0f + __expf(-rbeta)) : rbeta;
+  };
+  float one_q[EPL], one_k[EPL], one_a[EPL], one_beta = 0.0f;  // kOneToken: the token, in every warp
+  if constexpr (kOneToken) {
+    static_assert(KLAST && kVInRegs, "per-warp tokens: K-last rows with v by shuffle");
+    one_beta = prepare([&](int e, float xq, float xk, float xa) { one_q[e] = xq, one_k[e] = xk, one_a[e] = xa; });
+  } else {
+    for (int t = my_t; t < p.T; t += kWarps) {
+      if (t != my_t) load_token(t);
+      float* tq = tok + static_cast<size_t>(t) * 3 * K;
+      const float xb = prepare([&](int e, float xq, float xk, float xa) {
+        tq[k0 + e] = xq, tq[K + k0 + e] = xk, tq[2 * K + k0 + e] = xa;
+      });
+      if (lane == 0) tok_beta[t] = xb;
+    }
+    __syncthreads();  // the token inputs (K-first: also the tile)
   }
-  __syncthreads();  // the token inputs (K-first: also the tile)
 
   // 3. Rows: warp w takes rows w, w + 4, ..., kBatch of them at a time so that their warp
   //    reductions interleave instead of running back to back.
@@ -359,15 +378,19 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
       const float* tq = tok + static_cast<size_t>(t) * 3 * K;
       float qv[EPL], kv[EPL], av[EPL];
 #pragma unroll
-      for (int e = 0; e < EPL; ++e) qv[e] = tq[k0 + e], kv[e] = tq[K + k0 + e], av[e] = tq[2 * K + k0 + e];
-      float u[kBatch], o[kBatch];
+      for (int e = 0; e < EPL; ++e) {
+        if constexpr (kOneToken) qv[e] = one_q[e], kv[e] = one_k[e], av[e] = one_a[e];
+        else qv[e] = tq[k0 + e], kv[e] = tq[K + k0 + e], av[e] = tq[2 * K + k0 + e];
+      }
+      float u[kBatch];
 #pragma unroll
       for (int b = 0; b < kBatch; ++b)
         u[b] = kVInRegs && t == 0 ? __shfl_sync(0xffffffffu, rv, step * kBatch + b)
                                   : tok_v[t * R + (r0 + b * kWarps < rows ? r0 + b * kWarps : r0)];
-      dev::update_rows<EPL, kBatch>(s, qv, kv, av, u, tok_beta[t], delta, o);
-      if (lane < kBatch && r0 + lane * kWarps < rows)
-        tok_o[t * R + r0 + lane * kWarps] = dev::pick_lane<kBatch>(o, lane);
+      const float o = dev::update_rows<EPL, kBatch>(s, qv, kv, av, u, kOneToken ? one_beta : tok_beta[t], delta, lane);
+      constexpr int kLanesPerRow = 32 / kBatch;  // lanes holding one row's output
+      const int o_row = r0 + lane / kLanesPerRow * kWarps;
+      if (lane % kLanesPerRow == 0 && o_row < rows) tok_o[t * R + o_row] = o;
       if (p.per_token_slots) {
         const int ws = p.idx[f];
         if (ws >= 0 && ws < p.P) store_to(ws);
@@ -407,7 +430,11 @@ void launch_tile(DecodeParams p, bool pdl, int sms, cudaStream_t stream) {
   // (same FLA times: fp32 H32 N = 1024 1.498 -> 1.549 ms; bf16 H64 1.515 -> 1.564).
   auto kernel = decode_kernel<EPL, S, KLAST, kServing, kKdaServing, false>;
   if constexpr (KLAST && kServing) {
-    if (slot_per_cta) kernel = decode_kernel<EPL, S, KLAST, kServing, kKdaServing, true>;
+    // At T = 1 the same launches also prepare the token per warp (kOneToken): bf16 H32 N = 1
+    // 3.1-3.2 -> 3.0 us per step; with several waves it lost ~1 us at N = 64.
+    if (slot_per_cta)
+      kernel = p.T == 1 ? decode_kernel<EPL, S, KLAST, kServing, kKdaServing, true, true>
+                        : decode_kernel<EPL, S, KLAST, kServing, kKdaServing, true>;
   }
   const size_t smem = smem_bytes<S>(R, K, p.T, KLAST);
   if (smem > 48 * 1024) {

@@ -140,13 +140,14 @@ __global__ void __launch_bounds__(kWarps * 32) recurrent_fwd_kernel(const FwdPar
     }
     float b = cur.beta;
     if (p.beta_sigmoid) b = p.beta_mult / (1.0f + __expf(-b));
-    float u[kRows], o[kRows];
+    float u[kRows];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) u[r] = cur.v[r];
-    dev::update_rows<EPL, kRows>(s, qv, kv, dv, u, b, p.delta, o);
-    if (lane < kRows && j0 + lane < p.V)
-      st(p.out, p.out_dt, b_row * p.out_s[0] + t * p.out_s[1] + hv * p.out_s[2] + (j0 + lane) * p.out_s[3],
-         dev::pick_lane<kRows>(o, lane));
+    const float o = dev::update_rows<EPL, kRows>(s, qv, kv, dv, u, b, p.delta, lane);
+    constexpr int kLanesPerRow = 32 / kRows;  // lanes holding one row's output
+    const int o_row = j0 + lane / kLanesPerRow;
+    if (lane % kLanesPerRow == 0 && o_row < p.V)
+      st(p.out, p.out_dt, b_row * p.out_s[0] + t * p.out_s[1] + hv * p.out_s[2] + o_row * p.out_s[3], o);
     if (t + 1 < eos) cur = nxt;
   }
   if (p.ht) store_state(p.ht, p.ht_dt, [&](int j, int kk) { return state_elem(p, n, hv, j, kk); });
