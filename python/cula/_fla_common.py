@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
+
 from . import ops
 from ._front import chunk, reject_unknown
 from ._tensor import is_torch
@@ -18,6 +20,16 @@ def resolve_state_layout(fn_name: str, state_v_first: bool, kwargs: dict) -> boo
                       stacklevel=3)
         state_v_first = kwargs.pop("transpose_state_layout")
     return bool(state_v_first)
+
+
+def per_token_head(v, value: float):
+    """A float32 [B, T, HV] tensor of ``value`` shaped after v [B, T, HV, V], on v's device and of
+    its kind (torch tensor or numpy array): FLA's defaults for an omitted gate or beta."""
+    if is_torch(v):
+        import torch
+
+        return torch.full(tuple(v.shape[:-1]), value, dtype=torch.float32, device=v.device)
+    return np.full(tuple(v.shape[:-1]), value, np.float32)
 
 
 def unsupported(fn_name: str, cp_context=None, use_graph=False, max_num_seqs=None) -> None:

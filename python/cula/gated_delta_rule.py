@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ._fla_common import recurrent_dropin, resolve_state_layout, unsupported
+from ._fla_common import per_token_head, recurrent_dropin, resolve_state_layout, unsupported
 from ._front import chunk, reject_unknown
 
 __all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"]
@@ -36,13 +36,17 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
                                      use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
                                      cu_seqlens=None, **kwargs):
     """FLA ``fused_recurrent_gated_delta_rule`` with a scalar gate g; per-key (gk) or per-value (gv)
-    gates are not supported. Also honours ``ssm_state_indices``/``num_accepted_tokens``/``inplace_final_state``."""
+    gates are not supported. Like FLA, no g means no decay and no beta means beta = 1. Also honours
+    ``ssm_state_indices``/``num_accepted_tokens``/``inplace_final_state``."""
     if gk is not None or gv is not None:
         raise NotImplementedError("fused_recurrent_gated_delta_rule: gk/gv gates are not supported by cula; pass g")
     if g is None:
-        raise ValueError("fused_recurrent_gated_delta_rule: argument 'g' (the scalar gate [B, T, HV]) is required")
+        if use_gate_in_kernel:
+            raise ValueError("fused_recurrent_gated_delta_rule: argument 'g' (the raw gate [B, T, HV]) is required "
+                             "with use_gate_in_kernel=True")
+        g = per_token_head(v, 0.0)  # log-decay 0: no decay
     if beta is None:
-        raise ValueError("fused_recurrent_gated_delta_rule: argument 'beta' is required")
+        beta = per_token_head(v, 1.0)
     state_v_first = resolve_state_layout("fused_recurrent_gated_delta_rule", state_v_first, kwargs)
     return recurrent_dropin("fused_recurrent_gated_delta_rule", "gdn", q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias,
                             scale=scale, initial_state=initial_state, output_final_state=output_final_state,

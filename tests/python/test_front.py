@@ -93,6 +93,23 @@ def test_flash_kda_entry_writes_caller_buffers(rng):
         cula.flash_kda.fwd(q, k, v, g, beta, 0.25, out, A_log, dt_bias, -6.0)
 
 
+def test_fused_recurrent_gdn_dropin_defaults_follow_fla(rng):
+    # FLA: no g means no decay, no beta means beta = 1; a gate computed in the kernel needs g.
+    q, k, v = qkv(rng, T=5)
+    B, T, H, _ = v.shape
+    g = -rng.uniform(0.01, 0.5, (B, T, H)).astype(f32)
+    beta = rng.uniform(0.1, 0.9, (B, T, H)).astype(f32)
+    f = cula.gated_delta_rule.fused_recurrent_gated_delta_rule
+    o1, s1 = f(q, k, v, beta=beta, output_final_state=True)
+    o2, s2 = f(q, k, v, g=np.zeros_like(g), beta=beta, output_final_state=True)
+    assert rel(o1, o2) == 0 and rel(s1, s2) == 0
+    o3, _ = f(q, k, v, g=g)
+    o4, _ = f(q, k, v, g=g, beta=np.ones_like(beta))
+    assert rel(o3, o4) == 0 and rel(o1, o3) > 1e-3  # the gate is applied when given
+    with pytest.raises(ValueError, match="'g'"):
+        f(q, k, v, beta=beta, use_gate_in_kernel=True, A_log=np.zeros(H, f32))
+
+
 def test_dropins_reject_what_they_cannot_honour(rng):
     q, k, v = qkv(rng)
     g = -rng.uniform(0.01, 0.5, (1, 24, 2, 16)).astype(f32)

@@ -6,6 +6,8 @@ import pytest
 from conftest import rel, worst
 
 import cula
+import cula.gated_delta_rule
+import cula.kda
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
 if not torch.cuda.is_available() or cula._lib.LIB.cula_cuda_device_count() == 0:
@@ -268,3 +270,83 @@ def test_chunk_op_passes_opcheck_on_host_tensors(rng):
     o, s = cula.torch_ops.chunk_fwd("kda", q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
     o2, s2 = cula.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, output_final_state=True)
     assert torch.equal(o, o2) and torch.equal(s, s2)
+
+
+def dropin_pair(family):
+    """cula's FLA drop-in for the recurrent form of a family and FLA's own function."""
+    pytest.importorskip("fla", reason="fla-core is not installed")
+    if family == "kda":
+        from fla.ops.kda import fused_recurrent_kda as theirs
+
+        return cula.kda.fused_recurrent_kda, theirs
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as theirs
+
+    return cula.gated_delta_rule.fused_recurrent_gated_delta_rule, theirs
+
+
+def dropin_inputs(rng, family, B, T, H, HV, K, V):
+    """FLA-layout inputs on the GPU: KDA with its gate computed in the kernel (lower bound), GDN
+    with a log-space scalar gate; q/k L2 norm and beta sigmoid in the kernel for both."""
+    d, kw = make(rng, family, B, T, H, HV, K, V, family == "kda")
+    kw.update(use_beta_sigmoid_in_kernel=True)
+    return {n: x.cuda() for n, x in d.items()}, kw
+
+
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+@pytest.mark.parametrize("state_v_first", [False, True], ids=["k_first", "v_first"])
+def test_dropin_fused_recurrent_matches_fla(rng, family, state_v_first):
+    ours, theirs = dropin_pair(family)
+    B, T, H, HV, K, V = 3, 4, 2, 4, 128, 128
+    dev, kw = dropin_inputs(rng, family, B, T, H, HV, K, V)
+    shape = (B, HV, V, K) if state_v_first else (B, HV, K, V)
+    h0 = torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).cuda() * 0.5
+    o, ht = ours(**dev, initial_state=h0.clone(), output_final_state=True, state_v_first=state_v_first, **kw)
+    o_fla, ht_fla = theirs(**dev, initial_state=h0.clone(), output_final_state=True, state_v_first=state_v_first, **kw)
+    torch.cuda.synchronize()
+    e = (rel(o.float().cpu().numpy(), o_fla.float().cpu().numpy()), rel(ht.cpu().numpy(), ht_fla.cpu().numpy()))
+    print(f"{family} drop-in vs FLA (o, final state):", e)
+    assert o.shape == o_fla.shape and ht.shape == ht_fla.shape
+    assert worst(e) < 5e-3
+
+
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+def test_dropin_fused_recurrent_serves_a_pool_in_a_cuda_graph(rng, family):
+    """The serving form (one token per sequence through cu_seqlens, ssm_state_indices into a bf16
+    pool updated in place) against FLA's function on the gathered states, then the same call
+    captured in a CUDA graph and replayed."""
+    ours, theirs = dropin_pair(family)
+    N, H, HV, K, V, P = 12, 2, 4, 128, 128, 30
+    dev, kw = dropin_inputs(rng, family, N, 1, H, HV, K, V)
+    flat = {n: (x if n in ("A_log", "dt_bias") else x.reshape(1, N, *x.shape[2:])) for n, x in dev.items()}
+    cu = torch.arange(N + 1, device="cuda", dtype=torch.int32)
+    pool = (torch.from_numpy(rng.standard_normal((P, HV, V, K)).astype(np.float32)) * 0.5).to(torch.bfloat16).cuda()
+    idx = torch.from_numpy(rng.permutation(P)[:N].astype(np.int32)).cuda()
+    serve = dict(cu_seqlens=cu, ssm_state_indices=idx, inplace_final_state=True, state_v_first=True, **kw)
+
+    p_eager = pool.clone()
+    o, _ = ours(**flat, initial_state=p_eager, **serve)
+    o_fla, ht_fla = theirs(**flat, initial_state=pool[idx.long()].float(), output_final_state=True, cu_seqlens=cu,
+                           state_v_first=True, **kw)
+    torch.cuda.synchronize()
+    e = (rel(o.float().cpu().numpy(), o_fla.float().cpu().numpy()),
+         rel(p_eager[idx.long()].float().cpu().numpy(), ht_fla.cpu().numpy()))
+    print(f"{family} serving drop-in vs FLA (o, states):", e)
+    assert worst(e) < 5e-3
+    untouched = torch.ones(P, dtype=torch.bool, device="cuda")
+    untouched[idx.long()] = False
+    assert torch.equal(p_eager[untouched], pool[untouched]), "slots not named by ssm_state_indices changed"
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ours(**flat, initial_state=pool.clone(), **serve)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    p_graph = pool.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_graph, _ = ours(**flat, initial_state=p_graph, **serve)
+    p_graph.copy_(pool)
+    o_graph.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(o_graph, o) and torch.equal(p_graph, p_eager)
