@@ -1,4 +1,5 @@
-"""FLA drop-in for Lightning attention: ``from cula.lightning_attn import chunk_lightning_attn``."""
+"""FLA drop-in for Lightning attention:
+``from cula.lightning_attn import chunk_lightning_attn, fused_recurrent_lightning_attn``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 from ._front import chunk, reject_unknown
 from ._tensor import is_torch
 
-__all__ = ["chunk_lightning_attn", "lightning_decay"]
+__all__ = ["chunk_lightning_attn", "fused_recurrent_lightning_attn", "lightning_decay"]
 
 
 def lightning_decay(num_heads: int, layer_idx: int, num_layers: int, like=None):
@@ -41,3 +42,14 @@ def chunk_lightning_attn(q, k, v, layer_idx, num_layers, scale=None, initial_sta
     return chunk("lightning", q, k, v, decay=decay, initial_state=initial_state, scale=scale,
                  output_final_state=output_final_state, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
                  state_layout="k_first")
+
+
+def fused_recurrent_lightning_attn(q, k, v, layer_idx, num_layers, scale=None, initial_state=None,
+                                   output_final_state=False, reverse=False, cu_seqlens=None):
+    """FLA ``fused_recurrent_lightning_attn`` (decode and short sequences): K-first states
+    [N, H, K, V]; the same function as chunk_lightning_attn. ``reverse`` is not supported."""
+    if reverse:
+        raise NotImplementedError("fused_recurrent_lightning_attn: reverse=True is not supported by cula")
+    decay = lightning_decay(q.shape[2], layer_idx, num_layers, like=q)
+    return chunk("lightning", q, k, v, decay=decay, initial_state=initial_state, scale=scale,
+                 output_final_state=output_final_state, cu_seqlens=cu_seqlens, state_layout="k_first")

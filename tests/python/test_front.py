@@ -110,6 +110,17 @@ def test_fused_recurrent_gdn_dropin_defaults_follow_fla(rng):
         f(q, k, v, beta=beta, use_gate_in_kernel=True, A_log=np.zeros(H, f32))
 
 
+def test_fused_recurrent_lightning_dropin_is_the_chunked_function(rng):
+    q, k, v = qkv(rng, T=9)
+    h0 = rng.standard_normal((1, 2, 16, 8)).astype(f32)  # K-first [N, H, K, V]
+    la = cula.lightning_attn
+    o1, s1 = la.fused_recurrent_lightning_attn(q, k, v, 2, 8, initial_state=h0, output_final_state=True)
+    o2, s2 = la.chunk_lightning_attn(q, k, v, 2, 8, initial_state=h0, output_final_state=True)
+    assert rel(o1, o2) == 0 and rel(s1, s2) == 0 and s1.shape == h0.shape
+    with pytest.raises(NotImplementedError, match="reverse"):
+        la.fused_recurrent_lightning_attn(q, k, v, 2, 8, reverse=True)
+
+
 def test_dropins_reject_what_they_cannot_honour(rng):
     q, k, v = qkv(rng)
     g = -rng.uniform(0.01, 0.5, (1, 24, 2, 16)).astype(f32)
@@ -131,6 +142,7 @@ DROPINS = [
     ("fla.ops.gla", "chunk_gla", cula.gla.chunk_gla),
     ("fla.ops.simple_gla", "chunk_simple_gla", cula.simple_gla.chunk_simple_gla),
     ("fla.ops.lightning_attn", "chunk_lightning_attn", cula.lightning_attn.chunk_lightning_attn),
+    ("fla.ops.lightning_attn", "fused_recurrent_lightning_attn", cula.lightning_attn.fused_recurrent_lightning_attn),
 ]
 
 

@@ -8,6 +8,7 @@ from conftest import rel, worst
 import cula
 import cula.gated_delta_rule
 import cula.kda
+import cula.lightning_attn
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
 if not torch.cuda.is_available() or cula._lib.LIB.cula_cuda_device_count() == 0:
@@ -279,6 +280,10 @@ def dropin_pair(family):
         from fla.ops.kda import fused_recurrent_kda as theirs
 
         return cula.kda.fused_recurrent_kda, theirs
+    if family == "lightning":
+        from fla.ops.lightning_attn import fused_recurrent_lightning_attn as theirs
+
+        return cula.lightning_attn.fused_recurrent_lightning_attn, theirs
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as theirs
 
     return cula.gated_delta_rule.fused_recurrent_gated_delta_rule, theirs
@@ -305,6 +310,22 @@ def test_dropin_fused_recurrent_matches_fla(rng, family, state_v_first):
     torch.cuda.synchronize()
     e = (rel(o.float().cpu().numpy(), o_fla.float().cpu().numpy()), rel(ht.cpu().numpy(), ht_fla.cpu().numpy()))
     print(f"{family} drop-in vs FLA (o, final state):", e)
+    assert o.shape == o_fla.shape and ht.shape == ht_fla.shape
+    assert worst(e) < 5e-3
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_dropin_fused_recurrent_lightning_matches_fla(rng, T):
+    ours, theirs = dropin_pair("lightning")
+    B, H, K, V = 4, 8, 128, 128
+    q, k, v = (torch.from_numpy(rng.standard_normal(s).astype(np.float32)).to(torch.bfloat16).cuda()
+               for s in ((B, T, H, K), (B, T, H, K), (B, T, H, V)))
+    h0 = torch.from_numpy(rng.standard_normal((B, H, K, V)).astype(np.float32)).cuda() * 0.5
+    o, ht = ours(q, k, v, 3, 8, initial_state=h0.clone(), output_final_state=True)
+    o_fla, ht_fla = theirs(q, k, v, 3, 8, initial_state=h0.clone(), output_final_state=True)
+    torch.cuda.synchronize()
+    e = (rel(o.float().cpu().numpy(), o_fla.float().cpu().numpy()), rel(ht.cpu().numpy(), ht_fla.cpu().numpy()))
+    print(f"lightning drop-in vs FLA, T = {T} (o, final state):", e)
     assert o.shape == o_fla.shape and ht.shape == ht_fla.shape
     assert worst(e) < 5e-3
 
