@@ -3,6 +3,8 @@ keyword-argument discipline. Every path ends in cula.ops (Level 0), i.e. the C A
 
 from __future__ import annotations
 
+import sys
+
 from . import ops
 from ._lib import CulaError
 from ._tensor import is_torch
@@ -16,22 +18,20 @@ def reject_unknown(fn_name: str, kwargs: dict) -> None:
                         f"arguments it cannot honour")
 
 
-def _needs_grad(tensors) -> bool:
-    torch_inputs = [t for t in tensors if t is not None and is_torch(t)]
-    if not torch_inputs:
+def _needs_grad(*tensors) -> bool:
+    torch = sys.modules.get("torch")  # no torch imported: no torch tensors
+    if torch is None or not torch.is_grad_enabled():
         return False
-    import torch
-
-    return torch.is_grad_enabled() and any(t.requires_grad for t in torch_inputs)
+    return any(t is not None and is_torch(t) and t.requires_grad for t in tensors)
 
 
 def chunk(family: str, q, k, v, g=None, beta=None, decay=None, *, A_log=None, dt_bias=None, initial_state=None,
           **opts):
     """chunk_fwd with autograd when any torch input requires grad (backward: cula.ops.chunk_bwd)."""
-    inputs = dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state)
-    if not _needs_grad(inputs.values()):
+    if not _needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state):
         return ops.chunk_fwd(family, q, k, v, g, beta, decay, A_log=A_log, dt_bias=dt_bias,
                              initial_state=initial_state, **opts)
+    inputs = dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state)
     if family == "lightning":
         raise NotImplementedError("cula: Lightning attention has no backward yet; call it under torch.no_grad()")
     if opts.get("return_intermediate_states"):

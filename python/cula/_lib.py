@@ -10,6 +10,7 @@ import ctypes
 import math
 import os
 import pathlib
+import struct
 
 MAX_DIMS = 6
 
@@ -55,6 +56,21 @@ class Options(ctypes.Structure):
         ("backend", ctypes.c_int32),
         ("stream", ctypes.c_void_p),
     ]
+
+
+# Options packed straight into an argument buffer (struct.pack_into: one call instead of a ctypes
+# Structure and a dozen attribute writes per call; the host time of a call is part of its cost).
+# Native alignment gives the C layout; checked against the ctypes description below.
+OPTIONS_PACK = struct.Struct("@idiiiidiiiiP")
+
+
+def _options_layout_matches() -> bool:
+    probe, values = Options(), (1, 2.5, 3, 4, 5, 6, 7.5, 8, 9, 10, 11, 12)
+    OPTIONS_PACK.pack_into(probe, 0, *values)
+    return OPTIONS_PACK.size == ctypes.sizeof(Options) and tuple(getattr(probe, f) for f, _ in Options._fields_) == values
+
+
+assert _options_layout_matches(), "cula_recurrence_options layout changed"
 
 
 def _args_struct(name, tensor_fields, extra=()):
@@ -114,7 +130,7 @@ def _load():
         ("cula_kda_gate", KdaGateArgs),
     ]:
         f = getattr(lib, fn)
-        f.argtypes = [ctypes.POINTER(argtype)]
+        f.argtypes = [ctypes.c_void_p]  # the address of an argument buffer laid out as argtype
         f.restype = ctypes.c_int
     for fn in ("cula_last_error", "cula_version", "cula_build_info", "cula_last_kernel"):
         getattr(lib, fn).restype = ctypes.c_char_p
@@ -172,17 +188,7 @@ def options(family, *, scale=None, l2norm=False, gate_in_kernel=False, safe_gate
         raise CulaError(f"argument 'scale': expected a float or None, got {type(scale).__name__}")
     if lower_bound is not None and (isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float))):
         raise CulaError(f"argument 'lower_bound': expected a float or None, got {type(lower_bound).__name__}")
-    o = Options()
-    o.family = FAMILIES[family]
-    o.scale = math.nan if scale is None else float(scale)
-    o.use_qk_l2norm = int(bool(l2norm))
-    o.use_gate_in_kernel = int(bool(gate_in_kernel))
-    o.safe_gate = int(bool(safe_gate))
-    o.has_lower_bound = int(lower_bound is not None)
-    o.lower_bound = float(lower_bound) if lower_bound is not None else 0.0
-    o.use_beta_sigmoid = int(bool(beta_sigmoid))
-    o.allow_neg_eigval = int(bool(allow_neg_eigval))
-    o.state_layout = LAYOUTS[state_layout]
-    o.backend = BACKENDS[backend]
-    o.stream = stream
-    return o
+    # In the field order of Options (OPTIONS_PACK); stream: a cudaStream_t as an int, 0 for none.
+    return (FAMILIES[family], math.nan if scale is None else float(scale), int(bool(l2norm)), int(bool(gate_in_kernel)),
+            int(bool(safe_gate)), int(lower_bound is not None), float(lower_bound) if lower_bound is not None else 0.0,
+            int(bool(beta_sigmoid)), int(bool(allow_neg_eigval)), LAYOUTS[state_layout], BACKENDS[backend], stream or 0)

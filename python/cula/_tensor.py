@@ -84,7 +84,7 @@ def _pack_tensor(buf, at, x, name) -> None:
             raise CulaError(f"argument '{name}': expected at most {_lib.MAX_DIMS} dimensions, got {n}")
         if x.is_cuda:
             dev_type, dev_id = _lib.CUDA, x.get_device()
-        elif x.device.type == "cpu":
+        elif x.is_cpu:
             dev_type, dev_id = _lib.CPU, 0
         else:
             raise CulaError(f"argument '{name}': expected a CPU or CUDA tensor, got a tensor on {x.device}")
@@ -105,34 +105,42 @@ def _pack_tensor(buf, at, x, name) -> None:
     raise CulaError(f"argument '{name}': expected a torch tensor or a numpy array, got {type(x).__name__}")
 
 
-_FIELD_OFFSETS = {}  # argument struct type -> {tensor field name: byte offset}
+_SCALAR_CODES = {ctypes.c_int32: "i", ctypes.c_int64: "q", ctypes.c_double: "d"}
+_LAYOUTS = {}  # argument struct type -> (size, options offset, {tensor field: offset}, {scalar: (Struct, offset)})
+_SIZE = struct.Struct("@N")  # size_t
+
+
+def _layout(args_type):
+    fields = dict(args_type._fields_)
+    tensors = {n: getattr(args_type, n).offset for n, t in fields.items() if t is _lib.TP}
+    scalars = {n: (struct.Struct("=" + _SCALAR_CODES[t]), getattr(args_type, n).offset) for n, t in fields.items()
+               if t in _SCALAR_CODES}
+    # a multiple of 8: the cula_tensors after the struct stay aligned
+    lay = _LAYOUTS[args_type] = (ctypes.sizeof(args_type), args_type.opt.offset, tensors, scalars)
+    return lay
 
 
 def call(args_type, entry, opt, tensors: dict, **scalars) -> None:
-    """Fills one C ABI argument struct and its tensor descriptions in one buffer (the struct, then
-    one cula_tensor per array given; fields of arrays not given stay NULL) and calls the entry,
-    raising the library's error as a Python exception. The arrays stay alive for the call."""
-    offsets = _FIELD_OFFSETS.get(args_type)
-    if offsets is None:
-        offsets = _FIELD_OFFSETS[args_type] = {n: getattr(args_type, n).offset for n, t in args_type._fields_
-                                               if t is _lib.TP}
-    size = ctypes.sizeof(args_type)  # a multiple of 8: the cula_tensors after it stay aligned
-    count = sum(x is not None for x in tensors.values())
-    buf = ctypes.create_string_buffer(size + _TENSOR.size * count)
+    """Packs one C ABI argument struct (laid out as args_type) and its tensor descriptions into one
+    buffer with struct.pack_into (the struct, then one cula_tensor per array given; fields of
+    arrays not given stay NULL) and calls the entry with its address, raising the library's error
+    as a Python exception. opt: _lib.options(...). The arrays stay alive for the call."""
+    size, opt_at, offsets, scalar_at = _LAYOUTS.get(args_type) or _layout(args_type)
+    given = [(n, x) for n, x in tensors.items() if x is not None]
+    buf = ctypes.create_string_buffer(size + _TENSOR.size * len(given))
     base = ctypes.addressof(buf)
-    a = args_type.from_buffer(buf)
-    a.struct_size = size
-    a.opt = opt
+    _SIZE.pack_into(buf, 0, size)
+    _lib.OPTIONS_PACK.pack_into(buf, opt_at, *opt)
     at = size
     pack_addr = _ADDR.pack_into
-    for n, x in tensors.items():
-        if x is not None:
-            _pack_tensor(buf, at, x, n)
-            pack_addr(buf, offsets[n], base + at)
-            at += _TENSOR.size
+    for n, x in given:
+        _pack_tensor(buf, at, x, n)
+        pack_addr(buf, offsets[n], base + at)
+        at += _TENSOR.size
     for n, x in scalars.items():
-        setattr(a, n, x)
-    _lib.check(entry(ctypes.byref(a)))
+        packer, off = scalar_at[n]
+        packer.pack_into(buf, off, x)
+    _lib.check(entry(base))
 
 
 def empty_like_family(ref, shape, dtype=None):
@@ -147,15 +155,16 @@ def empty_like_family(ref, shape, dtype=None):
     return np.empty(shape, dtype=nd)
 
 
-def stream_of(ref):
+def stream_of(ref) -> int:
+    """The current CUDA stream of ref's device as an int (cudaStream_t), 0 for host arrays."""
     if is_torch(ref) and ref.is_cuda:
         import torch
 
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # the stream handle without a Stream object
         if raw is not None:
-            return ctypes.c_void_p(raw(ref.get_device()))
-        return ctypes.c_void_p(torch.cuda.current_stream(ref.device).cuda_stream)
-    return None
+            return raw(ref.get_device())
+        return torch.cuda.current_stream(ref.device).cuda_stream
+    return 0
 
 
 def dtype_name(x) -> str:

@@ -29,6 +29,11 @@ def _host_offsets(cu_seqlens):
     return [int(x) for x in np.asarray(cu_seqlens).reshape(-1)]
 
 
+def _given(**tensors):
+    """The arrays given (not None), each through as_array (the C ABI leaves the others NULL)."""
+    return {n: as_array(x, n) for n, x in tensors.items() if x is not None}
+
+
 def _state_shape(n, hv, k, v, layout):
     return (n, hv, v, k) if layout == "k_last" else (n, hv, k, v)
 
@@ -55,28 +60,24 @@ def chunk_fwd(family, q, k, v, g=None, beta=None, decay=None, *, scale=None, ini
     With ``state_pool`` the initial states are read from ``state_pool[state_indices[n]]`` and the
     final states written back there in place (negative index: zero state, pool untouched).
     """
-    names = ("q", "k", "v", "g", "beta", "decay", "initial_state", "A_log", "dt_bias", "cu_seqlens",
-             "state_pool", "state_indices", "out")
-    arrays = dict(zip(names, (as_array(x, n) for x, n in zip(
-        (q, k, v, g, beta, decay, initial_state, A_log, dt_bias, cu_seqlens, state_pool, state_indices, out), names))))
-    q, k, v = arrays["q"], arrays["k"], arrays["v"]
+    arrays = _given(q=q, k=k, v=v, g=g, beta=beta, decay=decay, initial_state=initial_state, A_log=A_log,
+                    dt_bias=dt_bias, cu_seqlens=cu_seqlens, state_pool=state_pool, state_indices=state_indices, out=out)
+    q, k, v = arrays.get("q"), arrays.get("k"), arrays.get("v")
     B, T, H, K = _shape(q, "q", 4)
     _, _, HV, V = _shape(v, "v", 4)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise CulaError(f"argument 'chunk_size': expected a positive int, got {chunk_size!r}")
-    offsets = _host_offsets(arrays["cu_seqlens"])
-    N = (len(offsets) - 1 if offsets is not None else int(arrays["cu_seqlens"].shape[0]) - 1) if arrays["cu_seqlens"] is not None else B
-    if out is None:
-        o = empty_like_family(q, (B, T, HV, V))
-    else:
-        o = arrays["out"]
+    cu = arrays.get("cu_seqlens")
+    offsets = _host_offsets(cu)
+    N = (len(offsets) - 1 if offsets is not None else int(cu.shape[0]) - 1) if cu is not None else B
+    o = arrays["out"] if out is not None else empty_like_family(q, (B, T, HV, V))
     final = as_array(final_state_out, "final_state")
-    if final is None and output_final_state and arrays["state_pool"] is None:
-        sd = state_dtype or ("float32" if arrays["initial_state"] is None else dtype_name(arrays["initial_state"]))
+    if final is None and output_final_state and state_pool is None:
+        sd = state_dtype or ("float32" if initial_state is None else dtype_name(arrays["initial_state"]))
         final = empty_like_family(q, _state_shape(max(N, 0), HV, K, V, state_layout), sd)
     inter = None
     if return_intermediate_states:
-        if offsets is None and arrays["cu_seqlens"] is not None:
+        if offsets is None and cu is not None:
             raise CulaError("argument 'cu_seqlens': expected a host tensor with return_intermediate_states=True, got a device tensor")
         nt = sum((offsets[i + 1] - offsets[i] + chunk_size - 1) // chunk_size for i in range(N)) if offsets is not None \
             else (T + chunk_size - 1) // chunk_size
@@ -88,7 +89,11 @@ def chunk_fwd(family, q, k, v, g=None, beta=None, decay=None, *, scale=None, ini
                        safe_gate=safe_gate, lower_bound=lower_bound, beta_sigmoid=use_beta_sigmoid_in_kernel,
                        allow_neg_eigval=allow_neg_eigval, state_layout=state_layout, backend=backend,
                        stream=stream_of(q))
-    arrays.update(out=o, final_state=final, intermediate_states=inter)
+    arrays["out"] = o
+    if final is not None:
+        arrays["final_state"] = final
+    if inter is not None:
+        arrays["intermediate_states"] = inter
     call(_lib.ChunkFwdArgs, _lib.LIB.cula_chunk_fwd, opt, arrays, chunk_size=chunk_size)
     if return_intermediate_states:
         return o, final, inter
@@ -135,13 +140,11 @@ def decode(q, k, v, state_pool, *, mode="kda", g=None, beta=None, decay=None, st
     ``num_accepted_tokens`` [N] choosing the slot to start from (FLA fused_recurrent_kda).
     Returns ``(o, state_pool)``.
     """
-    names = ("q", "k", "v", "state_pool", "g", "beta", "decay", "state_indices", "num_accepted_tokens", "A_log",
-             "dt_bias", "out")
-    arrays = dict(zip(names, (as_array(x, n) for x, n in zip(
-        (q, k, v, state_pool, g, beta, decay, state_indices, num_accepted_tokens, A_log, dt_bias, out), names))))
-    q = arrays["q"]
+    arrays = _given(q=q, k=k, v=v, state_pool=state_pool, g=g, beta=beta, decay=decay, state_indices=state_indices,
+                    num_accepted_tokens=num_accepted_tokens, A_log=A_log, dt_bias=dt_bias, out=out)
+    q = arrays.get("q")
     N, T, H, K = _shape(q, "q", 4)
-    _, _, HV, V = _shape(arrays["v"], "v", 4)
+    _, _, HV, V = _shape(arrays.get("v"), "v", 4)
     o = arrays["out"] if out is not None else empty_like_family(q, (N, T, HV, V))
     opt = _lib.options(mode, scale=scale, l2norm=use_qk_l2norm_in_kernel, gate_in_kernel=use_gate_in_kernel,
                        lower_bound=lower_bound, beta_sigmoid=use_beta_sigmoid_in_kernel,
@@ -149,7 +152,7 @@ def decode(q, k, v, state_pool, *, mode="kda", g=None, beta=None, decay=None, st
                        stream=stream_of(q))
     arrays["out"] = o
     call(_lib.DecodeArgs, _lib.LIB.cula_decode, opt, arrays)
-    return o, arrays["state_pool"]
+    return o, arrays.get("state_pool")
 
 
 def chunk_bwd(family, q, k, v, g, beta, d_out, *, d_final_state=None, scale=None, initial_state=None,
