@@ -113,6 +113,24 @@ def test_cuda_decode_matches_reference(rng, case, size):
     assert rel(pg.float().numpy(), pool_ref.float().numpy()) < tol
 
 
+@pytest.mark.parametrize("mode", ["kda", "gdn"])
+def test_cuda_decode_at_4096_sequences(rng, mode):
+    # The largest batch a decode step takes (N = 4096), with padding sequences spread through it.
+    N, H, K, V = 4096, 1, 64, 64
+    d, kw = make(rng, mode, N, 1, H, H, K, V, True)
+    P = N + 37
+    pool = (torch.from_numpy(rng.standard_normal((P, H, V, K)).astype(np.float32)) * 0.5).to(torch.bfloat16)
+    idx = torch.from_numpy(rng.permutation(P)[:N].astype(np.int32))
+    pad = torch.from_numpy(rng.choice(N, 64, replace=False))
+    idx[pad] = -1
+    o, o_ref, pg, pool_ref = run_both(d, kw, pool, mode, idx)
+    assert rel(o.numpy(), o_ref.numpy()) < 5e-3
+    assert (o[pad] == 0).all(), "padding sequences must output zeros"
+    assert rel(pg.float().numpy(), pool_ref.float().numpy()) < 5e-3
+    untouched = sorted(set(range(P)) - set(int(x) for x in idx.tolist() if x >= 0))
+    assert torch.equal(pg[untouched], pool[untouched]), "slots not named by state_indices changed"
+
+
 @pytest.mark.parametrize("which", ["q", "k", "g", "dt_bias"])
 def test_cuda_decode_takes_inputs_at_odd_offsets(rng, which):
     """A view one element into its buffer cannot take the serving kernel's vector loads: the launch
