@@ -131,6 +131,23 @@ def test_cuda_decode_at_4096_sequences(rng, mode):
     assert torch.equal(pg[untouched], pool[untouched]), "slots not named by state_indices changed"
 
 
+@pytest.mark.parametrize("mode", ["kda", "gdn", "lightning"])
+def test_level1_cula_decode_on_gpu_runs_the_level0_kernel(rng, mode):
+    # cula_decode (Level 1, through the registered torch op) and cula.decode (Level 0): one kernel.
+    N, H, K, V = 5, 2, 128, 128
+    d, kw = make(rng, mode, N, 1, H, H, K, V, mode != "lightning")
+    dev = {n: x.cuda() for n, x in d.items()}
+    pool = torch.from_numpy(rng.standard_normal((N + 3, H, V, K)).astype(np.float32)).cuda()
+    idx = torch.from_numpy(rng.permutation(N + 3)[:N].astype(np.int32)).cuda()
+    p0, p1 = pool.clone(), pool.clone()
+    o0, _ = cula.decode(**dev, state_pool=p0, mode=mode, state_indices=idx, **kw)
+    rest = {n: x for n, x in dev.items() if n not in ("q", "k", "v")}
+    o1, _ = cula.cula_decode(dev["q"], dev["k"], dev["v"], p1, mode=mode, state_indices=idx, **rest, **kw)
+    torch.cuda.synchronize()
+    assert torch.isfinite(o1).all() and not torch.equal(p1, pool)
+    assert torch.equal(o0, o1) and torch.equal(p0, p1)
+
+
 @pytest.mark.parametrize("which", ["q", "k", "g", "dt_bias"])
 def test_cuda_decode_takes_inputs_at_odd_offsets(rng, which):
     """A view one element into its buffer cannot take the serving kernel's vector loads: the launch
