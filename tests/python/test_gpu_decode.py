@@ -406,3 +406,28 @@ def test_dropin_fused_recurrent_serves_a_pool_in_a_cuda_graph(rng, family):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(o_graph, o) and torch.equal(p_graph, p_eager)
+
+
+def test_dropin_fused_recurrent_kda_speculative_matches_fla(rng):
+    """Draft tokens: T tokens per sequence, a slot per token ([N, T] ssm_state_indices) and
+    num_accepted_tokens choosing the state to start from, against FLA's fused_recurrent_kda_fwd."""
+    pytest.importorskip("fla", reason="fla-core is not installed")
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    N, T, H, K, V = 6, 3, 2, 128, 128
+    P = N * T + 7
+    dev, kw = dropin_inputs(rng, "kda", N, T, H, H, K, V)
+    flat = {n: (x if n in ("A_log", "dt_bias") else x.reshape(1, N * T, *x.shape[2:])) for n, x in dev.items()}
+    cu = torch.arange(0, N * T + 1, T, device="cuda", dtype=torch.int32)
+    pool = torch.from_numpy(rng.standard_normal((P, H, V, K)).astype(np.float32)).cuda() * 0.5
+    idx = torch.from_numpy(rng.permutation(P)[:N * T].reshape(N, T).astype(np.int32)).cuda()
+    acc = torch.from_numpy((np.arange(N) % T + 1).astype(np.int32)).cuda()  # 1..T accepted
+    serve = dict(cu_seqlens=cu, ssm_state_indices=idx, num_accepted_tokens=acc, inplace_final_state=True,
+                 state_v_first=True, **kw)
+    p_cula, p_fla = pool.clone(), pool.clone()
+    o, _ = cula.kda.fused_recurrent_kda(**flat, initial_state=p_cula, **serve)
+    o_fla, _ = fused_recurrent_kda_fwd(**flat, initial_state=p_fla, **serve)
+    torch.cuda.synchronize()
+    e = (rel(o.float().cpu().numpy(), o_fla.float().cpu().numpy()), rel(p_cula.cpu().numpy(), p_fla.cpu().numpy()))
+    print("KDA drop-in with draft tokens vs FLA (o, pool):", e)
+    assert e[0] < 5e-3 and e[1] < 1e-4
