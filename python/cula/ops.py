@@ -65,8 +65,8 @@ def chunk_fwd(family, q, k, v, g=None, beta=None, decay=None, *, scale=None, ini
     q, k, v = arrays.get("q"), arrays.get("k"), arrays.get("v")
     B, T, H, K = _shape(q, "q", 4)
     _, _, HV, V = _shape(v, "v", 4)
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
-        raise CulaError(f"argument 'chunk_size': expected a positive int, got {chunk_size!r}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or not 0 < chunk_size < 2 ** 31:
+        raise CulaError(f"argument 'chunk_size': expected a positive 32-bit int, got {chunk_size!r}")
     cu = arrays.get("cu_seqlens")
     offsets = _host_offsets(cu)
     N = (len(offsets) - 1 if offsets is not None else int(cu.shape[0]) - 1) if cu is not None else B

@@ -40,6 +40,7 @@ RULES = [
     ("list_input", lambda d, r: d.update(q=[[1.0]]), {}, ["'q'", "list"]),
     ("layout", lambda d, r: None, dict(state_layout="v_first"), ["'state_layout'", "v_first"]),
     ("chunk_size", lambda d, r: None, dict(chunk_size=0), ["'chunk_size'", "0"]),
+    ("chunk_size_range", lambda d, r: None, dict(chunk_size=2 ** 40), ["'chunk_size'", "32-bit", str(2 ** 40)]),
 ]
 
 
