@@ -81,11 +81,20 @@ __device__ __forceinline__ float warp_sum_scatter(float (&x)[R], int lane) {
   return x[0];
 }
 
+// Where warp_sum_scatter<R> leaves its sums: lane l holds sum scatter_index<R>(l); scatter_lane<R>(r)
+// is the first of the 32 / R lanes holding sum r, scatter_leader<R>(l) whether l is such a lane.
+template <int R>
+__device__ __forceinline__ int scatter_index(int lane) { return lane / (32 / R); }
+template <int R>
+__device__ __forceinline__ int scatter_lane(int r) { return r * (32 / R); }
+template <int R>
+__device__ __forceinline__ bool scatter_leader(int lane) { return lane % (32 / R) == 0; }
+
 // One token's update of R state rows held by a warp (lane l holds row elements
 // [l*EPL, (l+1)*EPL)): S' = S * decay; with the delta rule u = beta (v - S'^T k), else u = v;
 // S = S' + k u^T; o = S^T q. The rows' reductions run together (warp_sum_scatter); the delta
 // rule's dot products go back to every lane from the lanes that hold them.
-// On entry u holds v for each row; returns the output of row lane / (32 / R) (every lane).
+// On entry u holds v for each row; returns the output of row scatter_index<R>(lane) (every lane).
 template <int EPL, int R>
 __device__ __forceinline__ float update_rows(float (&s)[R][EPL], const float* q, const float* k, const float* decay,
                                              float (&u)[R], float beta, bool delta, int lane) {
@@ -102,7 +111,7 @@ __device__ __forceinline__ float update_rows(float (&s)[R][EPL], const float* q,
   if (delta) {
     const float mine = warp_sum_scatter<R>(dot, lane);
 #pragma unroll
-    for (int r = 0; r < R; ++r) u[r] = (u[r] - __shfl_sync(0xffffffffu, mine, r * (32 / R))) * beta;
+    for (int r = 0; r < R; ++r) u[r] = (u[r] - __shfl_sync(0xffffffffu, mine, scatter_lane<R>(r))) * beta;
   }
   float o[R];
 #pragma unroll

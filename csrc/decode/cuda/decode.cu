@@ -388,9 +388,8 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
         u[b] = kVInRegs && t == 0 ? __shfl_sync(0xffffffffu, rv, step * kBatch + b)
                                   : tok_v[t * R + (r0 + b * kWarps < rows ? r0 + b * kWarps : r0)];
       const float o = dev::update_rows<EPL, kBatch>(s, qv, kv, av, u, kOneToken ? one_beta : tok_beta[t], delta, lane);
-      constexpr int kLanesPerRow = 32 / kBatch;  // lanes holding one row's output
-      const int o_row = r0 + lane / kLanesPerRow * kWarps;
-      if (lane % kLanesPerRow == 0 && o_row < rows) tok_o[t * R + o_row] = o;
+      const int ob = dev::scatter_index<kBatch>(lane), o_row = r0 + ob * kWarps;  // the row whose output o is
+      if (dev::scatter_leader<kBatch>(lane) && o_row < rows) tok_o[t * R + o_row] = o;
       if (p.per_token_slots) {
         const int ws = p.idx[f];
         if (ws >= 0 && ws < p.P) store_to(ws);

@@ -144,9 +144,8 @@ __global__ void __launch_bounds__(kWarps * 32) recurrent_fwd_kernel(const FwdPar
 #pragma unroll
     for (int r = 0; r < kRows; ++r) u[r] = cur.v[r];
     const float o = dev::update_rows<EPL, kRows>(s, qv, kv, dv, u, b, p.delta, lane);
-    constexpr int kLanesPerRow = 32 / kRows;  // lanes holding one row's output
-    const int o_row = j0 + lane / kLanesPerRow;
-    if (lane % kLanesPerRow == 0 && o_row < p.V)
+    const int ob = dev::scatter_index<kRows>(lane), o_row = j0 + ob;  // the row whose output o is
+    if (dev::scatter_leader<kRows>(lane) && o_row < p.V)
       st(p.out, p.out_dt, b_row * p.out_s[0] + t * p.out_s[1] + hv * p.out_s[2] + o_row * p.out_s[3], o);
     if (t + 1 < eos) cur = nxt;
   }
