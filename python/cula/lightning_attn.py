@@ -50,6 +50,5 @@ def fused_recurrent_lightning_attn(q, k, v, layer_idx, num_layers, scale=None, i
     [N, H, K, V]; the same function as chunk_lightning_attn. ``reverse`` is not supported."""
     if reverse:
         raise NotImplementedError("fused_recurrent_lightning_attn: reverse=True is not supported by cula")
-    decay = lightning_decay(q.shape[2], layer_idx, num_layers, like=q)
-    return chunk("lightning", q, k, v, decay=decay, initial_state=initial_state, scale=scale,
-                 output_final_state=output_final_state, cu_seqlens=cu_seqlens, state_layout="k_first")
+    return chunk_lightning_attn(q, k, v, layer_idx, num_layers, scale=scale, initial_state=initial_state,
+                                output_final_state=output_final_state, cu_seqlens=cu_seqlens)

@@ -161,24 +161,23 @@ def chunk_bwd(family, q, k, v, g, beta, d_out, *, d_final_state=None, scale=None
               state_layout="k_last", backend="auto"):
     """Backward of KDA/GDN/GLA/simple GLA: returns a dict with dq, dk, dv, dg, dbeta (delta
     families), dA_log and ddt_bias (gate in kernel, when given) and d_initial_state."""
-    names = ("q", "k", "v", "g", "beta", "d_out", "d_final_state", "initial_state", "A_log", "dt_bias", "cu_seqlens")
-    arrays = dict(zip(names, (as_array(x, n) for x, n in zip(
-        (q, k, v, g, beta, d_out, d_final_state, initial_state, A_log, dt_bias, cu_seqlens), names))))
+    arrays = _given(q=q, k=k, v=v, g=g, beta=beta, d_out=d_out, d_final_state=d_final_state,
+                    initial_state=initial_state, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens)
 
-    def like(x):
+    def like(name):
+        x = arrays.get(name)
         if x is None:
             return None
         return empty_like_family(x, tuple(x.shape), "float32" if dtype_name(x) == "bfloat16" else None)
 
     grads = {
-        "dq": like(arrays["q"]), "dk": like(arrays["k"]), "dv": like(arrays["v"]), "dg": like(arrays["g"]),
-        "dbeta": like(arrays["beta"]), "dA_log": like(arrays["A_log"]), "ddt_bias": like(arrays["dt_bias"]),
-        "d_initial_state": like(arrays["initial_state"]),
+        "dq": like("q"), "dk": like("k"), "dv": like("v"), "dg": like("g"), "dbeta": like("beta"),
+        "dA_log": like("A_log"), "ddt_bias": like("dt_bias"), "d_initial_state": like("initial_state"),
     }
     opt = _lib.options(family, scale=scale, l2norm=use_qk_l2norm_in_kernel, gate_in_kernel=use_gate_in_kernel,
                        safe_gate=safe_gate, lower_bound=lower_bound, beta_sigmoid=use_beta_sigmoid_in_kernel,
                        allow_neg_eigval=allow_neg_eigval, state_layout=state_layout, backend=backend,
-                       stream=stream_of(arrays["q"]))
+                       stream=stream_of(arrays.get("q")))
     call(_lib.ChunkBwdArgs, _lib.LIB.cula_chunk_bwd, opt, {**arrays, **grads})
     return {n: x for n, x in grads.items() if x is not None}
 
