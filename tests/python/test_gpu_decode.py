@@ -333,6 +333,22 @@ def dropin_inputs(rng, family, B, T, H, HV, K, V):
     return {n: x.cuda() for n, x in d.items()}, kw
 
 
+def packed(dev):
+    """The inputs of make() as one row of tokens ([1, N T, ...], FLA's varlen layout with cu_seqlens)."""
+    return {n: (x if n in ("A_log", "dt_bias") else x.reshape(1, -1, *x.shape[2:])) for n, x in dev.items()}
+
+
+def assert_close_to_fla(label, got, want):
+    """got, want: (o, final state) from cula's drop-in and from FLA's function: equal shapes, each
+    within 5e-3 (relative L2)."""
+    (o, ht), (o_fla, ht_fla) = got, want
+    torch.cuda.synchronize()
+    e = (rel(o.float().cpu().numpy(), o_fla.float().cpu().numpy()), rel(ht.cpu().numpy(), ht_fla.cpu().numpy()))
+    print(f"{label} (o, final state):", e)
+    assert o.shape == o_fla.shape and ht.shape == ht_fla.shape
+    assert worst(e) < 5e-3
+
+
 @pytest.mark.parametrize("family", ["kda", "gdn"])
 @pytest.mark.parametrize("state_v_first", [False, True], ids=["k_first", "v_first"])
 def test_dropin_fused_recurrent_matches_fla(rng, family, state_v_first):
@@ -341,13 +357,9 @@ def test_dropin_fused_recurrent_matches_fla(rng, family, state_v_first):
     dev, kw = dropin_inputs(rng, family, B, T, H, HV, K, V)
     shape = (B, HV, V, K) if state_v_first else (B, HV, K, V)
     h0 = torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).cuda() * 0.5
-    o, ht = ours(**dev, initial_state=h0.clone(), output_final_state=True, state_v_first=state_v_first, **kw)
-    o_fla, ht_fla = theirs(**dev, initial_state=h0.clone(), output_final_state=True, state_v_first=state_v_first, **kw)
-    torch.cuda.synchronize()
-    e = (rel(o.float().cpu().numpy(), o_fla.float().cpu().numpy()), rel(ht.cpu().numpy(), ht_fla.cpu().numpy()))
-    print(f"{family} drop-in vs FLA (o, final state):", e)
-    assert o.shape == o_fla.shape and ht.shape == ht_fla.shape
-    assert worst(e) < 5e-3
+    call = dict(output_final_state=True, state_v_first=state_v_first, **dev, **kw)
+    assert_close_to_fla(f"{family} drop-in vs FLA", ours(initial_state=h0.clone(), **call),
+                        theirs(initial_state=h0.clone(), **call))
 
 
 @pytest.mark.parametrize("T", [1, 5])
@@ -357,13 +369,9 @@ def test_dropin_fused_recurrent_lightning_matches_fla(rng, T):
     q, k, v = (torch.from_numpy(rng.standard_normal(s).astype(np.float32)).to(torch.bfloat16).cuda()
                for s in ((B, T, H, K), (B, T, H, K), (B, T, H, V)))
     h0 = torch.from_numpy(rng.standard_normal((B, H, K, V)).astype(np.float32)).cuda() * 0.5
-    o, ht = ours(q, k, v, 3, 8, initial_state=h0.clone(), output_final_state=True)
-    o_fla, ht_fla = theirs(q, k, v, 3, 8, initial_state=h0.clone(), output_final_state=True)
-    torch.cuda.synchronize()
-    e = (rel(o.float().cpu().numpy(), o_fla.float().cpu().numpy()), rel(ht.cpu().numpy(), ht_fla.cpu().numpy()))
-    print(f"lightning drop-in vs FLA, T = {T} (o, final state):", e)
-    assert o.shape == o_fla.shape and ht.shape == ht_fla.shape
-    assert worst(e) < 5e-3
+    assert_close_to_fla(f"lightning drop-in vs FLA, T = {T}",
+                        ours(q, k, v, 3, 8, initial_state=h0.clone(), output_final_state=True),
+                        theirs(q, k, v, 3, 8, initial_state=h0.clone(), output_final_state=True))
 
 
 @pytest.mark.parametrize("family", ["kda", "gdn"])
@@ -374,7 +382,7 @@ def test_dropin_fused_recurrent_serves_a_pool_in_a_cuda_graph(rng, family):
     ours, theirs = dropin_pair(family)
     N, H, HV, K, V, P = 12, 2, 4, 128, 128, 30
     dev, kw = dropin_inputs(rng, family, N, 1, H, HV, K, V)
-    flat = {n: (x if n in ("A_log", "dt_bias") else x.reshape(1, N, *x.shape[2:])) for n, x in dev.items()}
+    flat = packed(dev)
     cu = torch.arange(N + 1, device="cuda", dtype=torch.int32)
     pool = (torch.from_numpy(rng.standard_normal((P, HV, V, K)).astype(np.float32)) * 0.5).to(torch.bfloat16).cuda()
     idx = torch.from_numpy(rng.permutation(P)[:N].astype(np.int32)).cuda()
@@ -418,7 +426,7 @@ def test_dropin_fused_recurrent_kda_speculative_matches_fla(rng):
     N, T, H, K, V = 6, 3, 2, 128, 128
     P = N * T + 7
     dev, kw = dropin_inputs(rng, "kda", N, T, H, H, K, V)
-    flat = {n: (x if n in ("A_log", "dt_bias") else x.reshape(1, N * T, *x.shape[2:])) for n, x in dev.items()}
+    flat = packed(dev)
     cu = torch.arange(0, N * T + 1, T, device="cuda", dtype=torch.int32)
     pool = torch.from_numpy(rng.standard_normal((P, H, V, K)).astype(np.float32)).cuda() * 0.5
     idx = torch.from_numpy(rng.permutation(P)[:N * T].reshape(N, T).astype(np.int32)).cuda()
