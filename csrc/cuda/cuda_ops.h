@@ -14,6 +14,8 @@ bool cuda_device_info(int device, std::string& out);
 int cuda_device_arch(int device);
 // Number of SMs of the device (cached); throws the CUDA error where it cannot be read.
 int cuda_sm_count(int device);
+// Shared memory a block may opt in to on the device, in bytes (cached; throws like cuda_sm_count).
+int cuda_smem_per_block(int device);
 
 // KDA gate activation on contiguous tensors of one CUDA device.
 void cuda_kda_gate(const cula_kda_gate_args& a, int64_t HV, int64_t K);

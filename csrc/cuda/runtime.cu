@@ -39,6 +39,7 @@ namespace {
 constexpr int kMaxDevices = 64;
 std::atomic<int> arch_cache[kMaxDevices];
 std::atomic<int> sm_cache[kMaxDevices];
+std::atomic<int> smem_cache[kMaxDevices];
 
 int cached_attribute(std::atomic<int>* cache, int device, int (*query)(int)) {
   if (device < 0 || device >= kMaxDevices) return query(device);
@@ -63,10 +64,19 @@ int query_sm_count(int device) {
   return n;
 }
 
+int query_smem_per_block(int device) {
+  int n = 0;
+  cuda_check(cudaDeviceGetAttribute(&n, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), "CUDA",
+             "shared memory per block");
+  return n;
+}
+
 }  // namespace
 
 int cuda_device_arch(int device) { return cached_attribute(arch_cache, device, query_arch); }
 
 int cuda_sm_count(int device) { return cached_attribute(sm_cache, device, query_sm_count); }
+
+int cuda_smem_per_block(int device) { return cached_attribute(smem_cache, device, query_smem_per_block); }
 
 }  // namespace cula

@@ -245,6 +245,18 @@ def test_mma_gla_steep_and_gentle_blocks(rng, span):
     assert max(errs) < TOL, errs
 
 
+@pytest.mark.parametrize("K,V", [(64, 64), (128, 128)])
+@pytest.mark.parametrize("family", ["simple_gla", "lightning"])
+def test_fused_eight_warp_kernel(rng, family, K, V, monkeypatch):
+    """The 8-warp fused kernel, which devices whose blocks cannot hold the warp-specialized kernel's
+    shared memory take (sm_80 at K = V = 128), forced by CULA_FUSED_8WARP: the same checks."""
+    monkeypatch.setenv("CULA_FUSED_8WARP", "1")
+    base = dict(family=family, gin=False, K=K, V=V, H=2, group=2, layout="k_first", sdt=torch.float32,
+                gdt=torch.float32, l2=True, bsig=False, lb=None, h0=True)
+    _check(rng, dict(base, seqlens=[65, 0, 1, 200, 64], B=1, T=0, inter=False))
+    _check(rng, dict(base, seqlens=None, B=2, T=257, inter=True))
+
+
 @pytest.mark.parametrize("layout", ["batch", "varlen", "slots", "short", "long"])
 @pytest.mark.parametrize("family", ["simple_gla", "lightning"])
 def test_fused_split_sequences(rng, family, layout):

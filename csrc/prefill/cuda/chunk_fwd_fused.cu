@@ -15,7 +15,10 @@
 //    Every exponent is of a difference G_i - G_j with j <= i, so no factor exceeds 1 and any decay
 //    is exact (no bound needed, unlike the per-channel engine).
 //
-// fused: 8 warps; warp w owns rows 16(w%4).. of o and channels (w%4)*K/4.. of the state, for half
+// Two fused kernels: the warp-specialized one (chunk_fused_ws_kernel below: output warps, state
+// warps, mbarriers; ~210 KB at K = 128, VB = 64) where a block can hold its shared memory, else
+// the 8-warp one (also the local pass of split sequences):
+// 8-warp fused: warp w owns rows 16(w%4).. of o and channels (w%4)*K/4.. of the state, for half
 // w/4 of the slice's columns. The warp's q rows are loaded once per chunk as A fragments and serve
 // q S and its blocks of q k^T: the blocks Jb <= w%4 of its row block are split between the two
 // warps of that row block by parity, each applied to all VB columns, the partner's half of the
@@ -30,17 +33,20 @@
 // factors only, ~65 KB, state updates only) first computes each part's own contribution from a
 // zero state and its total decay; a segment's CTA starts from S0 and folds in the parts before it
 // (S = D_j S + L_j, fp32, the same sums in another order).
-// Where the time goes (docs/NOTES.md): issue-latency bound, two warps per scheduler.
+// Where the time goes (docs/NOTES.md): issue-latency bound; the warp-specialized kernel takes the
+// state chain off the output warps' path (1.2-1.3x).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <initializer_list>
 
 #include "common/error.h"
 #include "cuda/check.cuh"
 #include "cuda/cuda_ops.h"
 #include "cuda/device_helpers.cuh"
+#include "cuda/mbarrier.cuh"
 #include "cuda/mma.cuh"
 #include "prefill/cuda/chunk_common.cuh"
 #include "prefill/cuda/chunk_fwd_mma.h"
@@ -410,6 +416,265 @@ __global__ void __launch_bounds__(kThreads, kLocal ? 3 : 1)  // the local pass: 
   }
 }
 
+// Warp-specialized fused kernel (the non-local pass; same instruction set): the state chain and
+// the outputs of a chunk run on different warps, handing buffers over through mbarriers instead
+// of stopping the block three times per chunk.
+//  warps 0-7  (output): warp w owns rows 16(w%4).. of o and half w/4 of the VB columns, as the
+//             8-warp kernel; per chunk: q k^T and A v (no state needed), then q S_c from the
+//             state ring, the partner warp's half of A v through xo (double-buffered, one pair
+//             barrier per chunk), o stored.
+//  warps 8-11 (state): warp w owns channels (w-8)*K/4.. and all VB columns of the fp32 state in
+//             registers; per chunk: S_c as bf16 into ring slot c%2 (and the intermediate state),
+//             then S = e^{G_last} S + (ks e^{G_last - G} k)^T v, the key rows scaled in registers.
+//             They also issue the copies: once every warp is done with chunk c, q, k, the v
+//             slice and the row factors of chunk c + kStages go into its stage by cp.async (rows
+//             past the sequence as zero-fill copies), the stage's full barrier completing when
+//             the copies land. (A 13th warp for the copies would cap every thread at 128 registers.)
+// mbarriers: full[stage] (128 copying threads), empty[stage] (8 output + 4 state warps),
+// sready[slot] (4 state warps), sfree[slot] (8 output warps). The output warps need S_c only after
+// their q k^T and A v, so the copies issued after chunk c ends hide behind them.
+constexpr int kWsOutWarps = 8, kWsStateWarps = 4, kWsThreads = 32 * (kWsOutWarps + kWsStateWarps);
+
+template <int K, int VB>
+struct WsLayout {
+  static constexpr int kStages = 3;
+  static constexpr int LDK = K + 8, LDV = VB + 8, LDX = VB + 8;
+  static constexpr int sQ = 0, sK = kBT * LDK * 2, sV = 2 * kBT * LDK * 2, sF = sV + kBT * LDV * 2,
+                       stage = sF + kFactorFloats * 4;
+  static constexpr int oS = kStages * stage, oX = oS + 2 * K * LDV * 2, oBar = oX + 2 * kBT * LDX * 4,
+                       bytes = oBar + 8 * (2 * kStages + 4);
+  static_assert(stage % 16 == 0 && oBar % 8 == 0, "aligned buffers");
+  static_assert(K * VB * 4 <= 2 * kBT * LDX * 4, "a state slice fits xo (the fold of a split sequence)");
+};
+
+template <int K, int VB>
+__global__ void __launch_bounds__(kWsThreads, 1)
+    chunk_fused_ws_kernel(const FwdParams p, const int32_t* __restrict__ chunk_base, const float* __restrict__ fac,
+                          const SplitState sp) {
+  using Ly = WsLayout<K, VB>;
+  constexpr int D = Ly::kStages, LDK = Ly::LDK, LDV = Ly::LDV, LDX = Ly::LDX;
+  constexpr int KS = K / 16, NT = VB / 8, NTH = NT / 2;
+  extern __shared__ __align__(16) unsigned char smem[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + Ly::oBar);
+  uint64_t *empty = full + D, *sready = full + 2 * D, *sfree = sready + 2;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const chunk::SliceTask tk = chunk::slice_task<VB>(p, chunk_base);
+  const int n = tk.n, hv = tk.hv, v0 = tk.v0, nchunks = tk.nchunks;
+  const Seq sq = tk.sq;
+  const int64_t cbase = tk.cbase;
+  const int h = hv / (p.HV / p.H);
+  const int nvb = p.V / VB, vs = v0 / VB;
+  const int parts = sp.nseg * sp.nsub, part_len = (nchunks + parts - 1) / parts;
+  const int y = static_cast<int>(blockIdx.y), first_part = y * sp.nsub;
+  const int c_begin = min(first_part * part_len, nchunks), c_end = min(c_begin + sp.nsub * part_len, nchunks);
+  const bool last_segment = y == sp.nseg - 1;
+  if (sp.nseg > 1 && c_begin == c_end && !last_segment) return;
+  const int nloc = c_end - c_begin;
+  if (tid == 0) {
+    for (int s = 0; s < D; ++s) mbar::init(&full[s], 32 * kWsStateWarps), mbar::init(&empty[s], kWsOutWarps + kWsStateWarps);
+    for (int s = 0; s < 2; ++s) mbar::init(&sready[s], kWsStateWarps), mbar::init(&sfree[s], kWsOutWarps);
+  }
+  __syncthreads();
+  auto stage_at = [&](int i) { return smem + (i % D) * Ly::stage; };
+  auto ring_at = [&](int i) { return reinterpret_cast<bf16*>(smem + Ly::oS) + (i & 1) * K * LDV; };
+
+  if (warp >= kWsOutWarps) {
+    // state chain and copies
+    const int ts = tid - 32 * kWsOutWarps;
+    using CopyK = chunk::TileCopy<kBT, K, 32 * kWsStateWarps>;
+    using CopyV = chunk::TileCopy<kBT, VB, 32 * kWsStateWarps>;
+    const CopyK ck(ts);
+    const CopyV cv(ts);
+    const bf16* q_in = static_cast<const bf16*>(p.q) + sq.b_row * p.q_s[0] + sq.bos * p.q_s[1] + h * p.q_s[2] + ck.c8;
+    const bf16* k_in = static_cast<const bf16*>(p.k) + sq.b_row * p.k_s[0] + sq.bos * p.k_s[1] + h * p.k_s[2] + ck.c8;
+    const bf16* v_in =
+        static_cast<const bf16*>(p.v) + sq.b_row * p.v_s[0] + sq.bos * p.v_s[1] + hv * p.v_s[2] + v0 + cv.c8;
+    // Chunk c_begin + i into stage i % D; the stage's full barrier completes when the copies land.
+    auto produce = [&](int i) {
+      const int c = c_begin + i;
+      const int64_t t0 = static_cast<int64_t>(c) * kBT;  // from the sequence start
+      const int Lc = static_cast<int>(min(int64_t{kBT}, sq.eos - sq.bos - t0));
+      const uint32_t dst = mma::smem_addr(stage_at(i));
+#pragma unroll
+      for (int j = 0; j < CopyK::J; ++j) {
+        const int r = ck.row(j);
+        const bool in = r < Lc;
+        const int64_t row = t0 + (in ? r : 0);
+        const uint32_t off = (r * LDK + ck.c8) * 2;
+        mma::cp_async16_or_zero(dst + Ly::sQ + off, q_in + row * p.q_s[1], in);
+        mma::cp_async16_or_zero(dst + Ly::sK + off, k_in + row * p.k_s[1], in);
+      }
+#pragma unroll
+      for (int j = 0; j < CopyV::J; ++j) {
+        const int r = cv.row(j);
+        const bool in = r < Lc;
+        mma::cp_async16_or_zero(dst + Ly::sV + (r * LDV + cv.c8) * 2, v_in + (t0 + (in ? r : 0)) * p.v_s[1], in);
+      }
+      const float* f = fac + ((cbase + c) * p.HV + hv) * kFactorFloats;
+      if (ts < kFactorFloats / 4) mma::cp_async16(dst + Ly::sF + ts * 16, f + ts * 4);
+      mbar::arrive_on_copies(&full[i % D]);
+    };
+    for (int i = 0; i < min(D, nloc); ++i) produce(i);
+
+    StateSlice<K, VB, kWsStateWarps> S(warp - kWsOutWarps, lane, v0);
+    const int64_t slot = StateSlice<K, VB>::pool_slot(p, n);
+    const int64_t slice_floats = int64_t{K} * VB, head_slice = static_cast<int64_t>(hv) * nvb + vs;
+    if (sp.nseg == 1) {
+      S.load(p, n, hv, slot);
+    } else {
+      const int local_parts = (sp.nseg - 1) * sp.nsub;
+      // S0 and the parts before this segment, folded in their saved order (the local pass's 8-warp
+      // register order) into xo, which the output warps use only once S_c is in the ring
+      float4* fold = reinterpret_cast<float4*>(smem + Ly::oX);
+      const float4* s0 =
+          reinterpret_cast<const float4*>(sp.s0 + (static_cast<int64_t>(n) * p.HV * nvb + head_slice) * slice_floats);
+      for (int e = ts; e < K * VB / 4; e += 32 * kWsStateWarps) {
+        float4 x = s0[e];
+        for (int j = 0; j < first_part; ++j) {
+          const int64_t nj = static_cast<int64_t>(n) * local_parts + j;
+          const float d = sp.dec[nj * p.HV + hv];
+          const float4 l = reinterpret_cast<const float4*>(sp.loc + (nj * p.HV * nvb + head_slice) * slice_floats)[e];
+          x = make_float4(d * x.x + l.x, d * x.y + l.y, d * x.z + l.z, d * x.w + l.w);
+        }
+        fold[e] = x;
+      }
+      mbar::named_sync(5, 32 * kWsStateWarps);
+      S.template load_saved_from<8>(reinterpret_cast<const float*>(fold));
+    }
+    for (int i = 0; i < nloc; ++i) {
+      if (i >= 2) mbar::wait(&sfree[i & 1], ((i >> 1) - 1) & 1);
+      S.to_smem(ring_at(i), LDV);
+      if (p.inter) S.store(p, p.inter, p.inter_dt, cbase + c_begin + i, hv);
+      __syncwarp();
+      if (lane == 0) mbar::arrive(&sready[i & 1]);
+      mbar::wait(&full[i % D], (i / D) & 1);
+      const unsigned char* base = stage_at(i);
+      const float* F = reinterpret_cast<const float*>(base + Ly::sF);
+      S.update_token_scaled(reinterpret_cast<const bf16*>(base + Ly::sK), LDK, reinterpret_cast<const bf16*>(base + Ly::sV),
+                            LDV, F[kFL], F + kFV, lane);
+      __syncwarp();
+      if (lane == 0) mbar::arrive(&empty[i % D]);
+      if (i + D < nloc) {
+        mbar::wait(&empty[i % D], (i / D) & 1);  // every warp done with chunk i
+        produce(i + D);
+      }
+    }
+    if (last_segment) {
+      if (p.ht) S.store(p, p.ht, p.ht_dt, n, hv);
+      if (slot >= 0) S.store(p, p.pool, p.pool_dt, slot, hv);
+    }
+  } else {
+    // outputs
+    const int I = warp & 3, bI = 16 * I, hw = warp >> 2, hc0 = hw * (VB / 2);
+    bf16* og = static_cast<bf16*>(p.out);
+    for (int i = 0; i < nloc; ++i) {
+      const int c = c_begin + i;
+      const int64_t t0 = sq.bos + static_cast<int64_t>(c) * kBT;
+      const int Lc = static_cast<int>(min(int64_t{kBT}, sq.eos - t0));
+      mbar::wait(&full[i % D], (i / D) & 1);
+      const unsigned char* base = stage_at(i);
+      const bf16* q_s = reinterpret_cast<const bf16*>(base + Ly::sQ);
+      const bf16* k_s = reinterpret_cast<const bf16*>(base + Ly::sK);
+      const bf16* v_s = reinterpret_cast<const bf16*>(base + Ly::sV);
+      const float* F = reinterpret_cast<const float*>(base + Ly::sF);
+
+      uint32_t qf[KS][4];
+#pragma unroll
+      for (int kk = 0; kk < KS; ++kk) mma::ldsm_x4(qf[kk], q_s + (bI + mma::a_row(lane)) * LDK + 16 * kk + mma::a_col(lane));
+      float gi[2], qi[2];
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) gi[hh] = F[kFG + bI + g + 8 * hh], qi[hh] = F[kFQS + bI + g + 8 * hh];
+
+      // A v over the blocks Jb <= I of parity hw, for all VB columns (as the 8-warp kernel)
+      float ox[NT][4] = {};
+#pragma unroll
+      for (int Jb = 0; Jb < 4; ++Jb) {
+        if (Jb > I || (Jb & 1) != hw) continue;
+        float a[2][4] = {}, a2[2][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk) {
+          uint32_t b[4];
+          mma::ldsm_x4(b, k_s + (16 * Jb + mma::bn_row(lane)) * LDK + 16 * kk + mma::bn_col(lane));
+          mma::mma16816((kk & 1) ? a2[0] : a[0], qf[kk], b[0], b[1]);
+          mma::mma16816((kk & 1) ? a2[1] : a[1], qf[kk], b[2], b[3]);
+        }
+        uint32_t ahi[4], alo[4];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const int j = 16 * Jb + nt * 8 + 2 * t;
+          const float2 pj = *reinterpret_cast<const float2*>(F + kFP + j);
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int i_row = bI + g + 8 * hh;
+            const float x0 = j <= i_row ? (a[nt][2 * hh] + a2[nt][2 * hh]) * qi[hh] * __expf(gi[hh] - pj.x) : 0.0f;
+            const float x1 =
+                j + 1 <= i_row ? (a[nt][2 * hh + 1] + a2[nt][2 * hh + 1]) * qi[hh] * __expf(gi[hh] - pj.y) : 0.0f;
+            const uint32_t hi = pack(x0, x1);
+            const float2 h2 = unpack(hi);
+            ahi[2 * nt + hh] = hi;
+            alo[2 * nt + hh] = pack(x0 - h2.x, x1 - h2.y);
+          }
+        }
+#pragma unroll
+        for (int np = 0; np < NT / 2; ++np) {
+          uint32_t b[4];
+          mma::ldsm_x4_t(b, v_s + (16 * Jb + mma::bk_row(lane)) * LDV + 16 * np + mma::bk_col(lane));
+          mma::mma16816(ox[2 * np], ahi, b[0], b[1]);
+          mma::mma16816(ox[2 * np + 1], ahi, b[2], b[3]);
+          mma::mma16816(ox[2 * np], alo, b[0], b[1]);
+          mma::mma16816(ox[2 * np + 1], alo, b[2], b[3]);
+        }
+      }
+
+      // o = qs_i e^{G_i} (q_i S_c)
+      mbar::wait(&sready[i & 1], (i >> 1) & 1);
+      const bf16* s_s = ring_at(i);
+      float o[NTH][4] = {};
+#pragma unroll
+      for (int kk = 0; kk < KS; ++kk)
+#pragma unroll
+        for (int np = 0; np < NTH / 2; ++np) {
+          uint32_t b[4];
+          mma::ldsm_x4_t(b, s_s + (16 * kk + mma::bk_row(lane)) * LDV + hc0 + 16 * np + mma::bk_col(lane));
+          mma::mma16816(o[2 * np], qf[kk], b[0], b[1]);
+          mma::mma16816(o[2 * np + 1], qf[kk], b[2], b[3]);
+        }
+      float fo[2];
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) fo[hh] = F[kFO + bI + g + 8 * hh];
+      __syncwarp();
+      if (lane == 0) mbar::arrive(&sfree[i & 1]), mbar::arrive(&empty[i % D]);
+
+      // own half into o, the partner's half through xo
+      float* xo_s = reinterpret_cast<float*>(smem + Ly::oX) + (i & 1) * kBT * LDX;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        if (nt / NTH == hw) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) o[nt % NTH][r] = o[nt % NTH][r] * fo[r >> 1] + ox[nt][r];
+        } else {
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh)
+            *reinterpret_cast<float2*>(xo_s + (bI + g + 8 * hh) * LDX + nt * 8 + 2 * t) =
+                make_float2(ox[nt][2 * hh], ox[nt][2 * hh + 1]);
+        }
+      }
+      mbar::named_sync(1 + I, 64);  // warps I and I + 4: the partner's half written
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int row = bI + g + 8 * hh;
+        bf16* dst = og + sq.b_row * p.out_s[0] + (t0 + row) * p.out_s[1] + hv * p.out_s[2] + v0 + hc0 + 2 * t;
+#pragma unroll
+        for (int nt = 0; nt < NTH; ++nt) {
+          const float2 x = *reinterpret_cast<const float2*>(xo_s + row * LDX + hc0 + nt * 8 + 2 * t);
+          if (row < Lc) u32at(dst + nt * 8) = pack(o[nt][2 * hh] + x.x, o[nt][2 * hh + 1] + x.y);
+        }
+      }
+    }
+  }
+}
+
 template <int K, int VB>
 void run(const Recurrence& r, const FwdParams& p, int nseg, int nsub, int device, cudaStream_t stream) {
   const int64_t max_chunks = chunk::max_chunks(p), base_bytes = chunk::base_bytes(p);
@@ -445,10 +710,17 @@ void run(const Recurrence& r, const FwdParams& p, int nseg, int nsub, int device
              FusedLayout<K, VB, true>::bytes, stream>>>(p, chunk_base, fac, sp);
     }
   }
-  chunk::allow_smem(chunk_fused_kernel<K, VB, false>, FusedLayout<K, VB, false>::bytes);
-  chunk_fused_kernel<K, VB, false>
-      <<<dim3(static_cast<unsigned>(fused_blocks), static_cast<unsigned>(nseg)), kThreads,
-         FusedLayout<K, VB, false>::bytes, stream>>>(p, chunk_base, fac, sp);
+  // CULA_FUSED_8WARP set: the 8-warp kernel on any device (tests of the path small devices take)
+  if (WsLayout<K, VB>::bytes <= cuda_smem_per_block(device) && !std::getenv("CULA_FUSED_8WARP")) {
+    chunk::allow_smem(chunk_fused_ws_kernel<K, VB>, WsLayout<K, VB>::bytes);
+    chunk_fused_ws_kernel<K, VB><<<dim3(static_cast<unsigned>(fused_blocks), static_cast<unsigned>(nseg)), kWsThreads,
+                                   WsLayout<K, VB>::bytes, stream>>>(p, chunk_base, fac, sp);
+  } else {  // e.g. K = 128, VB = 64 on sm_80 (164 KB): the 8-warp kernel
+    chunk::allow_smem(chunk_fused_kernel<K, VB, false>, FusedLayout<K, VB, false>::bytes);
+    chunk_fused_kernel<K, VB, false>
+        <<<dim3(static_cast<unsigned>(fused_blocks), static_cast<unsigned>(nseg)), kThreads,
+           FusedLayout<K, VB, false>::bytes, stream>>>(p, chunk_base, fac, sp);
+  }
   const cudaError_t launched = cudaGetLastError();
   chunk::check(cudaFreeAsync(ws, stream), "workspace release");
   chunk::check(launched, "kernel launch");

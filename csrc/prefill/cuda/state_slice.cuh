@@ -1,9 +1,10 @@
 // The state slice that each warp of the chunk-walking kernels (chunk_scan_kernel in
 // chunk_fwd_mma.cu, chunk_fused_kernel in chunk_fwd_fused.cu) keeps in registers for a whole
-// sequence. Both use 8 warps over a (K x VB) slice of one head's state: warp w owns channels
-// (w%4)*K/4.. and half w/4 of the VB columns. Element (mt, nt, r) is channel
-// cw + mt*16 + g + 8(r>>1), column v0 + hc0 + nt*8 + 2t + (r&1): the C-fragment layout of the
-// state update's mma, so the slice never leaves registers between chunks.
+// sequence. With kWarps = 8 (the scan and the sm_80 fused kernel) warp w owns channels
+// (w%4)*K/4.. and half w/4 of the VB columns; with kWarps = 4 (the state warps of the
+// warp-specialized fused kernel) warp w owns channels w*K/4.. and all VB columns. Element
+// (mt, nt, r) is channel cw + mt*16 + g + 8(r>>1), column v0 + hc0 + nt*8 + 2t + (r&1): the
+// C-fragment layout of the state update's mma, so the slice never leaves registers between chunks.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -16,15 +17,17 @@
 
 namespace cula {
 
-template <int K, int VB>
+template <int K, int VB, int kWarps = 8>
 struct StateSlice {
-  static constexpr int MT = K / 64;   // 16-channel tiles per warp
-  static constexpr int NTH = VB / 16;  // 8-column tiles per warp
+  static_assert(kWarps == 4 || kWarps == 8, "4 warps over the channels, times 1 or 2 column halves");
+  static constexpr int WH = kWarps / 4;       // column groups
+  static constexpr int MT = K / 64;           // 16-channel tiles per warp
+  static constexpr int NTH = VB / (8 * WH);   // 8-column tiles per warp
   float s[MT][NTH][4];
   int cw, hc0, v0, g, t;
 
   __device__ StateSlice(int warp, int lane, int v0_)
-      : cw((warp & 3) * (K / 4)), hc0((warp >> 2) * (VB / 2)), v0(v0_), g(lane >> 2), t(lane & 3) {}
+      : cw((warp & 3) * (K / 4)), hc0((warp >> 2) * (VB / WH)), v0(v0_), g(lane >> 2), t(lane & 3) {}
 
   __device__ int channel(int mt, int r) const { return cw + mt * 16 + g + 8 * (r >> 1); }
   __device__ int column(int nt, int r) const { return v0 + hc0 + nt * 8 + 2 * t + (r & 1); }
@@ -52,9 +55,9 @@ struct StateSlice {
         }
   }
 
-  // The slice in its register order, as float4s laid out thread-major (coalesced) for the 256
-  // threads of the CTA: K x VB floats at base (partial states of a split sequence).
-  static constexpr int kThreads = 256;
+  // The slice in its register order, as float4s laid out thread-major (coalesced) for the
+  // kThreads threads that hold it: K x VB floats at base (partial states of a split sequence).
+  static constexpr int kThreads = 32 * kWarps;
   __device__ void save(float* base, int tid) const {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -78,6 +81,25 @@ struct StateSlice {
         s[mt][nt][2] = d * s[mt][nt][2] + x.z, s[mt][nt][3] = d * s[mt][nt][3] + x.w;
       }
   }
+  // Where a slice saved by StateSlice<K, VB, W> keeps channel c, column v0 + j (a float index).
+  template <int W>
+  static __device__ int saved_pos(int c, int j) {
+    using From = StateSlice<K, VB, W>;
+    const int w = c / (K / 4) + 4 * (j / (VB / From::WH)), cc = c % (K / 4), jj = j % (VB / From::WH);
+    const int lane = 4 * (cc % 8) + (jj % 8) / 2, r = 2 * ((cc % 16) / 8) + (jj % 2);
+    return (((cc / 16) * From::NTH + jj / 8) * From::kThreads + 32 * w + lane) * 4 + r;
+  }
+  // S = the slice that StateSlice<K, VB, W> saved, read from a copy of it in shared memory.
+  template <int W>
+  __device__ void load_saved_from(const float* saved) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NTH; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) s[mt][nt][r] = saved[saved_pos<W>(channel(mt, r), column(nt, r) - v0)];
+  }
+
   __device__ void zero() {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -89,12 +111,17 @@ struct StateSlice {
 
   // Writes the slice as state row `row` of dst (intermediate, final or pool states).
   __device__ void store(const FwdParams& p, void* dst, int dt, int64_t row, int hv) const {
+    const int64_t base = state_elem(p, row, hv, 0, 0);
+    int sj = p.k_last ? p.K : 1, sc = p.k_last ? 1 : p.V;  // strides of a column and a channel
+    // Opaque per call: inside a chunk loop the compiler would otherwise keep every element's offset
+    // live across the loop (registers the warp-specialized state warps do not have).
+    asm volatile("" : "+r"(sj), "+r"(sc));
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int nt = 0; nt < NTH; ++nt)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) dev::st(dst, dt, state_elem(p, row, hv, column(nt, r), channel(mt, r)), s[mt][nt][r]);
+        for (int r = 0; r < 4; ++r) dev::st(dst, dt, base + channel(mt, r) * sc + column(nt, r) * sj, s[mt][nt][r]);
   }
 
   // bf16 copy for the products of the chunk: s_s[channel][column - v0], leading dimension ld.
@@ -107,6 +134,46 @@ struct StateSlice {
         for (int hh = 0; hh < 2; ++hh)
           *reinterpret_cast<uint32_t*>(s_s + (cw + mt * 16 + g + 8 * hh) * ld + hc0 + nt * 8 + 2 * t) =
               mma::pack(s[mt][nt][2 * hh], s[mt][nt][2 * hh + 1]);
+  }
+
+  // S = d S + (diag(f) A)^T B over the 64 tokens of a chunk, A stored [token][channel] (lda), B
+  // stored [token][column - v0] (ldb): token j's row of A scaled by f[j] in registers (no scaled
+  // copy in shared memory); each B fragment loaded once for all of the warp's channel tiles.
+  __device__ void update_token_scaled(const __nv_bfloat16* a_s, int lda, const __nv_bfloat16* b_s, int ldb, float d,
+                                      const float* f, int lane) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NTH; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) s[mt][nt][r] *= d;
+#pragma unroll
+    for (int kj = 0; kj < 4; ++kj) {
+      // a0, a1 hold tokens 16kj + 2t, +1; a2, a3 tokens 16kj + 2t + 8, +9
+      const float2 f0 = *reinterpret_cast<const float2*>(f + 16 * kj + 2 * t);
+      const float2 f8 = *reinterpret_cast<const float2*>(f + 16 * kj + 2 * t + 8);
+      uint32_t a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        mma::ldsm_x4_t(a[mt], a_s + (16 * kj + mma::at_row(lane)) * lda + cw + mt * 16 + mma::at_col(lane));
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const float2 x = mma::unpack(a[mt][r]);
+          const float2 s2 = r < 2 ? f0 : f8;
+          a[mt][r] = mma::pack(x.x * s2.x, x.y * s2.y);
+        }
+      }
+#pragma unroll
+      for (int np = 0; np < NTH / 2; ++np) {
+        uint32_t b[4];
+        mma::ldsm_x4_t(b, b_s + (16 * kj + mma::bk_row(lane)) * ldb + hc0 + 16 * np + mma::bk_col(lane));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma::mma16816(s[mt][2 * np], a[mt], b[0], b[1]);
+          mma::mma16816(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+        }
+      }
+    }
   }
 
   // S = diag(decay) S + A^T B over the 64 tokens of a chunk: A stored [token][channel] (k side,
