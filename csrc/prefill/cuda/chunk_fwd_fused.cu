@@ -420,7 +420,8 @@ __global__ void __launch_bounds__(kThreads, kLocal ? 3 : 1)  // the local pass: 
 // the outputs of a chunk run on different warps, handing buffers over through mbarriers instead
 // of stopping the block three times per chunk.
 //  warps 0-7  (output): warp w owns rows 16(w%4).. of o and half w/4 of the VB columns, as the
-//             8-warp kernel; per chunk: q k^T and A v (no state needed), then q S_c from the
+//             8-warp kernel; per chunk: q k^T and A v (A in one bf16 plane, as FLA keeps it;
+//             the 8-warp kernel's hi + lo planes cost twice the A v products), then q S_c from the
 //             state ring, the partner warp's half of A v through xo (double-buffered, one pair
 //             barrier per chunk), o stored.
 //  warps 8-11 (state): warp w owns channels (w-8)*K/4.. and all VB columns of the fp32 state in
@@ -599,7 +600,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
           mma::mma16816((kk & 1) ? a2[0] : a[0], qf[kk], b[0], b[1]);
           mma::mma16816((kk & 1) ? a2[1] : a[1], qf[kk], b[2], b[3]);
         }
-        uint32_t ahi[4], alo[4];
+        // A in one bf16 plane (as FLA's chunk_simple_gla; the 8-warp kernel keeps hi + lo)
+        uint32_t af[4];
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
           const int j = 16 * Jb + nt * 8 + 2 * t;
@@ -610,20 +612,15 @@ __global__ void __launch_bounds__(kWsThreads, 1)
             const float x0 = j <= i_row ? (a[nt][2 * hh] + a2[nt][2 * hh]) * qi[hh] * __expf(gi[hh] - pj.x) : 0.0f;
             const float x1 =
                 j + 1 <= i_row ? (a[nt][2 * hh + 1] + a2[nt][2 * hh + 1]) * qi[hh] * __expf(gi[hh] - pj.y) : 0.0f;
-            const uint32_t hi = pack(x0, x1);
-            const float2 h2 = unpack(hi);
-            ahi[2 * nt + hh] = hi;
-            alo[2 * nt + hh] = pack(x0 - h2.x, x1 - h2.y);
+            af[2 * nt + hh] = pack(x0, x1);
           }
         }
 #pragma unroll
         for (int np = 0; np < NT / 2; ++np) {
           uint32_t b[4];
           mma::ldsm_x4_t(b, v_s + (16 * Jb + mma::bk_row(lane)) * LDV + 16 * np + mma::bk_col(lane));
-          mma::mma16816(ox[2 * np], ahi, b[0], b[1]);
-          mma::mma16816(ox[2 * np + 1], ahi, b[2], b[3]);
-          mma::mma16816(ox[2 * np], alo, b[0], b[1]);
-          mma::mma16816(ox[2 * np + 1], alo, b[2], b[3]);
+          mma::mma16816(ox[2 * np], af, b[0], b[1]);
+          mma::mma16816(ox[2 * np + 1], af, b[2], b[3]);
         }
       }
 
