@@ -18,8 +18,9 @@
 //    Kd = k e^{G_last - G} (bf16), tril(A_qk) as bf16 hi + lo (it scales whole rows of o, so it
 //    keeps ~16 bits) and e^{G_last} (fp32): 80.5 KB for K = V = 128.
 //    GDN (scalar gate): no Qg, Kd (their factors are per row): the row factors qs e^{G_i} and
-//    ks e^{G_last - G_i} instead, 49 KB; the scan reads q and k from the input.
-//    GLA (no delta rule, no bound): only A_qk, Qg, Kd and e^{G_last} (48.5 KB). Off the diagonal
+//    ks e^{G_last - G_i} instead, and tril(A_qk) in one bf16 plane (as FLA keeps it), 41 KB; the
+//    scan reads q and k from the input.
+//    GLA (no delta rule, no bound): only A_qk (one plane), Qg, Kd and e^{G_last} (40.5 KB). Off the diagonal
 //    the right operand goes through the end of its own block, Kt_j = k_j e^{G_eJ - G_j}, and the
 //    left through E'_IJ = e^{G_bI - G_eJ}: all three factors <= 1 for any decay. Diagonal blocks
 //    take the same Kt against Ql e^{G_bI - G_eI} (a per-channel factor >= 1); where some channel
@@ -97,8 +98,10 @@ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 template <int K, int V, bool DELTA, bool RAWQK>
 struct Work {
   static constexpr int QK = RAWQK ? 0 : kBT * K * 2;
+  // tril(A_qk) as bf16 hi + lo planes for KDA; one bf16 plane for GDN and GLA (as FLA keeps A)
+  static constexpr int kAPlanes = DELTA && !RAWQK ? 2 : 1;
   static constexpr int oW = 0, oQ = oW + (DELTA ? kBT * K * 2 : 0), oKd = oQ + QK, oA = oKd + QK,
-                       oU = oA + 2 * kBT * kBT * 2, oDL = oU + (DELTA ? kBT * V * 2 : 0), oRF = oDL + K * 4,
+                       oU = oA + kAPlanes * kBT * kBT * 2, oDL = oU + (DELTA ? kBT * V * 2 : 0), oRF = oDL + K * 4,
                        bytes = oRF + (RAWQK ? 2 * kBT * 4 : 0);
   static_assert(bytes % 16 == 0, "16-byte aligned blocks");
 };
@@ -135,7 +138,7 @@ template <int K, int VB, bool DELTA, bool RAWQK>
 struct ScanLayout {
   static constexpr int LDK = K + 8, LDV = VB + 8, LDT = kBT + 8;
   static constexpr int sW = 0, sQ = sW + (DELTA ? kBT * LDK * 2 : 0), sKd = sQ + kBT * LDK * 2, sA = sKd + kBT * LDK * 2,
-                       sU = sA + 2 * kBT * LDT * 2, sDL = sU + kBT * LDV * 2, sRF = sDL + K * 4,
+                       sU = sA + (DELTA && !RAWQK ? 2 : 1) * kBT * LDT * 2, sDL = sU + kBT * LDV * 2, sRF = sDL + K * 4,
                        stage = sRF + (RAWQK ? 2 * kBT * 4 : 0);
   static constexpr int oS = 2 * stage, oVN = oS + K * LDV * 2, oVD = oVN + (DELTA ? kBT * LDV * 2 : 0),
                        bytes = oVD + (RAWQK ? kBT * LDV * 2 : 0);
@@ -663,8 +666,8 @@ __global__ void __launch_bounds__(kThreads, DELTA ? 3 : 4)
           const float a1 = gj + 1 > gi ? 0.0f : gj + 1 == gi ? qk_s[gi] : aqk[q][nt][2 * hh + 1];
           const uint32_t hi = pack(a0, a1);
           const float2 h2 = unpack(hi);
-          u32at(aqo + gi * kBT + gj) = hi;  // hi + lo carries A_qk to ~16 bits: it scales whole rows of o
-          u32at(aqo + kBT * kBT + gi * kBT + gj) = pack(a0 - h2.x, a1 - h2.y);
+          u32at(aqo + gi * kBT + gj) = hi;  // KDA: hi + lo carries A_qk to ~16 bits
+          if (Wk::kAPlanes == 2) u32at(aqo + kBT * kBT + gi * kBT + gj) = pack(a0 - h2.x, a1 - h2.y);
           if (DELTA) {
             const float b = beta_s[gi];
             m_s[gi * MS + gj] = gj < gi ? b * akk[q][nt][2 * hh] : (gj == gi ? 1.0f : 0.0f);
@@ -680,7 +683,7 @@ __global__ void __launch_bounds__(kThreads, DELTA ? 3 : 4)
 #pragma unroll
           for (int nt = 0; nt < 2; ++nt) {
             u32at(aqo + (bI + g + 8 * hh) * kBT + 16 * J + nt * 8 + 2 * t) = 0u;
-            u32at(aqo + kBT * kBT + (bI + g + 8 * hh) * kBT + 16 * J + nt * 8 + 2 * t) = 0u;
+            if (Wk::kAPlanes == 2) u32at(aqo + kBT * kBT + (bI + g + 8 * hh) * kBT + 16 * J + nt * 8 + 2 * t) = 0u;
           }
   }
 
@@ -837,7 +840,7 @@ __global__ void __launch_bounds__(kScanThreads, 1)
   // commit group past the end).
   constexpr int kMats = DELTA ? 3 : 2;  // (W,) Qg, Kd
   using CopyK = chunk::TileCopy<kBT, K, kScanThreads>;       // W, Qg, Kd
-  using CopyA = chunk::TileCopy<2 * kBT, kBT, kScanThreads>;  // A_qk hi and lo planes
+  using CopyA = chunk::TileCopy<Wk::kAPlanes * kBT, kBT, kScanThreads>;  // A_qk (hi and lo planes)
   using CopyV = chunk::TileCopy<kBT, VB, kScanThreads>;       // U or v slice
   const CopyK ck(tid);
   const CopyA ca(tid);
@@ -879,7 +882,7 @@ __global__ void __launch_bounds__(kScanThreads, 1)
         }
       }
 #pragma unroll
-      for (int j = 0; j < CopyA::J; ++j)  // rows 64..127: the lo plane
+      for (int j = 0; j < CopyA::J; ++j)  // rows 64..127: the lo plane (KDA)
         mma::cp_async16(dst + Ly::sA + (ca.row(j) * LDT + ca.c8) * 2, blk + Wk::oA + (ca.row(j) * kBT + ca.c8) * 2);
 #pragma unroll
       for (int j = 0; j < CopyV::J; ++j) {
@@ -977,15 +980,18 @@ __global__ void __launch_bounds__(kScanThreads, 1)
       if (Jb > I) continue;
       uint32_t a[4], alo[4];
       mma::ldsm_x4(a, a_s + (bI + mma::a_row(lane)) * LDT + 16 * Jb + mma::a_col(lane));
-      mma::ldsm_x4(alo, a_s + (kBT + bI + mma::a_row(lane)) * LDT + 16 * Jb + mma::a_col(lane));
+      if constexpr (Wk::kAPlanes == 2)
+        mma::ldsm_x4(alo, a_s + (kBT + bI + mma::a_row(lane)) * LDT + 16 * Jb + mma::a_col(lane));
 #pragma unroll
       for (int np = 0; np < NTH / 2; ++np) {
         uint32_t b[4];
         mma::ldsm_x4_t(b, vsrc + (16 * Jb + mma::bk_row(lane)) * LDV + hc0 + 16 * np + mma::bk_col(lane));
         mma::mma16816(o[2 * np], a, b[0], b[1]);
         mma::mma16816(o[2 * np + 1], a, b[2], b[3]);
-        mma::mma16816(o[2 * np], alo, b[0], b[1]);
-        mma::mma16816(o[2 * np + 1], alo, b[2], b[3]);
+        if constexpr (Wk::kAPlanes == 2) {
+          mma::mma16816(o[2 * np], alo, b[0], b[1]);
+          mma::mma16816(o[2 * np + 1], alo, b[2], b[3]);
+        }
       }
     }
 #pragma unroll
