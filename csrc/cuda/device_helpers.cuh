@@ -55,6 +55,16 @@ __device__ __forceinline__ float activate_gate(float x, float eA, bool has_lb, f
 // NaN; NaN stays NaN).
 __device__ __forceinline__ float chunk_log_decay(float a) { return a < kMinChunkLogDecay ? kMinChunkLogDecay : a; }
 
+// keep ? p e^{arg} : 0 without a branch: the exponential is computed for every pair (clamped, so a
+// masked pair cannot overflow it) and the mask is a select. A branch around each exponential made
+// every one a divergent region of its own, one MUFU latency after another.
+__device__ __forceinline__ float masked_exp_scale(bool keep, float p, float arg) {
+  float e;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(fminf(arg, 80.0f) * 1.4426950408889634f));
+  const float x = p * e;
+  return keep ? x : 0.0f;
+}
+
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);

@@ -354,8 +354,8 @@ __global__ void __launch_bounds__(kThreads, kLocal ? 3 : 1)  // the local pass: 
 #pragma unroll
           for (int hh = 0; hh < 2; ++hh) {
             const int i = bI + g + 8 * hh;
-            const float x0 = j <= i ? (a[nt][2 * hh] + a2[nt][2 * hh]) * qi[hh] * __expf(gi[hh] - pj.x) : 0.0f;
-            const float x1 = j + 1 <= i ? (a[nt][2 * hh + 1] + a2[nt][2 * hh + 1]) * qi[hh] * __expf(gi[hh] - pj.y) : 0.0f;
+            const float x0 = dev::masked_exp_scale(j <= i, (a[nt][2 * hh] + a2[nt][2 * hh]) * qi[hh], gi[hh] - pj.x);
+            const float x1 = dev::masked_exp_scale(j + 1 <= i, (a[nt][2 * hh + 1] + a2[nt][2 * hh + 1]) * qi[hh], gi[hh] - pj.y);
             const uint32_t hi = pack(x0, x1);
             const float2 h2 = unpack(hi);
             ahi[2 * nt + hh] = hi;  // fragment a0..a3 = (row g, k lo), (row g+8, k lo), (row g, k hi), (row g+8, k hi)
@@ -609,9 +609,9 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 #pragma unroll
           for (int hh = 0; hh < 2; ++hh) {
             const int i_row = bI + g + 8 * hh;
-            const float x0 = j <= i_row ? (a[nt][2 * hh] + a2[nt][2 * hh]) * qi[hh] * __expf(gi[hh] - pj.x) : 0.0f;
+            const float x0 = dev::masked_exp_scale(j <= i_row, (a[nt][2 * hh] + a2[nt][2 * hh]) * qi[hh], gi[hh] - pj.x);
             const float x1 =
-                j + 1 <= i_row ? (a[nt][2 * hh + 1] + a2[nt][2 * hh + 1]) * qi[hh] * __expf(gi[hh] - pj.y) : 0.0f;
+                dev::masked_exp_scale(j + 1 <= i_row, (a[nt][2 * hh + 1] + a2[nt][2 * hh + 1]) * qi[hh], gi[hh] - pj.y);
             af[2 * nt + hh] = pack(x0, x1);
           }
         }

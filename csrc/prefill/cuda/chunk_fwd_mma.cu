@@ -657,8 +657,8 @@ __global__ void __launch_bounds__(kThreads, DELTA ? 3 : 4)
           const int gi = 16 * Ib + g + 8 * hh, gj = 16 * Jb + nt * 8 + 2 * t;
           if (SCALAR) {  // e^{G_i - G_j} <= 1 for j <= i, with the row factors of q_i, k_i, k_j
             const float gri = grow_s[gi];
-            const float e0 = gj <= gi ? ksc_s[gj] * __expf(gri - grow_s[gj]) : 0.0f;
-            const float e1 = gj + 1 <= gi ? ksc_s[gj + 1] * __expf(gri - grow_s[gj + 1]) : 0.0f;
+            const float e0 = dev::masked_exp_scale(gj <= gi, ksc_s[gj], gri - grow_s[gj]);
+            const float e1 = dev::masked_exp_scale(gj + 1 <= gi, ksc_s[gj + 1], gri - grow_s[gj + 1]);
             aqk[q][nt][2 * hh] *= qsc_s[gi] * e0, aqk[q][nt][2 * hh + 1] *= qsc_s[gi] * e1;
             akk[q][nt][2 * hh] *= ksc_s[gi] * e0, akk[q][nt][2 * hh + 1] *= ksc_s[gi] * e1;
           }
