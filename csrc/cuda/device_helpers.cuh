@@ -51,6 +51,24 @@ __device__ __forceinline__ float activate_gate(float x, float eA, bool has_lb, f
   return has_lb ? __fdividef(lb, 1.0f + __expf(-eA * x)) : -eA * (x > 20.0f ? x : log1pf(__expf(x)));
 }
 
+// activate_gate over N elements, with the branches on the (uniform) options outside the element
+// loop: one branch per element made each exponential a divergent region of its own, so they ran
+// one MUFU latency after another. The softplus form takes no branch per element either (the
+// argument is clamped where the x > 20 form is taken instead).
+template <int N>
+__device__ __forceinline__ void activate_gates(float (&x)[N], float eA, bool has_lb, float lb) {
+  if (has_lb) {
+#pragma unroll
+    for (int e = 0; e < N; ++e) x[e] = __fdividef(lb, 1.0f + __expf(-eA * x[e]));
+  } else {
+#pragma unroll
+    for (int e = 0; e < N; ++e) {
+      const float sp = log1pf(__expf(fminf(x[e], 20.0f)));
+      x[e] = -eA * (x[e] > 20.0f ? x[e] : sp);
+    }
+  }
+}
+
 // A chunked kernel's log-decay: no lower than kMinChunkLogDecay (a gate of -inf is a reset, not
 // NaN; NaN stays NaN).
 __device__ __forceinline__ float chunk_log_decay(float a) { return a < kMinChunkLogDecay ? kMinChunkLogDecay : a; }
