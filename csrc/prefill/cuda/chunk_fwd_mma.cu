@@ -284,13 +284,21 @@ __global__ void __launch_bounds__(kThreads, DELTA ? 3 : 4)
   // block's first row, so a[e] = G_i - G_b (<= 0). first and total of element 4cs + hc's channel:
   // its gate at the first row and its sum over the block.
   auto block_scan = [&](int r0, int kk, float (&a)[8], float (&first)[2][2], float (&total)[2][2]) {
+    if constexpr (DELTA) {  // KDA: the gate computed in the kernel is its usual form
 #pragma unroll
-    for (int e = 0; e < 8; ++e) a[e] += bias_s[16 * kk + 2 * t + 8 * (e >> 2) + (e & 1)];
-    if (p.gate_in_kernel && p.gate_kind != 2) dev::activate_gates(a, eA, p.has_lb, p.lb);
+      for (int e = 0; e < 8; ++e) a[e] += bias_s[16 * kk + 2 * t + 8 * (e >> 2) + (e & 1)];
+      if (p.gate_in_kernel && p.gate_kind != 2) dev::activate_gates(a, eA, p.has_lb, p.lb);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const int row = r0 + g + 8 * ((e >> 1) & 1);
-      a[e] = row < Lc ? dev::chunk_log_decay(a[e]) : 0.0f;
+      for (int e = 0; e < 8; ++e) {
+        const int row = r0 + g + 8 * ((e >> 1) & 1);
+        a[e] = row < Lc ? dev::chunk_log_decay(a[e]) : 0.0f;
+      }
+    } else {  // GLA (FLA's chunk_gla passes log-decays): the per-element form measured as fast here
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const int row = r0 + g + 8 * ((e >> 1) & 1), col = 16 * kk + 2 * t + 8 * (e >> 2) + (e & 1);
+        a[e] = row < Lc ? activate(a[e] + bias_s[col]) : 0.0f;
+      }
     }
 #pragma unroll
     for (int cs = 0; cs < 2; ++cs)
