@@ -63,7 +63,7 @@ __device__ __forceinline__ void activate_gates(float (&x)[N], float eA, bool has
   } else {
 #pragma unroll
     for (int e = 0; e < N; ++e) {
-      const float sp = log1pf(__expf(fminf(x[e], 20.0f)));
+      const float sp = log1pf(__expf(x[e] > 20.0f ? 20.0f : x[e]));  // not fminf: a NaN stays NaN
       x[e] = -eA * (x[e] > 20.0f ? x[e] : sp);
     }
   }
@@ -78,7 +78,8 @@ __device__ __forceinline__ float chunk_log_decay(float a) { return a < kMinChunk
 // every one a divergent region of its own, one MUFU latency after another.
 __device__ __forceinline__ float masked_exp_scale(bool keep, float p, float arg) {
   float e;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(fminf(arg, 80.0f) * 1.4426950408889634f));
+  const float clamped = arg > 80.0f ? 80.0f : arg;  // not fminf: a NaN stays NaN
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(clamped * 1.4426950408889634f));
   const float x = p * e;
   return keep ? x : 0.0f;
 }
