@@ -59,10 +59,10 @@ template <int N>
 __device__ __forceinline__ void activate_gates(float (&x)[N], float eA, bool has_lb, float lb) {
   if (has_lb) {
 #pragma unroll
-    for (int e = 0; e < N; ++e) x[e] = __fdividef(lb, 1.0f + __expf(-eA * x[e]));
+    for (int e = 0; e < N; ++e) x[e] = activate_gate(x[e], eA, true, lb);
   } else {
 #pragma unroll
-    for (int e = 0; e < N; ++e) {
+    for (int e = 0; e < N; ++e) {  // activate_gate's softplus form, selected instead of branched
       const float sp = log1pf(__expf(x[e] > 20.0f ? 20.0f : x[e]));  // not fminf: a NaN stays NaN
       x[e] = -eA * (x[e] > 20.0f ? x[e] : sp);
     }

@@ -95,11 +95,13 @@ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 // no U (the scan reads v from the input). RAWQK (scalar gate with the delta rule: GDN): no Qg, Kd
 // tiles; their factors are per row, so the scan reads q, k from the input and applies the row
 // factors RF = (qs e^{G_i}, ks e^{G_last - G_i}) to o = q S and to Vnew in the state update.
+// tril(A_qk) as bf16 hi + lo planes for KDA; one bf16 plane for GDN and GLA (as FLA keeps A).
+constexpr int a_planes(bool delta, bool rawqk) { return delta && !rawqk ? 2 : 1; }
+
 template <int K, int V, bool DELTA, bool RAWQK>
 struct Work {
   static constexpr int QK = RAWQK ? 0 : kBT * K * 2;
-  // tril(A_qk) as bf16 hi + lo planes for KDA; one bf16 plane for GDN and GLA (as FLA keeps A)
-  static constexpr int kAPlanes = DELTA && !RAWQK ? 2 : 1;
+  static constexpr int kAPlanes = a_planes(DELTA, RAWQK);
   static constexpr int oW = 0, oQ = oW + (DELTA ? kBT * K * 2 : 0), oKd = oQ + QK, oA = oKd + QK,
                        oU = oA + kAPlanes * kBT * kBT * 2, oDL = oU + (DELTA ? kBT * V * 2 : 0), oRF = oDL + K * 4,
                        bytes = oRF + (RAWQK ? 2 * kBT * 4 : 0);
@@ -138,7 +140,7 @@ template <int K, int VB, bool DELTA, bool RAWQK>
 struct ScanLayout {
   static constexpr int LDK = K + 8, LDV = VB + 8, LDT = kBT + 8;
   static constexpr int sW = 0, sQ = sW + (DELTA ? kBT * LDK * 2 : 0), sKd = sQ + kBT * LDK * 2, sA = sKd + kBT * LDK * 2,
-                       sU = sA + (DELTA && !RAWQK ? 2 : 1) * kBT * LDT * 2, sDL = sU + kBT * LDV * 2, sRF = sDL + K * 4,
+                       sU = sA + a_planes(DELTA, RAWQK) * kBT * LDT * 2, sDL = sU + kBT * LDV * 2, sRF = sDL + K * 4,
                        stage = sRF + (RAWQK ? 2 * kBT * 4 : 0);
   static constexpr int oS = 2 * stage, oVN = oS + K * LDV * 2, oVD = oVN + (DELTA ? kBT * LDV * 2 : 0),
                        bytes = oVD + (RAWQK ? kBT * LDV * 2 : 0);
