@@ -543,12 +543,16 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       mbar::named_sync(5, 32 * kWsStateWarps);
       S.template load_saved_from<8>(reinterpret_cast<const float*>(fold));
     }
-    for (int i = 0; i < nloc; ++i) {
+    // S of chunk c_begin + i into ring slot i % 2 once q S of chunk i - 2 has freed it
+    auto publish = [&](int i) {
       if (i >= 2) mbar::wait(&sfree[i & 1], ((i >> 1) - 1) & 1);
       S.to_smem(ring_at(i), LDV);
       if (p.inter) S.store(p, p.inter, p.inter_dt, cbase + c_begin + i, hv);
       __syncwarp();
       if (lane == 0) mbar::arrive(&sready[i & 1]);
+    };
+    if (nloc > 0) publish(0);
+    for (int i = 0; i < nloc; ++i) {
       mbar::wait(&full[i % D], (i / D) & 1);
       const unsigned char* base = stage_at(i);
       const float* F = reinterpret_cast<const float*>(base + Ly::sF);
@@ -556,9 +560,12 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                             LDV, F[kFL], F + kFV, lane);
       __syncwarp();
       if (lane == 0) mbar::arrive(&empty[i % D]);
-      if (i + D < nloc) {
-        mbar::wait(&empty[i % D], (i / D) & 1);  // every warp done with chunk i
-        produce(i + D);
+      // The next S goes out before the copies: the output warps' q S waits on it, the copies
+      // are for two chunks later.
+      if (i + 1 < nloc) publish(i + 1);
+      if (i >= 1 && i - 1 + D < nloc) {
+        mbar::wait(&empty[(i - 1) % D], ((i - 1) / D) & 1);  // every warp done with chunk i - 1
+        produce(i - 1 + D);
       }
     }
     if (last_segment) {
