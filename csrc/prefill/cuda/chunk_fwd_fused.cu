@@ -425,15 +425,17 @@ __global__ void __launch_bounds__(kThreads, kLocal ? 3 : 1)  // the local pass: 
 //             state ring, the partner warp's half of A v through xo (double-buffered, one pair
 //             barrier per chunk), o stored.
 //  warps 8-11 (state): warp w owns channels (w-8)*K/4.. and all VB columns of the fp32 state in
-//             registers; per chunk: S_c as bf16 into ring slot c%2 (and the intermediate state),
-//             then S = e^{G_last} S + (ks e^{G_last - G} k)^T v, the key rows scaled in registers.
-//             They also issue the copies: once every warp is done with chunk c, q, k, the v
-//             slice and the row factors of chunk c + kStages go into its stage by cp.async (rows
-//             past the sequence as zero-fill copies), the stage's full barrier completing when
-//             the copies land. (A 13th warp for the copies would cap every thread at 128 registers.)
+//             registers; per chunk c: S = e^{G_last} S + (ks e^{G_last - G} k)^T v, the key
+//             rows scaled in registers, then S_{c+1} as bf16 into ring slot (c+1)%2 (and the
+//             intermediate state) as soon as q S of chunk c - 1 has freed the slot. Only then do
+//             they issue copies: once every warp is done with chunk c - 1, q, k, the v slice and
+//             the row factors of chunk c - 1 + kStages go into its stage by cp.async (rows past
+//             the sequence as zero-fill copies), the stage's full barrier completing when the
+//             copies land. Publishing S first keeps the copy issue (~900 cycles) off the chain
+//             S_c -> q S_c. (A 13th warp for the copies would cap every thread at 128 registers.)
 // mbarriers: full[stage] (128 copying threads), empty[stage] (8 output + 4 state warps),
 // sready[slot] (4 state warps), sfree[slot] (8 output warps). The output warps need S_c only after
-// their q k^T and A v, so the copies issued after chunk c ends hide behind them.
+// their q k^T and A v. Timeline and what bounds the chunk period: docs/NOTES.md.
 constexpr int kWsOutWarps = 8, kWsStateWarps = 4, kWsThreads = 32 * (kWsOutWarps + kWsStateWarps);
 
 template <int K, int VB>
