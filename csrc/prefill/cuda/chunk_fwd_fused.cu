@@ -419,11 +419,14 @@ __global__ void __launch_bounds__(kThreads, kLocal ? 3 : 1)  // the local pass: 
 // Warp-specialized fused kernel (the non-local pass; same instruction set): the state chain and
 // the outputs of a chunk run on different warps, handing buffers over through mbarriers instead
 // of stopping the block three times per chunk.
-//  warps 0-7  (output): warp w owns rows 16(w%4).. of o and half w/4 of the VB columns, as the
-//             8-warp kernel; per chunk: q k^T and A v (A in one bf16 plane, as FLA keeps it;
-//             the 8-warp kernel's hi + lo planes cost twice the A v products), then q S_c from the
-//             state ring, the partner warp's half of A v through xo (double-buffered, one pair
-//             barrier per chunk), o stored.
+//  warps 0-7  (output): warp w owns rows 16(w%4).. of o and half w/4 of the VB columns; per
+//             chunk: the blocks of q k^T of its row block with parity w/4 (A in one bf16 plane,
+//             as FLA keeps it; the 8-warp kernel's hi + lo planes cost twice the A v products),
+//             handed to the partner warp of the row block as register fragments through shared
+//             memory (16 bytes per lane and block, double-buffered, one pair barrier per chunk),
+//             then A v over all blocks of the row block for its own half of the columns, q S_c
+//             from the state ring, o stored. Exchanging A (10 KB per chunk) instead of the fp32
+//             partial o (32 KB) freed the shared memory for a fourth input stage.
 //  warps 8-11 (state): warp w owns channels (w-8)*K/4.. and all VB columns of the fp32 state in
 //             registers; per chunk c: S = e^{G_last} S + (ks e^{G_last - G} k)^T v, the key
 //             rows scaled in registers, then S_{c+1} as bf16 into ring slot (c+1)%2 (and the
@@ -440,14 +443,17 @@ constexpr int kWsOutWarps = 8, kWsStateWarps = 4, kWsThreads = 32 * (kWsOutWarps
 
 template <int K, int VB>
 struct WsLayout {
-  static constexpr int kStages = 3;
-  static constexpr int LDK = K + 8, LDV = VB + 8, LDX = VB + 8;
+  static constexpr int kStages = 4;
+  static constexpr int kABlocks = 10;  // the 16 x 16 blocks Jb <= I of the causal triangle
+  static constexpr int LDK = K + 8, LDV = VB + 8;
   static constexpr int sQ = 0, sK = kBT * LDK * 2, sV = 2 * kBT * LDK * 2, sF = sV + kBT * LDV * 2,
                        stage = sF + kFactorFloats * 4;
-  static constexpr int oS = kStages * stage, oX = oS + 2 * K * LDV * 2, oBar = oX + 2 * kBT * LDX * 4,
+  // oA: the A blocks exchanged by the two warps of a row block, bf16 in fragment order (16 bytes
+  // per lane and block), double-buffered by chunk parity
+  static constexpr int oS = kStages * stage, oA = oS + 2 * K * LDV * 2, oBar = oA + 2 * kABlocks * 32 * 16,
                        bytes = oBar + 8 * (2 * kStages + 4);
-  static_assert(stage % 16 == 0 && oBar % 8 == 0, "aligned buffers");
-  static_assert(K * VB * 4 <= 2 * kBT * LDX * 4, "a state slice fits xo (the fold of a split sequence)");
+  static_assert(stage % 16 == 0 && oA % 16 == 0 && oBar % 8 == 0, "aligned buffers");
+  static_assert(K * VB * 4 <= 2 * K * LDV * 2, "a state slice fits the ring (the fold of a split sequence)");
 };
 
 template <int K, int VB>
@@ -455,7 +461,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     chunk_fused_ws_kernel(const FwdParams p, const int32_t* __restrict__ chunk_base, const float* __restrict__ fac,
                           const SplitState sp) {
   using Ly = WsLayout<K, VB>;
-  constexpr int D = Ly::kStages, LDK = Ly::LDK, LDV = Ly::LDV, LDX = Ly::LDX;
+  constexpr int D = Ly::kStages, LDK = Ly::LDK, LDV = Ly::LDV;
   constexpr int KS = K / 16, NT = VB / 8, NTH = NT / 2;
   extern __shared__ __align__(16) unsigned char smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + Ly::oBar);
@@ -528,8 +534,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     } else {
       const int local_parts = (sp.nseg - 1) * sp.nsub;
       // S0 and the parts before this segment, folded in their saved order (the local pass's 8-warp
-      // register order) into xo, which the output warps use only once S_c is in the ring
-      float4* fold = reinterpret_cast<float4*>(smem + Ly::oX);
+      // register order) into the S ring, not yet in use
+      float4* fold = reinterpret_cast<float4*>(smem + Ly::oS);
       const float4* s0 =
           reinterpret_cast<const float4*>(sp.s0 + (static_cast<int64_t>(n) * p.HV * nvb + head_slice) * slice_floats);
       for (int e = ts; e < K * VB / 4; e += 32 * kWsStateWarps) {
@@ -544,6 +550,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       }
       mbar::named_sync(5, 32 * kWsStateWarps);
       S.template load_saved_from<8>(reinterpret_cast<const float*>(fold));
+      mbar::named_sync(5, 32 * kWsStateWarps);  // the fold read before S goes into the ring
     }
     // S of chunk c_begin + i into ring slot i % 2 once q S of chunk i - 2 has freed it
     auto publish = [&](int i) {
@@ -596,8 +603,11 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) gi[hh] = F[kFG + bI + g + 8 * hh], qi[hh] = F[kFQS + bI + g + 8 * hh];
 
-      // A v over the blocks Jb <= I of parity hw, for all VB columns (as the 8-warp kernel)
-      float ox[NT][4] = {};
+      // The blocks Jb <= I of q k^T with parity hw, as bf16 A fragments (one plane, as FLA's
+      // chunk_simple_gla keeps A); each also goes to the partner warp of row block I.
+      uint32_t af[4][4];
+      uint4* ax = reinterpret_cast<uint4*>(smem + Ly::oA) + (i & 1) * Ly::kABlocks * 32;
+      const int tri = I * (I + 1) / 2;  // first block of row block I in the exchange
 #pragma unroll
       for (int Jb = 0; Jb < 4; ++Jb) {
         if (Jb > I || (Jb & 1) != hw) continue;
@@ -609,8 +619,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
           mma::mma16816((kk & 1) ? a2[0] : a[0], qf[kk], b[0], b[1]);
           mma::mma16816((kk & 1) ? a2[1] : a[1], qf[kk], b[2], b[3]);
         }
-        // A in one bf16 plane (as FLA's chunk_simple_gla; the 8-warp kernel keeps hi + lo)
-        uint32_t af[4];
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
           const int j = 16 * Jb + nt * 8 + 2 * t;
@@ -621,15 +629,32 @@ __global__ void __launch_bounds__(kWsThreads, 1)
             const float x0 = dev::masked_exp_scale(j <= i_row, (a[nt][2 * hh] + a2[nt][2 * hh]) * qi[hh], gi[hh] - pj.x);
             const float x1 =
                 dev::masked_exp_scale(j + 1 <= i_row, (a[nt][2 * hh + 1] + a2[nt][2 * hh + 1]) * qi[hh], gi[hh] - pj.y);
-            af[2 * nt + hh] = pack(x0, x1);
+            af[Jb][2 * nt + hh] = pack(x0, x1);
           }
         }
+        ax[(tri + Jb) * 32 + lane] = make_uint4(af[Jb][0], af[Jb][1], af[Jb][2], af[Jb][3]);
+      }
+      mbar::named_sync(1 + I, 64);  // warps I and I + 4: the partner's blocks written
+
+      // A v over all blocks Jb <= I for this warp's half of the columns
+      float ox[NTH][4] = {};
 #pragma unroll
-        for (int np = 0; np < NT / 2; ++np) {
+      for (int Jb = 0; Jb < 4; ++Jb) {
+        if (Jb > I) continue;
+        uint32_t a4[4];
+        if ((Jb & 1) == hw) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) a4[e] = af[Jb][e];
+        } else {
+          const uint4 x = ax[(tri + Jb) * 32 + lane];
+          a4[0] = x.x, a4[1] = x.y, a4[2] = x.z, a4[3] = x.w;
+        }
+#pragma unroll
+        for (int np = 0; np < NTH / 2; ++np) {
           uint32_t b[4];
-          mma::ldsm_x4_t(b, v_s + (16 * Jb + mma::bk_row(lane)) * LDV + 16 * np + mma::bk_col(lane));
-          mma::mma16816(ox[2 * np], af, b[0], b[1]);
-          mma::mma16816(ox[2 * np + 1], af, b[2], b[3]);
+          mma::ldsm_x4_t(b, v_s + (16 * Jb + mma::bk_row(lane)) * LDV + hc0 + 16 * np + mma::bk_col(lane));
+          mma::mma16816(ox[2 * np], a4, b[0], b[1]);
+          mma::mma16816(ox[2 * np + 1], a4, b[2], b[3]);
         }
       }
 
@@ -652,30 +677,14 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       __syncwarp();
       if (lane == 0) mbar::arrive(&sfree[i & 1]), mbar::arrive(&empty[i % D]);
 
-      // own half into o, the partner's half through xo
-      float* xo_s = reinterpret_cast<float*>(smem + Ly::oX) + (i & 1) * kBT * LDX;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        if (nt / NTH == hw) {
-#pragma unroll
-          for (int r = 0; r < 4; ++r) o[nt % NTH][r] = o[nt % NTH][r] * fo[r >> 1] + ox[nt][r];
-        } else {
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh)
-            *reinterpret_cast<float2*>(xo_s + (bI + g + 8 * hh) * LDX + nt * 8 + 2 * t) =
-                make_float2(ox[nt][2 * hh], ox[nt][2 * hh + 1]);
-        }
-      }
-      mbar::named_sync(1 + I, 64);  // warps I and I + 4: the partner's half written
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int row = bI + g + 8 * hh;
         bf16* dst = og + sq.b_row * p.out_s[0] + (t0 + row) * p.out_s[1] + hv * p.out_s[2] + v0 + hc0 + 2 * t;
 #pragma unroll
-        for (int nt = 0; nt < NTH; ++nt) {
-          const float2 x = *reinterpret_cast<const float2*>(xo_s + row * LDX + hc0 + nt * 8 + 2 * t);
-          if (row < Lc) u32at(dst + nt * 8) = pack(o[nt][2 * hh] + x.x, o[nt][2 * hh + 1] + x.y);
-        }
+        for (int nt = 0; nt < NTH; ++nt)
+          if (row < Lc)
+            u32at(dst + nt * 8) = pack(o[nt][2 * hh] * fo[hh] + ox[nt][2 * hh], o[nt][2 * hh + 1] * fo[hh] + ox[nt][2 * hh + 1]);
       }
     }
   }
