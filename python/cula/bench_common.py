@@ -6,23 +6,31 @@ import json
 import os
 import statistics
 
-REPS = 20
+REPS = 30
 
 
-def time_ms(torch, fn, reps=REPS, warmup=3):
-    """Median of ``reps`` single calls ``fn(i)`` timed with CUDA events, after ``warmup`` calls."""
-    for i in range(warmup):
-        fn(i)
+def time_interleaved(torch, impls, reps=REPS, warmup=3):
+    """Median ms of ``reps`` single calls (CUDA events, synchronized) of each implementation in
+    ``impls`` ([(name, fn)]). The implementations take turns call by call, so a drift of the host
+    or the GPU during the run reaches all of them alike. fn(i) gets the running call count, whose
+    parity picks the input set: consecutive calls never read the same inputs."""
+    k = 0
+    for _ in range(warmup):
+        for _, fn in impls:
+            fn(k)
+            k += 1
     torch.cuda.synchronize()
-    times = []
-    for i in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn(i)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    times = {name: [] for name, _ in impls}
+    for _ in range(reps):
+        for name, fn in impls:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn(k)
+            b.record()
+            b.synchronize()
+            times[name].append(a.elapsed_time(b))
+            k += 1
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def causal_sdpa(x, seqlens=None):

@@ -4,8 +4,9 @@ softmax attention, the baseline) and the floor (the bytes that must move, at the
 bandwidth).
 
 bf16 q/k/v, bf16 raw gate with the gate computed in kernel (A_log, dt_bias, lower bound -5),
-q/k L2 norm, beta sigmoid, K = V = 128, no initial state. Each implementation is timed alone
-per call with CUDA events (median of 20 after warm-up), alternating between two input sets.
+q/k L2 norm, beta sigmoid, K = V = 128, no initial state. Each implementation's single calls are
+timed with CUDA events (median of 30 after warm-up), the implementations taking turns call by call
+on alternating input sets.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import json
 import os
 import time
 
-from .bench_common import REPS, causal_sdpa, time_ms, write_report
+from .bench_common import REPS, causal_sdpa, time_interleaved, write_report
 from .bench_decode import _version, cuda_device
 from .demo import Progress
 
@@ -108,9 +109,9 @@ def bench_kda(out_dir: str, gpu_name: str | None = None, configs=None, resume=Fa
     configs = [c for c in configs if c[0] not in done]
     meta = dict(gpu=gpu, copy_gb_per_s=round(bw, 1), torch=torch.__version__,
                 fla=_version("fla-core"), flashkda=_flashkda_version() if flash_fn else None,
-                date=time.strftime("%Y-%m-%d"), method=f"median of {REPS} single calls (CUDA events) after 3 warm-up "
-                "calls, alternating two input sets; FLA with FLA_FLASH_KDA=0, under torch.inference_mode; every "
-                "row's implementations timed side by side in one process")
+                date=time.strftime("%Y-%m-%d"), method=f"median of {REPS} single calls (CUDA events, synchronized) "
+                "after 3 warm-up calls, the implementations taking turns call by call, consecutive calls on "
+                "different input sets; FLA with FLA_FLASH_KDA=0, under torch.inference_mode")
     prog = Progress(len(configs), "bench kda")
     for name, B, T, H, seqlens in configs:
         if seqlens:
@@ -157,10 +158,9 @@ def bench_kda(out_dir: str, gpu_name: str | None = None, configs=None, resume=Fa
         impls.append(("torch_sdpa", run_sdpa))
         config = dict(name=name, B=B, T=T, H=H, K=K, V=V, seqlens=seqlens, dtype="bfloat16", gate="in_kernel",
                       safe_gate=True, lower_bound=LOWER_BOUND, l2norm=True, beta_sigmoid=True)
-        res = {}
         with torch.inference_mode():
-            for impl, fn in impls:
-                res[impl] = time_ms(torch, fn)
+            res = time_interleaved(torch, impls)
+            for impl, _ in impls:
                 records.append(dict(op="kda_fwd", config=config, impl=impl, median_ms=round(res[impl], 4), reps=REPS))
             run_cula(0)
             kernel = ops.last_kernel()
