@@ -33,8 +33,9 @@
 // factors only, ~65 KB, state updates only) first computes each part's own contribution from a
 // zero state and its total decay; a segment's CTA starts from S0 and folds in the parts before it
 // (S = D_j S + L_j, fp32, the same sums in another order).
-// Where the time goes (docs/NOTES.md): issue-latency bound; the warp-specialized kernel takes the
-// state chain off the output warps' path (1.2-1.3x).
+// Where the time goes (docs/NOTES.md): latency chains and shared-memory traffic (~250 KB per chunk
+// in the warp-specialized kernel, whose schedulers issue ~0.4 instructions per cycle); the
+// warp-specialized kernel takes the state chain off the output warps' path (1.2-1.3x).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -436,6 +437,8 @@ __global__ void __launch_bounds__(kThreads, kLocal ? 3 : 1)  // the local pass: 
 //             the sequence as zero-fill copies), the stage's full barrier completing when the
 //             copies land. Publishing S first keeps the copy issue (~900 cycles) off the chain
 //             S_c -> q S_c. (A 13th warp for the copies would cap every thread at 128 registers.)
+// Shared memory (K = 128, VB = 64): four stages of (q, k, v slice, row factors) 4 x 44 KB, the
+// S ring 36 KB, the A exchange 10 KB: 228.5 KB, one CTA per SM.
 // mbarriers: full[stage] (128 copying threads), empty[stage] (8 output + 4 state warps),
 // sready[slot] (4 state warps), sfree[slot] (8 output warps). The output warps need S_c only after
 // their q k^T and A v. Timeline and what bounds the chunk period: docs/NOTES.md.
