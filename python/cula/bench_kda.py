@@ -72,15 +72,17 @@ def _flashkda_version():
     return f"built from source, no package metadata ({os.path.dirname(flash_kda.__file__)})"
 
 
-def _done_rows(out_dir, gpu):
-    """Records and table rows of the configurations already in out_dir/kda_fwd.json (same GPU),
-    for a resumed run; the report puts them in grid order and recomputes the geometric means."""
+def _done_rows(out_dir, gpu, method):
+    """Records and table rows of the configurations already in out_dir/kda_fwd.json (same GPU and
+    timing method), for a resumed run; the report puts them in grid order and recomputes the
+    geometric means."""
     path = os.path.join(out_dir, "kda_fwd.json")
     if not os.path.exists(path):
         return [], []
     with open(path) as f:
         data = json.load(f)
-    if data.get("meta", {}).get("gpu") != gpu:
+    meta = data.get("meta", {})
+    if meta.get("gpu") != gpu or meta.get("method") != method:  # rows of one file share one method
         return [], []
     records = [r for r in data["records"] if isinstance(r.get("config"), dict)]
     rows = []
@@ -104,14 +106,15 @@ def bench_kda(out_dir: str, gpu_name: str | None = None, configs=None, resume=Fa
     dev, props, bw = cuda_device(torch)
     configs = configs or CONFIGS
     gpu = gpu_name or props.name
-    records, rows = _done_rows(out_dir, gpu) if resume else ([], [])
+    method = (f"median of {REPS} single calls (CUDA events, synchronized) after 3 warm-up calls, the "
+              "implementations taking turns call by call, consecutive calls on different input sets; FLA with "
+              "FLA_FLASH_KDA=0, under torch.inference_mode")
+    records, rows = _done_rows(out_dir, gpu, method) if resume else ([], [])
     done = {r[0] for r in rows}
     configs = [c for c in configs if c[0] not in done]
     meta = dict(gpu=gpu, copy_gb_per_s=round(bw, 1), torch=torch.__version__,
                 fla=_version("fla-core"), flashkda=_flashkda_version() if flash_fn else None,
-                date=time.strftime("%Y-%m-%d"), method=f"median of {REPS} single calls (CUDA events, synchronized) "
-                "after 3 warm-up calls, the implementations taking turns call by call, consecutive calls on "
-                "different input sets; FLA with FLA_FLASH_KDA=0, under torch.inference_mode")
+                date=time.strftime("%Y-%m-%d"), method=method)
     prog = Progress(len(configs), "bench kda")
     for name, B, T, H, seqlens in configs:
         if seqlens:

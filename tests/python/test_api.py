@@ -161,7 +161,7 @@ def test_bench_results_series_follow_the_json_records(tmp_path):
 
 def test_kda_bench_resume_keeps_measured_rows_and_recomputes_the_means(tmp_path):
     """A KDA benchmark run cut short keeps what it wrote; --resume reads those rows back (same GPU
-    only), and the report puts every row in grid order with geometric means over all of them."""
+    and timing method only), and the report puts every row in grid order with geometric means over all of them."""
     import json
 
     from cula import bench_kda
@@ -181,12 +181,13 @@ def test_kda_bench_resume_keeps_measured_rows_and_recomputes_the_means(tmp_path)
     late, early = row(names[2], 2.0, 3.0), row(names[0], 1.0, 4.0)  # measured out of grid order
     meta = dict(gpu="gpu0", copy_gb_per_s=1.0, method="m")
     bench_kda._report(str(tmp_path), meta, [late], records_of(late), quiet=True)
-    records, rows = bench_kda._done_rows(str(tmp_path), "gpu0")
+    records, rows = bench_kda._done_rows(str(tmp_path), "gpu0", "m")
     assert [r[0] for r in rows] == [names[2]] and rows[0][1] == late[1] and rows[0][4] == late[4]
-    assert bench_kda._done_rows(str(tmp_path), "another gpu") == ([], [])
+    assert bench_kda._done_rows(str(tmp_path), "another gpu", "m") == ([], [])
+    assert bench_kda._done_rows(str(tmp_path), "gpu0", "another method") == ([], [])
     bench_kda._report(str(tmp_path), meta, rows + [early], records + records_of(early), quiet=True)
     data = json.loads((tmp_path / "kda_fwd.json").read_text())
-    assert [r[0] for r in bench_kda._done_rows(str(tmp_path), "gpu0")[1]] == [names[0], names[2]]
+    assert [r[0] for r in bench_kda._done_rows(str(tmp_path), "gpu0", "m")[1]] == [names[0], names[2]]
     gm = [r for r in data["records"] if r["impl"] == "geomean_fla_triton_over_cula"]
     assert len(gm) == 1 and abs(gm[0]["ratio"] - (4.0 * 1.5) ** 0.5) < 1e-3 and gm[0]["worst"] == 1.5
     md = (tmp_path / "kda_fwd.md").read_text()
