@@ -147,10 +147,11 @@ def empty_like_family(ref, shape, dtype=None):
     """An uninitialised array of `shape` in ref's library/device; dtype None = ref's dtype,
     or one of 'float32', 'bfloat16', 'float64'."""
     if is_torch(ref):
+        if dtype is None:
+            return ref.new_empty(shape)  # ref's dtype and device, no device object built per call
         import torch
 
-        td = ref.dtype if dtype is None else getattr(torch, dtype)
-        return torch.empty(shape, dtype=td, device=ref.device)
+        return ref.new_empty(shape, dtype=getattr(torch, dtype))
     nd = ref.dtype if dtype is None else np.dtype("float32" if dtype == "bfloat16" else dtype)
     return np.empty(shape, dtype=nd)
 

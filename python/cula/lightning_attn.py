@@ -16,10 +16,9 @@ __all__ = ["chunk_lightning_attn", "fused_recurrent_lightning_attn", "lightning_
 def lightning_decay(num_heads: int, layer_idx: int, num_layers: int, like=None):
     """FLA's per-head decay rate for a layer: (8 / H) (1 - layer_idx / num_layers) * h (cula's
     `decay`, i.e. -g_gamma)."""
-    rate = np.arange(num_heads, dtype=np.float32) * np.float32(8 / num_heads * (1 - layer_idx / num_layers))
-    if like is not None and is_torch(like):
+    if like is not None and is_torch(like):  # the cached device tensor: no host work per call
         return _device_decay(num_heads, layer_idx, num_layers, like.device)
-    return rate
+    return np.arange(num_heads, dtype=np.float32) * np.float32(8 / num_heads * (1 - layer_idx / num_layers))
 
 
 @functools.lru_cache(maxsize=256)
