@@ -33,6 +33,18 @@ def time_interleaved(torch, impls, reps=REPS, warmup=3):
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def time_peers_and_baseline(torch, impls, baseline, reps=REPS):
+    """time_interleaved over the linear-attention implementations ``impls``, then the softmax
+    baseline ``baseline`` (name, fn) in a block of its own. The baseline stays out of the turns:
+    a call of it loads the GPU for up to ~14 ms at full tensor-core power, and whichever
+    implementation came next in the turn ran on a GPU whose clocks had dropped (cula's single
+    call at 1x32768 H32 0.80 -> 1.05 ms when it followed SDPA, FLA's 1.28 -> 1.71 ms)."""
+    res = time_interleaved(torch, impls, reps)
+    name, fn = baseline
+    res[name] = time_interleaved(torch, [(name, fn)], reps)[name]
+    return res
+
+
 def causal_sdpa(x, seqlens=None):
     """torch SDPA, causal, on the q, k, v of input set x ([B, T, H, D]); one call per sequence for
     varlen inputs (the softmax baseline of the forward benchmarks)."""

@@ -7,7 +7,8 @@ bf16 q/k/v, K = V = 128, no initial state. GDN: fp32 log-sigmoid gate, beta in (
 norm in kernel (as Qwen3-Next calls it); GLA: per-channel log-sigmoid gate / 16; simple GLA:
 scalar log-sigmoid gate; Lightning: layer 3 of 8 (FLA's per-head decay rates). Each
 implementation's single calls are timed with CUDA events (median of 30 after warm-up), the
-implementations taking turns call by call on alternating input sets.
+linear-attention implementations taking turns call by call on alternating input sets, and torch
+SDPA after them in a block of its own (its full-power calls would slow whichever call came next).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import itertools
 import os
 import time
 
-from .bench_common import REPS, causal_sdpa, time_interleaved, write_report
+from .bench_common import REPS, causal_sdpa, time_peers_and_baseline, write_report
 from .bench_decode import _version, cuda_device
 from .demo import Progress
 
@@ -104,12 +105,12 @@ def bench_fwd(family: str, out_dir: str, gpu_name: str | None = None, configs=No
         def run_sdpa(i, s=sets):
             causal_sdpa(s[i % 2], seqlens)
 
-        impls = [("cula", run_cula)] + ([("fla_triton", run_fla)] if fla_fn else []) + [("torch_sdpa", run_sdpa)]
+        impls = [("cula", run_cula)] + ([("fla_triton", run_fla)] if fla_fn else [])
         config = dict(name=name, B=B, T=T, H=H, K=K, V=V, seqlens=seqlens, dtype="bfloat16", family=family)
         check = {}
         with torch.inference_mode():
-            res = time_interleaved(torch, impls)
-            for impl, _ in impls:
+            res = time_peers_and_baseline(torch, impls, ("torch_sdpa", run_sdpa))
+            for impl in res:
                 records.append(dict(op=op, config=config, impl=impl, median_ms=round(res[impl], 4), reps=REPS))
             o_cula = run_cula(0)[0]
             kernel = ops.last_kernel()
@@ -135,8 +136,9 @@ def bench_fwd(family: str, out_dir: str, gpu_name: str | None = None, configs=No
     meta = dict(gpu=gpu_name or props.name, copy_gb_per_s=round(bw, 1), torch=torch.__version__,
                 fla=_version("fla-core"), date=time.strftime("%Y-%m-%d"),
                 method=f"median of {REPS} single calls (CUDA events, synchronized) after 3 warm-up calls, the "
-                "implementations taking turns call by call, consecutive calls on different input sets; cula's FLA "
-                "drop-in and FLA called with the same arguments, under torch.inference_mode")
+                "linear-attention implementations taking turns call by call, torch SDPA timed after them in a "
+                "block of its own, consecutive calls on different input sets; cula's FLA drop-in and FLA called "
+                "with the same arguments, under torch.inference_mode")
     peers = [p for p in ("fla_triton", "torch_sdpa") if any(p in r[1] for r in rows)]
     write_report(out_dir, op, title, meta, rows, records, peers)
     return 0

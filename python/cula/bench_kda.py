@@ -16,7 +16,7 @@ import json
 import os
 import time
 
-from .bench_common import REPS, causal_sdpa, time_interleaved, write_report
+from .bench_common import REPS, causal_sdpa, time_peers_and_baseline, write_report
 from .bench_decode import _version, cuda_device
 from .demo import Progress
 
@@ -107,8 +107,9 @@ def bench_kda(out_dir: str, gpu_name: str | None = None, configs=None, resume=Fa
     configs = configs or CONFIGS
     gpu = gpu_name or props.name
     method = (f"median of {REPS} single calls (CUDA events, synchronized) after 3 warm-up calls, the "
-              "implementations taking turns call by call, consecutive calls on different input sets; FLA with "
-              "FLA_FLASH_KDA=0, under torch.inference_mode")
+              "linear-attention implementations taking turns call by call, torch SDPA timed after them in a block of "
+              "its own, consecutive calls on different input sets; FLA with FLA_FLASH_KDA=0, under "
+              "torch.inference_mode")
     records, rows = _done_rows(out_dir, gpu, method) if resume else ([], [])
     done = {r[0] for r in rows}
     configs = [c for c in configs if c[0] not in done]
@@ -158,12 +159,11 @@ def bench_kda(out_dir: str, gpu_name: str | None = None, configs=None, resume=Fa
             impls.append(("fla_triton", run_fla))
         if flash_fn:
             impls.append(("flashkda", run_flash))
-        impls.append(("torch_sdpa", run_sdpa))
         config = dict(name=name, B=B, T=T, H=H, K=K, V=V, seqlens=seqlens, dtype="bfloat16", gate="in_kernel",
                       safe_gate=True, lower_bound=LOWER_BOUND, l2norm=True, beta_sigmoid=True)
         with torch.inference_mode():
-            res = time_interleaved(torch, impls)
-            for impl, _ in impls:
+            res = time_peers_and_baseline(torch, impls, ("torch_sdpa", run_sdpa))
+            for impl in res:
                 records.append(dict(op="kda_fwd", config=config, impl=impl, median_ms=round(res[impl], 4), reps=REPS))
             run_cula(0)
             kernel = ops.last_kernel()
