@@ -47,14 +47,21 @@ __device__ __forceinline__ void allow_dependents_launch() {
 
 // The per-step log-decay of a gate computed in the kernel (SPEC §2) from a raw gate x (dt_bias
 // already added) and eA = exp(A_log): lb * sigmoid(eA x) with a lower bound, else -eA softplus(x).
-__device__ __forceinline__ float activate_gate(float x, float eA, bool has_lb, float lb) {
-  return has_lb ? __fdividef(lb, 1.0f + __expf(-eA * x)) : -eA * (x > 20.0f ? x : log1pf(__expf(x)));
+// -eA softplus(x), the gate without a lower bound: log1p(e^x), or x itself above 20 (where the two
+// agree in fp32). Selected, not branched: a branch per element made each exponential a divergent
+// region of its own. The argument is clamped so that the unselected exponential cannot overflow.
+__device__ __forceinline__ float softplus_gate(float x, float eA) {
+  const float sp = log1pf(__expf(x > 20.0f ? 20.0f : x));  // not fminf: a NaN stays NaN
+  return -eA * (x > 20.0f ? x : sp);
 }
 
-// activate_gate over N elements, with the branches on the (uniform) options outside the element
+__device__ __forceinline__ float activate_gate(float x, float eA, bool has_lb, float lb) {
+  return has_lb ? __fdividef(lb, 1.0f + __expf(-eA * x)) : softplus_gate(x, eA);
+}
+
+// activate_gate over N elements, with the branch on the (uniform) options outside the element
 // loop: one branch per element made each exponential a divergent region of its own, so they ran
-// one MUFU latency after another. The softplus form takes no branch per element either (the
-// argument is clamped where the x > 20 form is taken instead).
+// one MUFU latency after another.
 template <int N>
 __device__ __forceinline__ void activate_gates(float (&x)[N], float eA, bool has_lb, float lb) {
   if (has_lb) {
@@ -62,10 +69,7 @@ __device__ __forceinline__ void activate_gates(float (&x)[N], float eA, bool has
     for (int e = 0; e < N; ++e) x[e] = activate_gate(x[e], eA, true, lb);
   } else {
 #pragma unroll
-    for (int e = 0; e < N; ++e) {  // activate_gate's softplus form, selected instead of branched
-      const float sp = log1pf(__expf(x[e] > 20.0f ? 20.0f : x[e]));  // not fminf: a NaN stays NaN
-      x[e] = -eA * (x[e] > 20.0f ? x[e] : sp);
-    }
+    for (int e = 0; e < N; ++e) x[e] = softplus_gate(x[e], eA);
   }
 }
 

@@ -131,8 +131,7 @@ __global__ void __launch_bounds__(kWarps * 32) recurrent_fwd_kernel(const FwdPar
     for (int e = 0; e < EPL; ++e) {
       float a = cur.g[e];
       if (p.gate_in_kernel) {
-        a += bias[e];
-        a = p.has_lb ? p.lb / (1.0f + __expf(-eA * a)) : -eA * (a > 20.0f ? a : log1pf(__expf(a)));
+        a = dev::activate_gate(a + bias[e], eA, p.has_lb, p.lb);
       }
       dv[e] = __expf(a);
       qv[e] = cur.q[e] * qs;
