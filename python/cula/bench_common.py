@@ -33,6 +33,14 @@ def time_interleaved(torch, impls, reps=REPS, warmup=3):
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+# How time_peers_and_baseline times (the start of each results file's "method"; bench kda --resume
+# keeps only rows whose file states the same method).
+PEERS_AND_BASELINE_METHOD = (
+    f"median of {REPS} single calls (CUDA events, synchronized) after 3 warm-up calls, the linear-attention "
+    "implementations taking turns call by call, torch SDPA timed after them in a block of its own, consecutive "
+    "calls on different input sets")
+
+
 def time_peers_and_baseline(torch, impls, baseline, reps=REPS):
     """time_interleaved over the linear-attention implementations ``impls``, then the softmax
     baseline ``baseline`` (name, fn) in a block of its own. The baseline stays out of the turns:

@@ -18,7 +18,7 @@ import itertools
 import os
 import time
 
-from .bench_common import REPS, causal_sdpa, time_peers_and_baseline, write_report
+from .bench_common import PEERS_AND_BASELINE_METHOD, REPS, causal_sdpa, time_peers_and_baseline, write_report
 from .bench_decode import _version, cuda_device
 from .demo import Progress
 
@@ -135,10 +135,8 @@ def bench_fwd(family: str, out_dir: str, gpu_name: str | None = None, configs=No
         torch.cuda.empty_cache()
     meta = dict(gpu=gpu_name or props.name, copy_gb_per_s=round(bw, 1), torch=torch.__version__,
                 fla=_version("fla-core"), date=time.strftime("%Y-%m-%d"),
-                method=f"median of {REPS} single calls (CUDA events, synchronized) after 3 warm-up calls, the "
-                "linear-attention implementations taking turns call by call, torch SDPA timed after them in a "
-                "block of its own, consecutive calls on different input sets; cula's FLA drop-in and FLA called "
-                "with the same arguments, under torch.inference_mode")
+                method=PEERS_AND_BASELINE_METHOD + "; cula's FLA drop-in and FLA called with the same arguments, "
+                "under torch.inference_mode")
     peers = [p for p in ("fla_triton", "torch_sdpa") if any(p in r[1] for r in rows)]
     write_report(out_dir, op, title, meta, rows, records, peers)
     return 0

@@ -5,8 +5,8 @@ bandwidth).
 
 bf16 q/k/v, bf16 raw gate with the gate computed in kernel (A_log, dt_bias, lower bound -5),
 q/k L2 norm, beta sigmoid, K = V = 128, no initial state. Each implementation's single calls are
-timed with CUDA events (median of 30 after warm-up), the implementations taking turns call by call
-on alternating input sets.
+timed with CUDA events (median of 30 after warm-up), cula, FLA and FlashKDA taking turns call by
+call on alternating input sets, and torch SDPA after them in a block of its own.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import json
 import os
 import time
 
-from .bench_common import REPS, causal_sdpa, time_peers_and_baseline, write_report
+from .bench_common import PEERS_AND_BASELINE_METHOD, REPS, causal_sdpa, time_peers_and_baseline, write_report
 from .bench_decode import _version, cuda_device
 from .demo import Progress
 
@@ -106,10 +106,7 @@ def bench_kda(out_dir: str, gpu_name: str | None = None, configs=None, resume=Fa
     dev, props, bw = cuda_device(torch)
     configs = configs or CONFIGS
     gpu = gpu_name or props.name
-    method = (f"median of {REPS} single calls (CUDA events, synchronized) after 3 warm-up calls, the "
-              "linear-attention implementations taking turns call by call, torch SDPA timed after them in a block of "
-              "its own, consecutive calls on different input sets; FLA with FLA_FLASH_KDA=0, under "
-              "torch.inference_mode")
+    method = PEERS_AND_BASELINE_METHOD + "; FLA with FLA_FLASH_KDA=0, under torch.inference_mode"
     records, rows = _done_rows(out_dir, gpu, method) if resume else ([], [])
     done = {r[0] for r in rows}
     configs = [c for c in configs if c[0] not in done]
