@@ -102,9 +102,12 @@ template <int K, int V, bool DELTA, bool RAWQK>
 struct Work {
   static constexpr int QK = RAWQK ? 0 : kBT * K * 2;
   static constexpr int kAPlanes = a_planes(DELTA, RAWQK);
+  static constexpr int kRowFactors = RAWQK ? 3 : 0;  // qs e^{G_i}, beta_i, -beta_i ks e^{G_i}
+  // RAWQK: the W slot holds Kt = Minv^T diag(ks e^{G_last - G}) k, the A slot tril(A_qk) Minv, and
+  // there is no U (the scan reads v from the input)
   static constexpr int oW = 0, oQ = oW + (DELTA ? kBT * K * 2 : 0), oKd = oQ + QK, oA = oKd + QK,
-                       oU = oA + kAPlanes * kBT * kBT * 2, oDL = oU + (DELTA ? kBT * V * 2 : 0), oRF = oDL + K * 4,
-                       bytes = oRF + (RAWQK ? 2 * kBT * 4 : 0);
+                       oU = oA + kAPlanes * kBT * kBT * 2, oDL = oU + (DELTA && !RAWQK ? kBT * V * 2 : 0),
+                       oRF = oDL + K * 4, bytes = oRF + kRowFactors * kBT * 4;
   static_assert(bytes % 16 == 0, "16-byte aligned blocks");
 };
 
@@ -114,7 +117,8 @@ struct PrepLayout {
   static constexpr int oR1 = 0;
   static constexpr int oKRAW = oR1 + cmax(kBT * LDK * 2, kBT * MS * 4);
   static constexpr int oKR = oKRAW + kBT * LDK * 2;
-  static constexpr int oTB = oKR + (DELTA ? cmax(kBT * LDK * 2, kBT * LDV * 2) : 0);  // no Kr, no v without delta
+  // no Kr, no v without delta; GDN keeps tril(A_qk) there in fp32
+  static constexpr int oTB = oKR + (DELTA ? cmax(cmax(kBT * LDK * 2, kBT * LDV * 2), kBT * MS * 4) : 0);
   static constexpr int oTAB = oTB + kBT * LDT * 2;
   static constexpr int oBT = oTAB + 15 * K * 4;  // per block: gate sum and first gate, per channel
   static constexpr int oBETA = oBT + 9 * K * 4;
@@ -141,9 +145,8 @@ struct ScanLayout {
   static constexpr int LDK = K + 8, LDV = VB + 8, LDT = kBT + 8;
   static constexpr int sW = 0, sQ = sW + (DELTA ? kBT * LDK * 2 : 0), sKd = sQ + kBT * LDK * 2, sA = sKd + kBT * LDK * 2,
                        sU = sA + a_planes(DELTA, RAWQK) * kBT * LDT * 2, sDL = sU + kBT * LDV * 2, sRF = sDL + K * 4,
-                       stage = sRF + (RAWQK ? 2 * kBT * 4 : 0);
-  static constexpr int oS = 2 * stage, oVN = oS + K * LDV * 2, oVD = oVN + (DELTA ? kBT * LDV * 2 : 0),
-                       bytes = oVD + (RAWQK ? kBT * LDV * 2 : 0);
+                       stage = sRF + Work<K, VB, DELTA, RAWQK>::kRowFactors * kBT * 4;
+  static constexpr int oS = 2 * stage, oVN = oS + K * LDV * 2, bytes = oVN + (DELTA ? kBT * LDV * 2 : 0);
 };
 
 // Rows of the per-channel exponent table.
@@ -578,19 +581,20 @@ __global__ void __launch_bounds__(kThreads, DELTA ? 3 : 4)
   }
   __syncthreads();  // B_c2: every warp done with the k el tile (it becomes k e^G next)
   if constexpr (SCALAR) {
-    // This warp's rows, 16 bytes at a time: beta k ks e^{G_i} in place; e^{G_last} for every
-    // channel; the row factors of q (qs e^{G_i}) and k (ks e^{G_last - G_i}) for the scan, which
-    // reads q and k raw (Work::RAWQK).
+    // This warp's rows, 16 bytes at a time: F = diag(ks e^{G_last - G_i}) k in place (Kt's right
+    // operand); e^{G_last} for every channel; the scan's row factors (Work::RAWQK): qs e^{G_i} for
+    // o = q S, beta_i and -beta_i ks e^{G_i} for Y = beta v - beta ks e^G (k S).
     const float glast = grow_s[kBT - 1];
     if (lane < 16) {
       const int row = bI + lane;
       float* rf = reinterpret_cast<float*>(blk + Wk::oRF);
       rf[row] = qsc_s[row] * __expf(grow_s[row]);
-      rf[kBT + row] = ksc_s[row] * __expf(glast - grow_s[row]);
+      rf[kBT + row] = beta_s[row];
+      rf[2 * kBT + row] = -beta_s[row] * ksc_s[row] * __expf(grow_s[row]);
     }
     for (int idx = lane; idx < 16 * (K / 8); idx += 32) {
       const int row = bI + idx / (K / 8), c8 = (idx % (K / 8)) * 8;
-      const float fw = ksc_s[row] * __expf(grow_s[row]) * beta_s[row];
+      const float fw = ksc_s[row] * __expf(glast - grow_s[row]);
       const uint4 kv = *reinterpret_cast<const uint4*>(k_s + row * LDK + c8);
       uint4 ow;
       const uint32_t* kw = reinterpret_cast<const uint32_t*>(&kv);
@@ -637,9 +641,9 @@ __global__ void __launch_bounds__(kThreads, DELTA ? 3 : 4)
       if (tid < K) reinterpret_cast<float*>(blk + Wk::oDL)[tid] = tab[kTabLast * K + tid];
     }
   }
-  // v tile into the Kr buffer, behind the inverse (delta rule)
-  if (DELTA) {
-    __syncthreads();  // B_d: q tile and Kr no longer read (they take M and v)
+  // v tile into the Kr buffer, behind the inverse (delta rule; GDN's scan reads v itself)
+  if (DELTA) __syncthreads();  // B_d: q tile and Kr no longer read (they take M and v, or A)
+  if (DELTA && !SCALAR) {
     using CopyV = chunk::TileCopy<kBT, V, kThreads>;
     const CopyV cv(tid);
     const bf16* v_in = static_cast<const bf16*>(p.v) + b_row * p.v_s[0] + t0 * p.v_s[1] + hv * p.v_s[2] + cv.c8;
@@ -656,7 +660,10 @@ __global__ void __launch_bounds__(kThreads, DELTA ? 3 : 4)
   }
 
   // ---- M = I + diag(beta) strict_lower(A_kk) for this warp's pairs; tril(A_qk) out (blocks
-  // above the diagonal of this warp's row block are zeros)
+  // above the diagonal of this warp's row block are zeros). GDN: tril(A_qk) in fp32 into the free
+  // Kr buffer instead, for the product tril(A_qk) Minv
+  float* af_s = reinterpret_cast<float*>(smem + Ly::oKR);
+  static_assert(!SCALAR || Ly::oTB - Ly::oKR >= kBT * MS * 4, "fp32 A_qk fits the Kr buffer");
   {
     bf16* aqo = reinterpret_cast<bf16*>(blk + Wk::oA);
 #pragma unroll
@@ -677,10 +684,14 @@ __global__ void __launch_bounds__(kThreads, DELTA ? 3 : 4)
           }
           const float a0 = gj > gi ? 0.0f : gj == gi ? qk_s[gi] : aqk[q][nt][2 * hh];
           const float a1 = gj + 1 > gi ? 0.0f : gj + 1 == gi ? qk_s[gi] : aqk[q][nt][2 * hh + 1];
-          const uint32_t hi = pack(a0, a1);
-          const float2 h2 = unpack(hi);
-          u32at(aqo + gi * kBT + gj) = hi;  // KDA: hi + lo carries A_qk to ~16 bits
-          if (Wk::kAPlanes == 2) u32at(aqo + kBT * kBT + gi * kBT + gj) = pack(a0 - h2.x, a1 - h2.y);
+          if (SCALAR) {
+            *reinterpret_cast<float2*>(af_s + gi * MS + gj) = make_float2(a0, a1);
+          } else {
+            const uint32_t hi = pack(a0, a1);
+            const float2 h2 = unpack(hi);
+            u32at(aqo + gi * kBT + gj) = hi;  // KDA: hi + lo carries A_qk to ~16 bits
+            if (Wk::kAPlanes == 2) u32at(aqo + kBT * kBT + gi * kBT + gj) = pack(a0 - h2.x, a1 - h2.y);
+          }
           if (DELTA) {
             const float b = beta_s[gi];
             m_s[gi * MS + gj] = gj < gi ? b * akk[q][nt][2 * hh] : (gj == gi ? 1.0f : 0.0f);
@@ -690,7 +701,7 @@ __global__ void __launch_bounds__(kThreads, DELTA ? 3 : 4)
     }
 #pragma unroll
     for (int J = 0; J < 4; ++J)
-      if (J > I)
+      if (J > I && !SCALAR)  // GDN writes tril(A_qk) Minv below, its zero blocks with it
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
@@ -701,7 +712,6 @@ __global__ void __launch_bounds__(kThreads, DELTA ? 3 : 4)
   }
 
   if constexpr (!DELTA) return;  // no delta rule: no M, Minv, U, W (the scan reads v itself)
-  bf16* uo = reinterpret_cast<bf16*>(blk + Wk::oU);
   __syncthreads();  // B_e: M complete
   // Diagonal blocks of Minv: lane c < 16 solves column c by substitution, in fp32.
   if (lane < 16) {
@@ -756,6 +766,79 @@ __global__ void __launch_bounds__(kThreads, DELTA ? 3 : 4)
   }
   mma::cp_async_wait_all();
   __syncthreads();  // B_g: Minv complete, v landed
+
+  if constexpr (SCALAR) {
+    // GDN: Vnew = U + W S = Minv Y with Y = beta v - beta ks e^G (k S) (the scan forms Y), so
+    // o's intra-chunk part A Vnew = (tril(A_qk) Minv) Y and the state update k^T diag(ks
+    // e^{G_last - G}) Vnew = Kt^T Y with Kt = Minv^T F: neither U nor W is needed, and v is not
+    // read here.
+    // AM = tril(A_qk) Minv, block (Ib, Cb) = sum_{Jb=Cb..Ib} A_{Ib,Jb} Minv_{Jb,Cb}, the ten lower
+    // block pairs dealt as for the pair products (4-6 k-steps per warp); A as fp32 hi + lo.
+    bf16* amo = reinterpret_cast<bf16*>(blk + Wk::oA);
+#pragma unroll
+    for (int q = 0; q < 3; ++q) {
+      if (pi[q] < 0) continue;
+      const int Ib = pi[q], Cb = pj[q];
+      float acc[2][4] = {};
+      for (int Jb = Cb; Jb <= Ib; ++Jb) {
+        uint32_t ah[4], al[4], b[4];
+#pragma unroll
+        for (int rr = 0; rr < 4; ++rr) {
+          const float2 x = *reinterpret_cast<const float2*>(af_s + (16 * Ib + g + 8 * (rr & 1)) * MS + 16 * Jb + 2 * t + 8 * (rr >> 1));
+          ah[rr] = pack(x.x, x.y);
+          const float2 h2 = unpack(ah[rr]);
+          al[rr] = pack(x.x - h2.x, x.y - h2.y);
+        }
+        mma::ldsm_x4_t(b, t_s + (16 * Jb + mma::bk_row(lane)) * LDT + 16 * Cb + mma::bk_col(lane));
+        mma::mma16816(acc[0], ah, b[0], b[1]);
+        mma::mma16816(acc[1], ah, b[2], b[3]);
+        mma::mma16816(acc[0], al, b[0], b[1]);
+        mma::mma16816(acc[1], al, b[2], b[3]);
+      }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+          u32at(amo + (16 * Ib + g + 8 * hh) * kBT + 16 * Cb + nt * 8 + 2 * t) = pack(acc[nt][2 * hh], acc[nt][2 * hh + 1]);
+    }
+#pragma unroll
+    for (int J = 0; J < 4; ++J)
+      if (J > I)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt) u32at(amo + (bI + g + 8 * hh) * kBT + 16 * J + nt * 8 + 2 * t) = 0u;
+    // Kt = Minv^T F: row block Jb = sum_{Ib >= Jb} (Minv_{Ib,Jb})^T F_Ib; each warp a quarter of
+    // the K columns for all rows, the transposed Minv blocks as A fragments
+    uint32_t tt[4][4][4];
+#pragma unroll
+    for (int Ib = 0; Ib < 4; ++Ib)
+#pragma unroll
+      for (int Jb = 0; Jb <= Ib; ++Jb)
+        mma::ldsm_x4_t(tt[Jb][Ib], t_s + (16 * Ib + mma::at_row(lane)) * LDT + 16 * Jb + mma::at_col(lane));
+    bf16* kto = reinterpret_cast<bf16*>(blk + Wk::oW);
+#pragma unroll 1
+    for (int c0 = warp * (K / 4); c0 < (warp + 1) * (K / 4); c0 += 16) {
+      float acc[4][2][4] = {};
+#pragma unroll
+      for (int Ib = 0; Ib < 4; ++Ib) {
+        uint32_t b[4];
+        mma::ldsm_x4_t(b, ck_s + (16 * Ib + mma::bk_row(lane)) * LDK + c0 + mma::bk_col(lane));
+#pragma unroll
+        for (int Jb = 0; Jb <= Ib; ++Jb) {
+          mma::mma16816(acc[Jb][0], tt[Jb][Ib], b[0], b[1]);
+          mma::mma16816(acc[Jb][1], tt[Jb][Ib], b[2], b[3]);
+        }
+      }
+#pragma unroll
+      for (int Jb = 0; Jb < 4; ++Jb)
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh)
+            u32at(kto + (16 * Jb + g + 8 * hh) * K + c0 + 8 * nt + 2 * t) = pack(acc[Jb][nt][2 * hh], acc[Jb][nt][2 * hh + 1]);
+    }
+  } else {
 
   // ---- Minv, all ten lower blocks as A fragments; U = Minv (beta v), W = -Minv (beta k e^G). Each
   // warp takes a quarter of the columns of U and of W for all rows, so the triangle costs every
@@ -820,8 +903,9 @@ __global__ void __launch_bounds__(kThreads, DELTA ? 3 : 4)
           }
     }
   };
-  tri_out(std::false_type{}, v_s, LDV, V, uo);
+  tri_out(std::false_type{}, v_s, LDV, V, reinterpret_cast<bf16*>(blk + Wk::oU));
   tri_out(std::true_type{}, ck_s, LDK, K, reinterpret_cast<bf16*>(blk + Wk::oW));
+  }
 }
 
 template <int K, int V, int VB, bool DELTA, bool RAWQK>
@@ -836,7 +920,6 @@ __global__ void __launch_bounds__(kScanThreads, 1)
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* s_s = reinterpret_cast<bf16*>(smem + Ly::oS);
   bf16* vn_s = reinterpret_cast<bf16*>(smem + Ly::oVN);
-  bf16* vd_s = reinterpret_cast<bf16*>(smem + Ly::oVD);
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int I = warp & 3, bI = 16 * I, hc0 = (warp >> 2) * (VB / 2);
@@ -884,7 +967,7 @@ __global__ void __launch_bounds__(kScanThreads, 1)
             *reinterpret_cast<uint4*>(dk) = make_uint4(0, 0, 0, 0);
           }
         }
-        if (tid < 2 * kBT / 4) mma::cp_async16(dst + Ly::sRF + tid * 16, blk + Wk::oRF + tid * 16);
+        if (tid < Wk::kRowFactors * kBT / 4) mma::cp_async16(dst + Ly::sRF + tid * 16, blk + Wk::oRF + tid * 16);
       } else {
 #pragma unroll
         for (int m = 3 - kMats; m < 3; ++m) {
@@ -901,9 +984,9 @@ __global__ void __launch_bounds__(kScanThreads, 1)
       for (int j = 0; j < CopyV::J; ++j) {
         const int r = cv.row(j);
         unsigned char* du = dst + Ly::sU + (r * LDV + cv.c8) * 2;
-        if (DELTA)
+        if (DELTA && !RAWQK)
           mma::cp_async16(du, blk + Wk::oU + (r * V + v0 + cv.c8) * 2);
-        else if (r < Lc)  // rows past the sequence are zeros (they meet zero Kd rows and A columns)
+        else if (r < Lc)  // rows past the sequence are zeros (they meet zero k rows and A columns)
           mma::cp_async16(du, v_in + (static_cast<int64_t>(c) * kBT + r) * p.v_s[1]);
         else
           *reinterpret_cast<uint4*>(du) = make_uint4(0, 0, 0, 0);
@@ -935,14 +1018,14 @@ __global__ void __launch_bounds__(kScanThreads, 1)
     __syncthreads();  // B1: this chunk's stage landed; S visible
 
     // Vnew = U + W S (delta rule; else Vnew = v, the stage's v slice) and o = Qg S, sharing the S
-    // fragments
+    // fragments. RAWQK: X = k S in place of W S, and Y = beta v - beta ks e^G X in place of Vnew
     float vn[NTH][4], o[NTH][4];
 #pragma unroll
     for (int nt = 0; nt < NTH; ++nt)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         if (DELTA) {
-          const float2 u = bf2(u_s + (bI + g + 8 * hh) * LDV + hc0 + nt * 8 + 2 * t);
+          const float2 u = RAWQK ? make_float2(0.0f, 0.0f) : bf2(u_s + (bI + g + 8 * hh) * LDV + hc0 + nt * 8 + 2 * t);
           vn[nt][2 * hh] = u.x, vn[nt][2 * hh + 1] = u.y;
         }
         o[nt][2 * hh] = 0.0f, o[nt][2 * hh + 1] = 0.0f;
@@ -950,7 +1033,7 @@ __global__ void __launch_bounds__(kScanThreads, 1)
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk) {
       uint32_t aw[4], aq[4];
-      if (DELTA) mma::ldsm_x4(aw, w_s + (bI + mma::a_row(lane)) * LDK + 16 * kk + mma::a_col(lane));
+      if (DELTA) mma::ldsm_x4(aw, (RAWQK ? kd_s : w_s) + (bI + mma::a_row(lane)) * LDK + 16 * kk + mma::a_col(lane));
       mma::ldsm_x4(aq, qg_s + (bI + mma::a_row(lane)) * LDK + 16 * kk + mma::a_col(lane));
 #pragma unroll
       for (int np = 0; np < NTH / 2; ++np) {
@@ -965,16 +1048,18 @@ __global__ void __launch_bounds__(kScanThreads, 1)
       }
     }
     const bf16* vsrc = DELTA ? vn_s : u_s;
-    if constexpr (RAWQK) {  // o = qs e^{G_i} (q S); the update takes Vnew scaled by ks e^{G_last - G_i}
+    if constexpr (RAWQK) {  // o = qs e^{G_i} (q S); Y = beta_i v_i - beta_i ks e^{G_i} X_i
       const float* rf = reinterpret_cast<const float*>(base + Ly::sRF);
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int row = bI + g + 8 * hh;
-        const float fq = rf[row], fk = rf[kBT + row];
+        const float fq = rf[row], fv = rf[kBT + row], fx = rf[2 * kBT + row];
 #pragma unroll
         for (int nt = 0; nt < NTH; ++nt) {
           o[nt][2 * hh] *= fq, o[nt][2 * hh + 1] *= fq;
-          u32at(vd_s + row * LDV + hc0 + nt * 8 + 2 * t) = pack(vn[nt][2 * hh] * fk, vn[nt][2 * hh + 1] * fk);
+          const float2 v2 = bf2(u_s + row * LDV + hc0 + nt * 8 + 2 * t);
+          vn[nt][2 * hh] = fv * v2.x + fx * vn[nt][2 * hh];
+          vn[nt][2 * hh + 1] = fv * v2.y + fx * vn[nt][2 * hh + 1];
         }
       }
     }
@@ -984,10 +1069,10 @@ __global__ void __launch_bounds__(kScanThreads, 1)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
           u32at(vn_s + (bI + g + 8 * hh) * LDV + hc0 + nt * 8 + 2 * t) = pack(vn[nt][2 * hh], vn[nt][2 * hh + 1]);
-      __syncthreads();  // B2: Vnew (and its scaled copy) visible
+      __syncthreads();  // B2: Vnew (RAWQK: Y) visible
     }
 
-    // o += tril(A_qk) Vnew; store
+    // o += tril(A_qk) Vnew (RAWQK: (tril(A_qk) Minv) Y); store
 #pragma unroll
     for (int Jb = 0; Jb < 4; ++Jb) {
       if (Jb > I) continue;
@@ -1016,8 +1101,8 @@ __global__ void __launch_bounds__(kScanThreads, 1)
       for (int nt = 0; nt < NTH; ++nt) u32at(dst + nt * 8) = pack(o[nt][2 * hh], o[nt][2 * hh + 1]);
     }
 
-    // S = e^{G_last} S + Kd^T Vnew (RAWQK: k^T (diag(ks e^{G_last - G}) Vnew))
-    S.update(kd_s, LDK, RAWQK ? vd_s : vsrc, LDV, [&](int ch) { return dl_s[ch]; }, lane);
+    // S = e^{G_last} S + Kd^T Vnew (RAWQK: Kt^T Y, Kt in the W slot)
+    S.update(RAWQK ? w_s : kd_s, LDK, vsrc, LDV, [&](int ch) { return dl_s[ch]; }, lane);
     __syncthreads();  // B3: stage st, S and Vnew no longer read
     stage_in(c + 2, st);
   }
