@@ -97,28 +97,30 @@ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 // factors RF = (qs e^{G_i}, ks e^{G_last - G_i}) to o = q S and to Vnew in the state update.
 // tril(A_qk) as bf16 hi + lo planes for KDA; one bf16 plane for GDN and GLA (as FLA keeps A).
 constexpr int a_planes(bool delta, bool rawqk) { return delta && !rawqk ? 2 : 1; }
+// per-row factors: KDA beta_i; GDN qs e^{G_i}, beta_i and -beta_i ks e^{G_i}
+constexpr int row_factors(bool delta, bool rawqk) { return rawqk ? 3 : delta ? 1 : 0; }
 
 template <int K, int V, bool DELTA, bool RAWQK>
 struct Work {
   static constexpr int QK = RAWQK ? 0 : kBT * K * 2;
   static constexpr int kAPlanes = a_planes(DELTA, RAWQK);
-  static constexpr int kRowFactors = RAWQK ? 3 : 0;  // qs e^{G_i}, beta_i, -beta_i ks e^{G_i}
-  // RAWQK: the W slot holds Kt = Minv^T diag(ks e^{G_last - G}) k, the A slot tril(A_qk) Minv, and
-  // there is no U (the scan reads v from the input)
+  static constexpr int kRowFactors = row_factors(DELTA, RAWQK);
+  // Delta rule: the A slot holds tril(A_qk) Minv and Kt = Minv^T Kd the Kd slot (KDA) or the W
+  // slot (GDN, whose W slot is otherwise unused); KDA's W slot holds W' = -beta k e^G (no Minv)
   static constexpr int oW = 0, oQ = oW + (DELTA ? kBT * K * 2 : 0), oKd = oQ + QK, oA = oKd + QK,
-                       oU = oA + kAPlanes * kBT * kBT * 2, oDL = oU + (DELTA && !RAWQK ? kBT * V * 2 : 0),
-                       oRF = oDL + K * 4, bytes = oRF + kRowFactors * kBT * 4;
+                       oDL = oA + kAPlanes * kBT * kBT * 2, oRF = oDL + K * 4, bytes = oRF + kRowFactors * kBT * 4;
+  static constexpr int oKt = RAWQK ? oW : oKd;
   static_assert(bytes % 16 == 0, "16-byte aligned blocks");
 };
 
 template <int K, int V, bool DELTA>
 struct PrepLayout {
-  static constexpr int LDK = K + 8, LDV = V + 8, LDT = kBT + 8, MS = kBT + 4;
+  static constexpr int LDK = K + 8, LDT = kBT + 8, MS = kBT + 4;
   static constexpr int oR1 = 0;
   static constexpr int oKRAW = oR1 + cmax(kBT * LDK * 2, kBT * MS * 4);
   static constexpr int oKR = oKRAW + kBT * LDK * 2;
-  // no Kr, no v without delta; GDN keeps tril(A_qk) there in fp32
-  static constexpr int oTB = oKR + (DELTA ? cmax(cmax(kBT * LDK * 2, kBT * LDV * 2), kBT * MS * 4) : 0);
+  // Kr (KDA), then tril(A_qk) in fp32 (delta rule); nothing without the delta rule
+  static constexpr int oTB = oKR + (DELTA ? cmax(kBT * LDK * 2, kBT * MS * 4) : 0);
   static constexpr int oTAB = oTB + kBT * LDT * 2;
   static constexpr int oBT = oTAB + 15 * K * 4;  // per block: gate sum and first gate, per channel
   static constexpr int oBETA = oBT + 9 * K * 4;
@@ -145,7 +147,7 @@ struct ScanLayout {
   static constexpr int LDK = K + 8, LDV = VB + 8, LDT = kBT + 8;
   static constexpr int sW = 0, sQ = sW + (DELTA ? kBT * LDK * 2 : 0), sKd = sQ + kBT * LDK * 2, sA = sKd + kBT * LDK * 2,
                        sU = sA + a_planes(DELTA, RAWQK) * kBT * LDT * 2, sDL = sU + kBT * LDV * 2, sRF = sDL + K * 4,
-                       stage = sRF + Work<K, VB, DELTA, RAWQK>::kRowFactors * kBT * 4;
+                       stage = sRF + row_factors(DELTA, RAWQK) * kBT * 4;
   static constexpr int oS = 2 * stage, oVN = oS + K * LDV * 2, bytes = oVN + (DELTA ? kBT * LDV * 2 : 0);
 };
 
@@ -164,14 +166,13 @@ __global__ void __launch_bounds__(kThreads, DELTA ? 3 : 4)
   static_assert(DELTA || !SCALAR, "scalar gates without the delta rule take chunk_fwd_fused");
   using Ly = PrepLayout<K, V, DELTA>;
   using Wk = Work<K, V, DELTA, SCALAR>;  // scalar gates come with the delta rule here
-  constexpr int LDK = Ly::LDK, LDV = Ly::LDV, LDT = Ly::LDT, MS = Ly::MS;
+  constexpr int LDK = Ly::LDK, LDT = Ly::LDT, MS = Ly::MS;
   constexpr int KS = K / 16;
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* q_s = reinterpret_cast<bf16*>(smem + Ly::oR1);
   float* m_s = reinterpret_cast<float*>(smem + Ly::oR1);
   bf16* k_s = reinterpret_cast<bf16*>(smem + Ly::oKRAW);
   bf16* ck_s = reinterpret_cast<bf16*>(smem + Ly::oKRAW);
-  bf16* v_s = reinterpret_cast<bf16*>(smem + Ly::oKR);
   float* bsum_s = reinterpret_cast<float*>(smem + Ly::oBT);           // [4][K] gate sum of block I
   float* bfirst_s = reinterpret_cast<float*>(smem + Ly::oBT) + 4 * K;  // [4][K] first gate of block I
   float* bias_s = reinterpret_cast<float*>(smem + Ly::oBT) + 8 * K;    // [K] dt_bias
@@ -607,25 +608,35 @@ __global__ void __launch_bounds__(kThreads, DELTA ? 3 : 4)
       *reinterpret_cast<uint4*>(ck_s + row * LDK + c8) = ow;
     }
     if (tid < K) reinterpret_cast<float*>(blk + Wk::oDL)[tid] = __expf(glast);
-  } else {
-    // k e^G = Kl e^{G_bI} for this warp's rows, in place of Kl (delta rule)
-    for (int idx = lane; DELTA && idx < 16 * (K / 8); idx += 32) {
+  } else if constexpr (DELTA) {
+    // KDA, this warp's rows: W' = -beta k e^G = -beta Kl e^{G_bI} to the workspace; Kd = Kr
+    // e^{G_last - G_bI} in place of Kl (Kt's right operand); beta and e^{G_last} to the workspace
+    bf16* wo = reinterpret_cast<bf16*>(blk + Wk::oW);
+    for (int idx = lane; idx < 16 * (K / 8); idx += 32) {
       const int row = bI + idx / (K / 8), c8 = (idx % (K / 8)) * 8;
       uint4 kv = *reinterpret_cast<const uint4*>(k_s + row * LDK + c8);
+      uint4 kd = *reinterpret_cast<const uint4*>(kr_s + row * LDK + c8);
       const float* eb = tab + (kTabEb + I) * K + c8;
-      const float b = beta_s[row];
+      const float* ed = tab + (kTabEd + I) * K + c8;
+      const float b = -beta_s[row];
       uint32_t* w = reinterpret_cast<uint32_t*>(&kv);
+      uint32_t* d = reinterpret_cast<uint32_t*>(&kd);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const float2 x = unpack(w[j]);
+        const float2 x = unpack(w[j]), y = unpack(d[j]);
         w[j] = pack(x.x * eb[2 * j] * b, x.y * eb[2 * j + 1] * b);
+        d[j] = pack(y.x * ed[2 * j], y.y * ed[2 * j + 1]);
       }
-      *reinterpret_cast<uint4*>(ck_s + row * LDK + c8) = kv;
+      *reinterpret_cast<uint4*>(wo + row * K + c8) = kv;
+      *reinterpret_cast<uint4*>(ck_s + row * LDK + c8) = kd;
     }
-    // Kd = Kr e^{G_last - G_bI} (or Kt e^{G_last - G_eI}) for this warp's rows, to the workspace
+    if (lane < 16) reinterpret_cast<float*>(blk + Wk::oRF)[bI + lane] = beta_s[bI + lane];
+    if (tid < K) reinterpret_cast<float*>(blk + Wk::oDL)[tid] = tab[kTabLast * K + tid];
+  } else {
+    // Kd = Kt e^{G_last - G_eI} for this warp's rows, to the workspace (no delta rule)
     {
       bf16* kdo = reinterpret_cast<bf16*>(blk + Wk::oKd);
-      const bf16* kd_src = DELTA ? kr_s : k_s;
+      const bf16* kd_src = k_s;
       for (int idx = lane; idx < 16 * (K / 8); idx += 32) {
         const int row = bI + idx / (K / 8), c8 = (idx % (K / 8)) * 8;
         uint4 kv = *reinterpret_cast<const uint4*>(kd_src + row * LDK + c8);
@@ -641,29 +652,13 @@ __global__ void __launch_bounds__(kThreads, DELTA ? 3 : 4)
       if (tid < K) reinterpret_cast<float*>(blk + Wk::oDL)[tid] = tab[kTabLast * K + tid];
     }
   }
-  // v tile into the Kr buffer, behind the inverse (delta rule; GDN's scan reads v itself)
-  if (DELTA) __syncthreads();  // B_d: q tile and Kr no longer read (they take M and v, or A)
-  if (DELTA && !SCALAR) {
-    using CopyV = chunk::TileCopy<kBT, V, kThreads>;
-    const CopyV cv(tid);
-    const bf16* v_in = static_cast<const bf16*>(p.v) + b_row * p.v_s[0] + t0 * p.v_s[1] + hv * p.v_s[2] + cv.c8;
-#pragma unroll
-    for (int j = 0; j < CopyV::J; ++j) {
-      const int r = cv.row(j);
-      bf16* dv = v_s + r * LDV + cv.c8;
-      if (r < Lc)
-        mma::cp_async16(dv, v_in + r * p.v_s[1]);
-      else
-        *reinterpret_cast<uint4*>(dv) = zero4;
-    }
-    mma::cp_async_commit();
-  }
+  if (DELTA) __syncthreads();  // B_d: q tile and Kr no longer read (they take M and A)
 
   // ---- M = I + diag(beta) strict_lower(A_kk) for this warp's pairs; tril(A_qk) out (blocks
-  // above the diagonal of this warp's row block are zeros). GDN: tril(A_qk) in fp32 into the free
-  // Kr buffer instead, for the product tril(A_qk) Minv
+  // above the diagonal of this warp's row block are zeros). Delta rule: tril(A_qk) in fp32 into
+  // the Kr buffer instead, for the product tril(A_qk) Minv
   float* af_s = reinterpret_cast<float*>(smem + Ly::oKR);
-  static_assert(!SCALAR || Ly::oTB - Ly::oKR >= kBT * MS * 4, "fp32 A_qk fits the Kr buffer");
+  static_assert(!DELTA || Ly::oTB - Ly::oKR >= kBT * MS * 4, "fp32 A_qk fits the Kr buffer");
   {
     bf16* aqo = reinterpret_cast<bf16*>(blk + Wk::oA);
 #pragma unroll
@@ -684,14 +679,10 @@ __global__ void __launch_bounds__(kThreads, DELTA ? 3 : 4)
           }
           const float a0 = gj > gi ? 0.0f : gj == gi ? qk_s[gi] : aqk[q][nt][2 * hh];
           const float a1 = gj + 1 > gi ? 0.0f : gj + 1 == gi ? qk_s[gi] : aqk[q][nt][2 * hh + 1];
-          if (SCALAR) {
+          if (DELTA)
             *reinterpret_cast<float2*>(af_s + gi * MS + gj) = make_float2(a0, a1);
-          } else {
-            const uint32_t hi = pack(a0, a1);
-            const float2 h2 = unpack(hi);
-            u32at(aqo + gi * kBT + gj) = hi;  // KDA: hi + lo carries A_qk to ~16 bits
-            if (Wk::kAPlanes == 2) u32at(aqo + kBT * kBT + gi * kBT + gj) = pack(a0 - h2.x, a1 - h2.y);
-          }
+          else
+            u32at(aqo + gi * kBT + gj) = pack(a0, a1);
           if (DELTA) {
             const float b = beta_s[gi];
             m_s[gi * MS + gj] = gj < gi ? b * akk[q][nt][2 * hh] : (gj == gi ? 1.0f : 0.0f);
@@ -701,14 +692,11 @@ __global__ void __launch_bounds__(kThreads, DELTA ? 3 : 4)
     }
 #pragma unroll
     for (int J = 0; J < 4; ++J)
-      if (J > I && !SCALAR)  // GDN writes tril(A_qk) Minv below, its zero blocks with it
+      if (J > I && !DELTA)  // the delta rule writes tril(A_qk) Minv below, its zero blocks with it
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
-          for (int nt = 0; nt < 2; ++nt) {
-            u32at(aqo + (bI + g + 8 * hh) * kBT + 16 * J + nt * 8 + 2 * t) = 0u;
-            if (Wk::kAPlanes == 2) u32at(aqo + kBT * kBT + (bI + g + 8 * hh) * kBT + 16 * J + nt * 8 + 2 * t) = 0u;
-          }
+          for (int nt = 0; nt < 2; ++nt) u32at(aqo + (bI + g + 8 * hh) * kBT + 16 * J + nt * 8 + 2 * t) = 0u;
   }
 
   if constexpr (!DELTA) return;  // no delta rule: no M, Minv, U, W (the scan reads v itself)
@@ -764,147 +752,88 @@ __global__ void __launch_bounds__(kThreads, DELTA ? 3 : 4)
         u32at(t_s + (bIb + g + 8 * hh) * LDT + bJ + nt * 8 + 2 * t) = pack(-y[nt][2 * hh], -y[nt][2 * hh + 1]);
     __syncwarp();
   }
-  mma::cp_async_wait_all();
-  __syncthreads();  // B_g: Minv complete, v landed
+  __syncthreads();  // B_g: Minv complete
 
-  if constexpr (SCALAR) {
-    // GDN: Vnew = U + W S = Minv Y with Y = beta v - beta ks e^G (k S) (the scan forms Y), so
-    // o's intra-chunk part A Vnew = (tril(A_qk) Minv) Y and the state update k^T diag(ks
-    // e^{G_last - G}) Vnew = Kt^T Y with Kt = Minv^T F: neither U nor W is needed, and v is not
-    // read here.
-    // AM = tril(A_qk) Minv, block (Ib, Cb) = sum_{Jb=Cb..Ib} A_{Ib,Jb} Minv_{Jb,Cb}, the ten lower
-    // block pairs dealt as for the pair products (4-6 k-steps per warp); A as fp32 hi + lo.
-    bf16* amo = reinterpret_cast<bf16*>(blk + Wk::oA);
+  // Vnew = U + W S = Minv Y with Y = beta v + W' S, W' = -beta k e^G (the scan forms Y from v read
+  // from the input), so the intra-chunk part of o is A Vnew = (tril(A_qk) Minv) Y and the state
+  // update Kd^T Vnew = Kt^T Y with Kt = Minv^T Kd (GDN: Kd = diag(ks e^{G_last - G}) k): no U, W
+  // products here and no v tile.
+  // AM = tril(A_qk) Minv, block (Ib, Cb) = sum_{Jb=Cb..Ib} A_{Ib,Jb} Minv_{Jb,Cb}; the ten lower
+  // block pairs dealt as for the pair products (4-6 k-steps per warp); A from fp32 as bf16 hi + lo;
+  // out as one bf16 plane (GDN) or hi + lo (KDA).
+  bf16* amo = reinterpret_cast<bf16*>(blk + Wk::oA);
 #pragma unroll
-    for (int q = 0; q < 3; ++q) {
-      if (pi[q] < 0) continue;
-      const int Ib = pi[q], Cb = pj[q];
-      float acc[2][4] = {};
-      for (int Jb = Cb; Jb <= Ib; ++Jb) {
-        uint32_t ah[4], al[4], b[4];
+  for (int q = 0; q < 3; ++q) {
+    if (pi[q] < 0) continue;
+    const int Ib = pi[q], Cb = pj[q];
+    float acc[2][4] = {};
+    for (int Jb = Cb; Jb <= Ib; ++Jb) {
+      uint32_t ah[4], al[4], b[4];
 #pragma unroll
-        for (int rr = 0; rr < 4; ++rr) {
-          const float2 x = *reinterpret_cast<const float2*>(af_s + (16 * Ib + g + 8 * (rr & 1)) * MS + 16 * Jb + 2 * t + 8 * (rr >> 1));
-          ah[rr] = pack(x.x, x.y);
-          const float2 h2 = unpack(ah[rr]);
-          al[rr] = pack(x.x - h2.x, x.y - h2.y);
-        }
-        mma::ldsm_x4_t(b, t_s + (16 * Jb + mma::bk_row(lane)) * LDT + 16 * Cb + mma::bk_col(lane));
-        mma::mma16816(acc[0], ah, b[0], b[1]);
-        mma::mma16816(acc[1], ah, b[2], b[3]);
-        mma::mma16816(acc[0], al, b[0], b[1]);
-        mma::mma16816(acc[1], al, b[2], b[3]);
+      for (int rr = 0; rr < 4; ++rr) {
+        const float2 x = *reinterpret_cast<const float2*>(af_s + (16 * Ib + g + 8 * (rr & 1)) * MS + 16 * Jb + 2 * t + 8 * (rr >> 1));
+        ah[rr] = pack(x.x, x.y);
+        const float2 h2 = unpack(ah[rr]);
+        al[rr] = pack(x.x - h2.x, x.y - h2.y);
       }
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh)
-          u32at(amo + (16 * Ib + g + 8 * hh) * kBT + 16 * Cb + nt * 8 + 2 * t) = pack(acc[nt][2 * hh], acc[nt][2 * hh + 1]);
+      mma::ldsm_x4_t(b, t_s + (16 * Jb + mma::bk_row(lane)) * LDT + 16 * Cb + mma::bk_col(lane));
+      mma::mma16816(acc[0], ah, b[0], b[1]);
+      mma::mma16816(acc[1], ah, b[2], b[3]);
+      mma::mma16816(acc[0], al, b[0], b[1]);
+      mma::mma16816(acc[1], al, b[2], b[3]);
     }
 #pragma unroll
-    for (int J = 0; J < 4; ++J)
-      if (J > I)
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int at = (16 * Ib + g + 8 * hh) * kBT + 16 * Cb + nt * 8 + 2 * t;
+        const uint32_t hi = pack(acc[nt][2 * hh], acc[nt][2 * hh + 1]);
+        u32at(amo + at) = hi;
+        if constexpr (Wk::kAPlanes == 2) {
+          const float2 h2 = unpack(hi);
+          u32at(amo + kBT * kBT + at) = pack(acc[nt][2 * hh] - h2.x, acc[nt][2 * hh + 1] - h2.y);
+        }
+      }
+  }
+#pragma unroll
+  for (int J = 0; J < 4; ++J)
+    if (J > I)
+#pragma unroll
+      for (int pl = 0; pl < Wk::kAPlanes; ++pl)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
-          for (int nt = 0; nt < 2; ++nt) u32at(amo + (bI + g + 8 * hh) * kBT + 16 * J + nt * 8 + 2 * t) = 0u;
-    // Kt = Minv^T F: row block Jb = sum_{Ib >= Jb} (Minv_{Ib,Jb})^T F_Ib; each warp a quarter of
-    // the K columns for all rows, the transposed Minv blocks as A fragments
-    uint32_t tt[4][4][4];
-#pragma unroll
-    for (int Ib = 0; Ib < 4; ++Ib)
-#pragma unroll
-      for (int Jb = 0; Jb <= Ib; ++Jb)
-        mma::ldsm_x4_t(tt[Jb][Ib], t_s + (16 * Ib + mma::at_row(lane)) * LDT + 16 * Jb + mma::at_col(lane));
-    bf16* kto = reinterpret_cast<bf16*>(blk + Wk::oW);
-#pragma unroll 1
-    for (int c0 = warp * (K / 4); c0 < (warp + 1) * (K / 4); c0 += 16) {
-      float acc[4][2][4] = {};
-#pragma unroll
-      for (int Ib = 0; Ib < 4; ++Ib) {
-        uint32_t b[4];
-        mma::ldsm_x4_t(b, ck_s + (16 * Ib + mma::bk_row(lane)) * LDK + c0 + mma::bk_col(lane));
-#pragma unroll
-        for (int Jb = 0; Jb <= Ib; ++Jb) {
-          mma::mma16816(acc[Jb][0], tt[Jb][Ib], b[0], b[1]);
-          mma::mma16816(acc[Jb][1], tt[Jb][Ib], b[2], b[3]);
-        }
-      }
-#pragma unroll
-      for (int Jb = 0; Jb < 4; ++Jb)
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh)
-            u32at(kto + (16 * Jb + g + 8 * hh) * K + c0 + 8 * nt + 2 * t) = pack(acc[Jb][nt][2 * hh], acc[Jb][nt][2 * hh + 1]);
-    }
-  } else {
-
-  // ---- Minv, all ten lower blocks as A fragments; U = Minv (beta v), W = -Minv (beta k e^G). Each
-  // warp takes a quarter of the columns of U and of W for all rows, so the triangle costs every
-  // warp the same; a B tile is loaded once and serves the row blocks at or below it.
-  uint32_t ta[4][4][4];
+          for (int nt = 0; nt < 2; ++nt)
+            u32at(amo + pl * kBT * kBT + (bI + g + 8 * hh) * kBT + 16 * J + nt * 8 + 2 * t) = 0u;
+  // Kt = Minv^T Kd (Kd in the k tile): row block Jb = sum_{Ib >= Jb} (Minv_{Ib,Jb})^T Kd_Ib; each
+  // warp a quarter of the K columns for all rows, the transposed Minv blocks as A fragments
+  uint32_t tt[4][4][4];
 #pragma unroll
   for (int Ib = 0; Ib < 4; ++Ib)
 #pragma unroll
-    for (int Jb = 0; Jb <= Ib; ++Jb) {
-      mma::ldsm_x4(ta[Ib][Jb], t_s + (16 * Ib + mma::a_row(lane)) * LDT + 16 * Jb + mma::a_col(lane));
-    }
-  // beta v, row by row in fp32 (beta folded into Minv's bf16 columns would scale whole rows by a
-  // rounded factor)
-  for (int idx = tid; idx < kBT * (V / 8); idx += kThreads) {
-    const int r = idx / (V / 8), c8 = (idx % (V / 8)) * 8;
-    uint4 x = *reinterpret_cast<const uint4*>(v_s + r * LDV + c8);
-    uint32_t* w = reinterpret_cast<uint32_t*>(&x);
-    const float b = beta_s[r];
+    for (int Jb = 0; Jb <= Ib; ++Jb)
+      mma::ldsm_x4_t(tt[Jb][Ib], t_s + (16 * Ib + mma::at_row(lane)) * LDT + 16 * Jb + mma::at_col(lane));
+  bf16* kto = reinterpret_cast<bf16*>(blk + Wk::oKt);
+#pragma unroll 1
+  for (int c0 = warp * (K / 4); c0 < (warp + 1) * (K / 4); c0 += 16) {
+    float acc[4][2][4] = {};
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 y = unpack(w[j]);
-      w[j] = pack(y.x * b, y.y * b);
-    }
-    *reinterpret_cast<uint4*>(v_s + r * LDV + c8) = x;
-  }
-  __syncthreads();  // beta v complete
-  // acc[Ib] = sum over Jb <= Ib of Minv_{Ib,Jb} src_Jb, for the 16 columns at c0 of src (leading dim ld)
-  auto tri_product = [&](const bf16* src, int ld, int c0, float (&acc)[4][2][4]) {
+    for (int Ib = 0; Ib < 4; ++Ib) {
+      uint32_t b[4];
+      mma::ldsm_x4_t(b, ck_s + (16 * Ib + mma::bk_row(lane)) * LDK + c0 + mma::bk_col(lane));
 #pragma unroll
-    for (int Ib = 0; Ib < 4; ++Ib)
+      for (int Jb = 0; Jb <= Ib; ++Jb) {
+        mma::mma16816(acc[Jb][0], tt[Jb][Ib], b[0], b[1]);
+        mma::mma16816(acc[Jb][1], tt[Jb][Ib], b[2], b[3]);
+      }
+    }
+#pragma unroll
+    for (int Jb = 0; Jb < 4; ++Jb)
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) acc[Ib][nt][r] = 0.0f;
-#pragma unroll
-    for (int Jb = 0; Jb < 4; ++Jb) {
-      uint32_t b[4];
-      mma::ldsm_x4_t(b, src + (16 * Jb + mma::bk_row(lane)) * ld + c0 + mma::bk_col(lane));
-#pragma unroll
-      for (int Ib = Jb; Ib < 4; ++Ib) {
-        mma::mma16816(acc[Ib][0], ta[Ib][Jb], b[0], b[1]);
-        mma::mma16816(acc[Ib][1], ta[Ib][Jb], b[2], b[3]);
-      }
-    }
-  };
-  // this warp's quarter of the ncols columns of Minv src (negated when neg is std::true_type), as
-  // bf16 rows into dst
-  auto tri_out = [&](auto neg, const bf16* src, int ld, int ncols, bf16* dst) {
-#pragma unroll 1
-    for (int c0 = warp * (ncols / 4); c0 < (warp + 1) * (ncols / 4); c0 += 16) {
-      float acc[4][2][4];
-      tri_product(src, ld, c0, acc);
-#pragma unroll
-      for (int Ib = 0; Ib < 4; ++Ib)
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const float x0 = acc[Ib][nt][2 * hh], x1 = acc[Ib][nt][2 * hh + 1];
-            u32at(dst + (16 * Ib + g + 8 * hh) * ncols + c0 + 8 * nt + 2 * t) =
-                decltype(neg)::value ? pack(-x0, -x1) : pack(x0, x1);
-          }
-    }
-  };
-  tri_out(std::false_type{}, v_s, LDV, V, reinterpret_cast<bf16*>(blk + Wk::oU));
-  tri_out(std::true_type{}, ck_s, LDK, K, reinterpret_cast<bf16*>(blk + Wk::oW));
+        for (int hh = 0; hh < 2; ++hh)
+          u32at(kto + (16 * Jb + g + 8 * hh) * K + c0 + 8 * nt + 2 * t) = pack(acc[Jb][nt][2 * hh], acc[Jb][nt][2 * hh + 1]);
   }
 }
 
@@ -967,7 +896,6 @@ __global__ void __launch_bounds__(kScanThreads, 1)
             *reinterpret_cast<uint4*>(dk) = make_uint4(0, 0, 0, 0);
           }
         }
-        if (tid < Wk::kRowFactors * kBT / 4) mma::cp_async16(dst + Ly::sRF + tid * 16, blk + Wk::oRF + tid * 16);
       } else {
 #pragma unroll
         for (int m = 3 - kMats; m < 3; ++m) {
@@ -984,14 +912,13 @@ __global__ void __launch_bounds__(kScanThreads, 1)
       for (int j = 0; j < CopyV::J; ++j) {
         const int r = cv.row(j);
         unsigned char* du = dst + Ly::sU + (r * LDV + cv.c8) * 2;
-        if (DELTA && !RAWQK)
-          mma::cp_async16(du, blk + Wk::oU + (r * V + v0 + cv.c8) * 2);
-        else if (r < Lc)  // rows past the sequence are zeros (they meet zero k rows and A columns)
+        if (r < Lc)  // rows past the sequence are zeros (they meet zero k rows and A columns)
           mma::cp_async16(du, v_in + (static_cast<int64_t>(c) * kBT + r) * p.v_s[1]);
         else
           *reinterpret_cast<uint4*>(du) = make_uint4(0, 0, 0, 0);
       }
       if (tid < K / 4) mma::cp_async16(dst + Ly::sDL + tid * 16, blk + Wk::oDL + tid * 16);
+      if (tid < Wk::kRowFactors * kBT / 4) mma::cp_async16(dst + Ly::sRF + tid * 16, blk + Wk::oRF + tid * 16);
     }
     mma::cp_async_commit();
   };
@@ -1017,16 +944,20 @@ __global__ void __launch_bounds__(kScanThreads, 1)
     mma::cp_async_wait_pending(1);
     __syncthreads();  // B1: this chunk's stage landed; S visible
 
-    // Vnew = U + W S (delta rule; else Vnew = v, the stage's v slice) and o = Qg S, sharing the S
-    // fragments. RAWQK: X = k S in place of W S, and Y = beta v - beta ks e^G X in place of Vnew
+    // Delta rule: Y = beta v + W' S (Vnew = Minv Y; without the delta rule Vnew = v, the stage's v
+    // slice) and o = Qg S, sharing the S fragments. RAWQK: X = k S in place of W' S, then
+    // Y = beta v - beta ks e^G X
     float vn[NTH][4], o[NTH][4];
+    const float* rf = reinterpret_cast<const float*>(base + Ly::sRF);
 #pragma unroll
     for (int nt = 0; nt < NTH; ++nt)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         if (DELTA) {
-          const float2 u = RAWQK ? make_float2(0.0f, 0.0f) : bf2(u_s + (bI + g + 8 * hh) * LDV + hc0 + nt * 8 + 2 * t);
-          vn[nt][2 * hh] = u.x, vn[nt][2 * hh + 1] = u.y;
+          const int row = bI + g + 8 * hh;
+          const float2 v2 = RAWQK ? make_float2(0.0f, 0.0f) : bf2(u_s + row * LDV + hc0 + nt * 8 + 2 * t);
+          const float b = RAWQK ? 0.0f : rf[row];
+          vn[nt][2 * hh] = b * v2.x, vn[nt][2 * hh + 1] = b * v2.y;
         }
         o[nt][2 * hh] = 0.0f, o[nt][2 * hh + 1] = 0.0f;
       }
@@ -1049,7 +980,6 @@ __global__ void __launch_bounds__(kScanThreads, 1)
     }
     const bf16* vsrc = DELTA ? vn_s : u_s;
     if constexpr (RAWQK) {  // o = qs e^{G_i} (q S); Y = beta_i v_i - beta_i ks e^{G_i} X_i
-      const float* rf = reinterpret_cast<const float*>(base + Ly::sRF);
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int row = bI + g + 8 * hh;
