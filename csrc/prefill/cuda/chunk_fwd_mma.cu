@@ -14,12 +14,15 @@
 //      every exponent splits through the first token of i's block, so no factor overflows.
 //      M = I + diag(beta) strict_lower(A_kk); Minv by 16x16 blocks (diagonal blocks by substitution
 //      in fp32, the rest by products).
-//    It writes per chunk: W = -Minv (beta k e^G), U = Minv (beta v), Qg = q e^G,
-//    Kd = k e^{G_last - G} (bf16), tril(A_qk) as bf16 hi + lo (it scales whole rows of o, so it
-//    keeps ~16 bits) and e^{G_last} (fp32): 80.5 KB for K = V = 128.
-//    GDN (scalar gate): no Qg, Kd (their factors are per row): the row factors qs e^{G_i} and
-//    ks e^{G_last - G_i} instead, and tril(A_qk) in one bf16 plane (as FLA keeps it), 41 KB; the
-//    scan reads q and k from the input.
+//    Vnew = U + W S with U = Minv (beta v), W = -Minv (beta k e^G) is Minv Y, Y = beta v + W' S,
+//    W' = -beta k e^G; so the prep never forms U or W (nor reads v): o's intra-chunk part
+//    tril(A_qk) Vnew = AM Y with AM = tril(A_qk) Minv, and the update Kd^T Vnew = Kt^T Y with
+//    Kt = Minv^T Kd. It writes per chunk: W', Qg = q e^G, Kt (Kd = k e^{G_last - G}), AM as bf16
+//    hi + lo (it scales whole rows of o, so it keeps ~16 bits; the product from fp32 tril(A_qk)),
+//    beta and e^{G_last} (fp32): 64.5 KB for K = 128.
+//    GDN (scalar gate): no W', Qg (their factors are per row): the scan reads q and k from the
+//    input and applies the row factors qs e^{G_i} (to q S) and -beta ks e^{G_i} (to k S); Kt =
+//    Minv^T diag(ks e^{G_last - G}) k in the W slot, AM in one bf16 plane (as FLA keeps A), 25 KB.
 //    GLA (no delta rule, no bound): only A_qk (one plane), Qg, Kd and e^{G_last} (40.5 KB). Off the diagonal
 //    the right operand goes through the end of its own block, Kt_j = k_j e^{G_eJ - G_j}, and the
 //    left through E'_IJ = e^{G_bI - G_eJ}: all three factors <= 1 for any decay. Diagonal blocks
@@ -29,36 +32,34 @@
 //    a time through a per-warp scratch in the Minv buffer). No Kr tile: 56 KB, four CTAs per SM.
 //  scan (one CTA per sequence, value head and VB columns of V, chunks in order, the state slice
 //    S (K x VB, fp32) in registers; 8 warps, the second four on the other half of the columns):
-//    Vnew = U + W S;  o = Qg S + tril(A_qk) Vnew;
-//    S = e^{G_last} S + Kd^T Vnew. The next chunk's workspace streams in by cp.async (2 stages).
-//    GDN: Qg S = diag(qs e^G) (q S) scales rows of the accumulator; Kd^T Vnew = k^T Vd with
-//    Vd = diag(ks e^{G_last - G}) Vnew, a second bf16 copy of Vnew.
-//    Without the delta rule Vnew = v, read from the input into the U slot of the stage.
+//    Y = beta v + W' S (v read from the input);  o = Qg S + AM Y;  S = e^{G_last} S + Kt^T Y.
+//    The next chunk's workspace streams in by cp.async (2 stages). GDN: Qg S = diag(qs e^G) (q S)
+//    and W' S = diag(-beta ks e^G) (k S) scale rows of the accumulators.
+//    Without the delta rule Vnew = v (the stage's v slice): o = Qg S + tril(A_qk) v, S += Kd^T v.
 // The in-block exponent bound (<= 15 |lower_bound|) is why the dispatch table sends only bounded
 // KDA gates (lower_bound >= -5) here; unbounded KDA gates take the recurrent kernel.
 //
 // prep: 4 warps; warp w owns chunk rows 16w..16w+15 for the element-wise work (norms, gate, el,
-// Kr, k e^G or Kt, Kd, Qg); the ten lower 16x16 block pairs of A are dealt round-robin to the
-// warps and U, W are split by column quarters, so the triangle costs every warp the same. The gate
+// Kr, W' or Kt, Kd, Qg); the ten lower 16x16 block pairs of A (and of AM) are dealt round-robin to
+// the warps and Kt is split by column quarters, so the triangle costs every warp the same. The gate
 // goes into registers in the A-fragment layout (KDA with a bf16 gate: from a tile copied into TB and
 // TAB with q and k; otherwise from global memory, one k-step ahead); its cumulative sum inside a
 // 16-row block is a shuffle scan (block_scan), the block sums meet in shared memory. The code is
 // kept small on purpose (rolled k-step loops): a fully unrolled body thrashed the instruction cache
 // (docs/NOTES.md).
 // Shared buffers (K = V = 128: ~75 KB, three CTAs per SM): R1 q tile -> q el -> M (fp32);
-// KRAW k tile -> k el (or Kt) -> beta k e^G; KR Kr -> v tile (-> beta v; absent for GLA); TB + TAB
+// KRAW k tile -> k el (or Kt) -> Kd; KR Kr -> tril(A_qk) in fp32 (absent for GLA); TB + TAB
 // KDA's bf16 gate tile until the block sums are out; TB Minv (or the exact path's scratch, row
 // factors and steep flags); TAB per-channel exponent rows; BT block sums and
 // dt_bias; per-row beta, scalar gate and fp32 q.k.
 // Barriers: B_a0 tiles in; B_b block sums; B_c Kr and table; B_c2 pair products done; B_d tiles
-// free; B_e M; B_f diagonal inverses; B_g Minv and v in; one more after beta v (GLA stops after
-// writing A_qk).
+// free; B_e M and tril(A_qk); B_f diagonal inverses; B_g Minv (GLA stops after writing A_qk).
 // scan: 8 warps; warp w owns rows 16(w%4).. of the token-side products and channels (w%4)*K/4..
-// of the state, for half w/4 of the slice's columns. Two stages of (W, Qg, Kd, tril(A_qk) hi and
-// lo, U or v slice, e^{G_last}), S (bf16) and Vnew (bf16): 188 KB for K = 128, VB = 64, one CTA
-// per SM (GLA: no W, no Vnew; GDN: raw q, k in the Qg, Kd slots, row factors and Vd: 194 KB).
-// Barriers per chunk: B1 stage in and S written; B2 Vnew written (delta rule); B3 stage, S and
-// Vnew free.
+// of the state, for half w/4 of the slice's columns. Two stages of (W', Qg, Kt, AM hi and lo,
+// v slice, e^{G_last}, row factors), S (bf16) and Y (bf16): 188 KB for K = 128, VB = 64, one CTA
+// per SM (GLA: no W', no Y; GDN: Kt, raw q, k in the W', Qg, Kd slots).
+// Barriers per chunk: B1 stage in and S written; B2 Y written (delta rule); B3 stage, S and Y
+// free.
 #include <cub/block/block_scan.cuh>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -91,11 +92,12 @@ constexpr int kScanThreads = 256;  // scan
 
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
 
-// Workspace block of one (chunk, value head), in bytes; without the delta rule there is no W and
-// no U (the scan reads v from the input). RAWQK (scalar gate with the delta rule: GDN): no Qg, Kd
-// tiles; their factors are per row, so the scan reads q, k from the input and applies the row
-// factors RF = (qs e^{G_i}, ks e^{G_last - G_i}) to o = q S and to Vnew in the state update.
-// tril(A_qk) as bf16 hi + lo planes for KDA; one bf16 plane for GDN and GLA (as FLA keeps A).
+// Workspace block of one (chunk, value head), in bytes; without the delta rule there is no W'
+// (the scan reads v from the input, as it does with the delta rule). RAWQK (scalar gate with the
+// delta rule: GDN): no W', Qg tiles; their factors are per row, so the scan reads q, k from the
+// input and applies the row factors. The A slot holds tril(A_qk) (no delta rule) or AM =
+// tril(A_qk) Minv, as bf16 hi + lo planes for KDA and one bf16 plane for GDN and GLA (as FLA
+// keeps A).
 constexpr int a_planes(bool delta, bool rawqk) { return delta && !rawqk ? 2 : 1; }
 // per-row factors: KDA beta_i; GDN qs e^{G_i}, beta_i and -beta_i ks e^{G_i}
 constexpr int row_factors(bool delta, bool rawqk) { return rawqk ? 3 : delta ? 1 : 0; }
@@ -139,9 +141,8 @@ struct PrepLayout {
 // instead (exact for any decay).
 constexpr float kSteepSpan = 64.0f;
 
-// sU holds U (delta rule) or the v slice read from the input; Vnew exists only with the delta rule.
-// RAWQK: sQ and sKd hold the raw q and k, sRF the row factors, and VD the rows of Vnew scaled by
-// ks e^{G_last - G_i} for the state update.
+// sU holds the v slice read from the input; Y (in VN) exists only with the delta rule. RAWQK: sW
+// holds Kt, sQ and sKd the raw q and k.
 template <int K, int VB, bool DELTA, bool RAWQK>
 struct ScanLayout {
   static constexpr int LDK = K + 8, LDV = VB + 8, LDT = kBT + 8;
@@ -933,7 +934,7 @@ __global__ void __launch_bounds__(kScanThreads, 1)
     const bf16* qg_s = reinterpret_cast<const bf16*>(base + Ly::sQ);
     const bf16* kd_s = reinterpret_cast<const bf16*>(base + Ly::sKd);
     const bf16* a_s = reinterpret_cast<const bf16*>(base + Ly::sA);
-    const bf16* u_s = reinterpret_cast<const bf16*>(base + Ly::sU);
+    const bf16* vin_s = reinterpret_cast<const bf16*>(base + Ly::sU);
     const float* dl_s = reinterpret_cast<const float*>(base + Ly::sDL);
     const int64_t t0 = sq.bos + static_cast<int64_t>(c) * kBT;
     const int Lc = static_cast<int>(min(int64_t{kBT}, sq.eos - t0));
@@ -955,7 +956,7 @@ __global__ void __launch_bounds__(kScanThreads, 1)
       for (int hh = 0; hh < 2; ++hh) {
         if (DELTA) {
           const int row = bI + g + 8 * hh;
-          const float2 v2 = RAWQK ? make_float2(0.0f, 0.0f) : bf2(u_s + row * LDV + hc0 + nt * 8 + 2 * t);
+          const float2 v2 = RAWQK ? make_float2(0.0f, 0.0f) : bf2(vin_s + row * LDV + hc0 + nt * 8 + 2 * t);
           const float b = RAWQK ? 0.0f : rf[row];
           vn[nt][2 * hh] = b * v2.x, vn[nt][2 * hh + 1] = b * v2.y;
         }
@@ -978,7 +979,7 @@ __global__ void __launch_bounds__(kScanThreads, 1)
         mma::mma16816(o[2 * np + 1], aq, b[2], b[3]);
       }
     }
-    const bf16* vsrc = DELTA ? vn_s : u_s;
+    const bf16* vsrc = DELTA ? vn_s : vin_s;
     if constexpr (RAWQK) {  // o = qs e^{G_i} (q S); Y = beta_i v_i - beta_i ks e^{G_i} X_i
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
@@ -987,7 +988,7 @@ __global__ void __launch_bounds__(kScanThreads, 1)
 #pragma unroll
         for (int nt = 0; nt < NTH; ++nt) {
           o[nt][2 * hh] *= fq, o[nt][2 * hh + 1] *= fq;
-          const float2 v2 = bf2(u_s + row * LDV + hc0 + nt * 8 + 2 * t);
+          const float2 v2 = bf2(vin_s + row * LDV + hc0 + nt * 8 + 2 * t);
           vn[nt][2 * hh] = fv * v2.x + fx * vn[nt][2 * hh];
           vn[nt][2 * hh + 1] = fv * v2.y + fx * vn[nt][2 * hh + 1];
         }
