@@ -115,17 +115,20 @@ struct Work {
   static_assert(bytes % 16 == 0, "16-byte aligned blocks");
 };
 
-template <int K, int V, bool DELTA>
+// SCALAR (GDN): no Kr, no exponent table, no per-channel block sums (tril(A_qk) goes to R1 once
+// Minv is out): ~45 KB at K = 128, four CTAs per SM.
+template <int K, bool DELTA, bool SCALAR>
 struct PrepLayout {
   static constexpr int LDK = K + 8, LDT = kBT + 8, MS = kBT + 4;
   static constexpr int oR1 = 0;
   static constexpr int oKRAW = oR1 + cmax(kBT * LDK * 2, kBT * MS * 4);
   static constexpr int oKR = oKRAW + kBT * LDK * 2;
-  // Kr (KDA), then tril(A_qk) in fp32 (delta rule); nothing without the delta rule
-  static constexpr int oTB = oKR + (DELTA ? cmax(kBT * LDK * 2, kBT * MS * 4) : 0);
+  // Kr, then tril(A_qk) in fp32 (KDA); nothing without the delta rule or for scalar gates
+  static constexpr int oTB = oKR + (DELTA && !SCALAR ? cmax(kBT * LDK * 2, kBT * MS * 4) : 0);
   static constexpr int oTAB = oTB + kBT * LDT * 2;
-  static constexpr int oBT = oTAB + 15 * K * 4;  // per block: gate sum and first gate, per channel
-  static constexpr int oBETA = oBT + 9 * K * 4;
+  // per block: gate sum and first gate, per channel; dt_bias (scalar gates: G, qs, ks per row)
+  static constexpr int oBT = oTAB + (SCALAR ? 0 : 15 * K * 4);
+  static constexpr int oBETA = oBT + (SCALAR ? 3 * kBT * 4 : 9 * K * 4);
   static constexpr int oGS = oBETA + kBT * 4;
   static constexpr int oQK = oGS + kBT * 4;  // q.k of each row, fp32 (the diagonal of A_qk)
   static constexpr int bytes = oQK + kBT * 4;
@@ -162,10 +165,10 @@ __device__ __forceinline__ uint32_t& u32at(bf16* p) { return *reinterpret_cast<u
 __device__ __forceinline__ float2 bf2(const bf16* p) { return unpack(*reinterpret_cast<const uint32_t*>(p)); }
 
 template <int K, int V, bool SCALAR, bool DELTA>
-__global__ void __launch_bounds__(kThreads, DELTA ? 3 : 4)
+__global__ void __launch_bounds__(kThreads, DELTA && !SCALAR ? 3 : 4)
     chunk_prep_kernel(const FwdParams p, const int32_t* __restrict__ chunk_base, unsigned char* __restrict__ work) {
   static_assert(DELTA || !SCALAR, "scalar gates without the delta rule take chunk_fwd_fused");
-  using Ly = PrepLayout<K, V, DELTA>;
+  using Ly = PrepLayout<K, DELTA, SCALAR>;
   using Wk = Work<K, V, DELTA, SCALAR>;  // scalar gates come with the delta rule here
   constexpr int LDK = Ly::LDK, LDT = Ly::LDT, MS = Ly::MS;
   constexpr int KS = K / 16;
@@ -267,7 +270,7 @@ __global__ void __launch_bounds__(kThreads, DELTA ? 3 : 4)
       gs_s[tid] = gsr;
     }
   }
-  if (tid < K)
+  if (!SCALAR && tid < K)
     bias_s[tid] = (p.gate_in_kernel && p.dt_bias && p.dt_bias_per_channel) ? dev::ld(p.dt_bias, p.bias_dt, hv * K + tid)
                                                                             : head_bias;
   // Raw per-channel gate of one k-step of the A-fragment elements of the block from row r0:
@@ -657,9 +660,10 @@ __global__ void __launch_bounds__(kThreads, DELTA ? 3 : 4)
 
   // ---- M = I + diag(beta) strict_lower(A_kk) for this warp's pairs; tril(A_qk) out (blocks
   // above the diagonal of this warp's row block are zeros). Delta rule: tril(A_qk) in fp32 into
-  // the Kr buffer instead, for the product tril(A_qk) Minv
-  float* af_s = reinterpret_cast<float*>(smem + Ly::oKR);
-  static_assert(!DELTA || Ly::oTB - Ly::oKR >= kBT * MS * 4, "fp32 A_qk fits the Kr buffer");
+  // the Kr buffer instead (GDN: kept in registers until M is consumed, then into R1), for the
+  // product tril(A_qk) Minv
+  float* af_s = reinterpret_cast<float*>(smem + (SCALAR ? Ly::oR1 : Ly::oKR));
+  static_assert(!DELTA || SCALAR || Ly::oTB - Ly::oKR >= kBT * MS * 4, "fp32 A_qk fits the Kr buffer");
   {
     bf16* aqo = reinterpret_cast<bf16*>(blk + Wk::oA);
 #pragma unroll
@@ -680,7 +684,9 @@ __global__ void __launch_bounds__(kThreads, DELTA ? 3 : 4)
           }
           const float a0 = gj > gi ? 0.0f : gj == gi ? qk_s[gi] : aqk[q][nt][2 * hh];
           const float a1 = gj + 1 > gi ? 0.0f : gj + 1 == gi ? qk_s[gi] : aqk[q][nt][2 * hh + 1];
-          if (DELTA)
+          if (SCALAR)
+            aqk[q][nt][2 * hh] = a0, aqk[q][nt][2 * hh + 1] = a1;
+          else if (DELTA)
             *reinterpret_cast<float2*>(af_s + gi * MS + gj) = make_float2(a0, a1);
           else
             u32at(aqo + gi * kBT + gj) = pack(a0, a1);
@@ -754,6 +760,19 @@ __global__ void __launch_bounds__(kThreads, DELTA ? 3 : 4)
     __syncwarp();
   }
   __syncthreads();  // B_g: Minv complete
+  if constexpr (SCALAR) {  // tril(A_qk) from registers into R1 (M is consumed)
+#pragma unroll
+    for (int q = 0; q < 3; ++q) {
+      if (pi[q] < 0) continue;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+          *reinterpret_cast<float2*>(af_s + (16 * pi[q] + g + 8 * hh) * MS + 16 * pj[q] + nt * 8 + 2 * t) =
+              make_float2(aqk[q][nt][2 * hh], aqk[q][nt][2 * hh + 1]);
+    }
+    __syncthreads();  // B_h: tril(A_qk) visible
+  }
 
   // Vnew = U + W S = Minv Y with Y = beta v + W' S, W' = -beta k e^G (the scan forms Y from v read
   // from the input), so the intra-chunk part of o is A Vnew = (tril(A_qk) Minv) Y and the state
@@ -1058,7 +1077,7 @@ void run(const Recurrence& r, const FwdParams& p, int device, cudaStream_t strea
   unsigned char* work = static_cast<unsigned char*>(ws) + base_bytes;
   if (p.cu) chunk::launch_chunk_base(p, chunk_base, stream);
   using Scan = ScanLayout<K, VB, DELTA, RAWQK>;
-  using Prep = PrepLayout<K, V, DELTA>;
+  using Prep = PrepLayout<K, DELTA, SCALAR>;
   chunk::allow_smem(chunk_prep_kernel<K, V, SCALAR, DELTA>, Prep::bytes);
   chunk_prep_kernel<K, V, SCALAR, DELTA>
       <<<static_cast<unsigned>(prep_blocks), kThreads, Prep::bytes, stream>>>(p, chunk_base, work);
