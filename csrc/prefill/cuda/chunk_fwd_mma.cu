@@ -126,12 +126,14 @@ struct PrepLayout {
   // Kr, then tril(A_qk) in fp32 (KDA); nothing without the delta rule or for scalar gates
   static constexpr int oTB = oKR + (DELTA && !SCALAR ? cmax(kBT * LDK * 2, kBT * MS * 4) : 0);
   static constexpr int oTAB = oTB + kBT * LDT * 2;
-  // per block: gate sum and first gate, per channel; dt_bias (scalar gates: G, qs, ks per row)
-  static constexpr int oBT = oTAB + (SCALAR ? 0 : 15 * K * 4);
+  // per block: gate sum and first gate, per channel; dt_bias. Scalar gates: G, qs, ks per row,
+  // and with the other per-row values inside TB (all dead once M is complete, before Minv)
+  static constexpr int oBT = SCALAR ? oTB : oTAB + 15 * K * 4;
   static constexpr int oBETA = oBT + (SCALAR ? 3 * kBT * 4 : 9 * K * 4);
   static constexpr int oGS = oBETA + kBT * 4;
   static constexpr int oQK = oGS + kBT * 4;  // q.k of each row, fp32 (the diagonal of A_qk)
-  static constexpr int bytes = oQK + kBT * 4;
+  static constexpr int bytes = SCALAR ? oTAB : oQK + kBT * 4;
+  static_assert(!SCALAR || oQK + kBT * 4 <= oTAB, "per-row values fit TB");
   // Without the delta rule TB (no Minv) holds the exact path of steep diagonal blocks: per warp the
   // local gate (16 x 16 fp32) and raw q, k (16 x 16 bf16) of one k-step; then the row factors of
   // q and k and a steep flag per block.
@@ -165,7 +167,7 @@ __device__ __forceinline__ uint32_t& u32at(bf16* p) { return *reinterpret_cast<u
 __device__ __forceinline__ float2 bf2(const bf16* p) { return unpack(*reinterpret_cast<const uint32_t*>(p)); }
 
 template <int K, int V, bool SCALAR, bool DELTA>
-__global__ void __launch_bounds__(kThreads, DELTA && !SCALAR ? 3 : 4)
+__global__ void __launch_bounds__(kThreads, DELTA && !SCALAR ? 3 : SCALAR ? 5 : 4)
     chunk_prep_kernel(const FwdParams p, const int32_t* __restrict__ chunk_base, unsigned char* __restrict__ work) {
   static_assert(DELTA || !SCALAR, "scalar gates without the delta rule take chunk_fwd_fused");
   using Ly = PrepLayout<K, DELTA, SCALAR>;
