@@ -947,6 +947,7 @@ __global__ void __launch_bounds__(kScanThreads, 1)
 
   stage_in(0, 0);
   stage_in(1, 1);
+  if (DELTA) S.to_smem(s_s, LDV);
   bf16* og = static_cast<bf16*>(p.out);
   for (int c = 0; c < nchunks; ++c) {
     const int st = c & 1;
@@ -960,8 +961,9 @@ __global__ void __launch_bounds__(kScanThreads, 1)
     const int64_t t0 = sq.bos + static_cast<int64_t>(c) * kBT;
     const int Lc = static_cast<int>(min(int64_t{kBT}, sq.eos - t0));
 
-    // S (bf16) for the products; intermediate state (chunk start)
-    S.to_smem(s_s, LDV);
+    // S (bf16) for the products (with the delta rule written at the end of the chunk before);
+    // intermediate state (chunk start)
+    if (!DELTA) S.to_smem(s_s, LDV);
     if (p.inter) S.store(p, p.inter, p.inter_dt, cbase + c, hv);
     mma::cp_async_wait_pending(1);
     __syncthreads();  // B1: this chunk's stage landed; S visible
@@ -1024,6 +1026,11 @@ __global__ void __launch_bounds__(kScanThreads, 1)
       __syncthreads();  // B2: Vnew (RAWQK: Y) visible
     }
 
+    // S = e^{G_last} S + Kd^T Vnew (RAWQK: Kt^T Y, Kt in the W slot), issued first so that its mma
+    // latency hides behind o's products; with the delta rule its bf16 copy for the next chunk goes
+    // out after them (every warp read this chunk's copy before B2)
+    S.update(RAWQK ? w_s : kd_s, LDK, vsrc, LDV, [&](int ch) { return dl_s[ch]; }, lane);
+
     // o += tril(A_qk) Vnew (RAWQK: (tril(A_qk) Minv) Y); store
 #pragma unroll
     for (int Jb = 0; Jb < 4; ++Jb) {
@@ -1044,6 +1051,7 @@ __global__ void __launch_bounds__(kScanThreads, 1)
         }
       }
     }
+    if (DELTA) S.to_smem(s_s, LDV);
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int row = bI + g + 8 * hh;
@@ -1052,10 +1060,7 @@ __global__ void __launch_bounds__(kScanThreads, 1)
 #pragma unroll
       for (int nt = 0; nt < NTH; ++nt) u32at(dst + nt * 8) = pack(o[nt][2 * hh], o[nt][2 * hh + 1]);
     }
-
-    // S = e^{G_last} S + Kd^T Vnew (RAWQK: Kt^T Y, Kt in the W slot)
-    S.update(RAWQK ? w_s : kd_s, LDK, vsrc, LDV, [&](int ch) { return dl_s[ch]; }, lane);
-    __syncthreads();  // B3: stage st, S and Vnew no longer read
+    __syncthreads();  // B3: stage st, S (no delta rule) and Vnew no longer read
     stage_in(c + 2, st);
   }
 
