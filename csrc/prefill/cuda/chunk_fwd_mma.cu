@@ -658,7 +658,9 @@ __global__ void __launch_bounds__(kThreads, DELTA && !SCALAR ? 3 : SCALAR ? 5 : 
       if (tid < K) reinterpret_cast<float*>(blk + Wk::oDL)[tid] = tab[kTabLast * K + tid];
     }
   }
-  if (DELTA) __syncthreads();  // B_d: q tile and Kr no longer read (they take M and A)
+  // B_d: q tile and Kr no longer read (they take M and A); GDN reads neither after B_c2 (each warp
+  // rewrites only its own rows of the k tile)
+  if (DELTA && !SCALAR) __syncthreads();
 
   // ---- M = I + diag(beta) strict_lower(A_kk) for this warp's pairs; tril(A_qk) out (blocks
   // above the diagonal of this warp's row block are zeros). Delta rule: tril(A_qk) in fp32 into
