@@ -640,23 +640,20 @@ __global__ void __launch_bounds__(kThreads, DELTA && !SCALAR ? 3 : SCALAR ? 5 : 
     if (tid < K) reinterpret_cast<float*>(blk + Wk::oDL)[tid] = tab[kTabLast * K + tid];
   } else {
     // Kd = Kt e^{G_last - G_eI} for this warp's rows, to the workspace (no delta rule)
-    {
-      bf16* kdo = reinterpret_cast<bf16*>(blk + Wk::oKd);
-      const bf16* kd_src = k_s;
-      for (int idx = lane; idx < 16 * (K / 8); idx += 32) {
-        const int row = bI + idx / (K / 8), c8 = (idx % (K / 8)) * 8;
-        uint4 kv = *reinterpret_cast<const uint4*>(kd_src + row * LDK + c8);
-        const float* ed = tab + (kTabEd + I) * K + c8;
-        uint32_t* w = reinterpret_cast<uint32_t*>(&kv);
+    bf16* kdo = reinterpret_cast<bf16*>(blk + Wk::oKd);
+    for (int idx = lane; idx < 16 * (K / 8); idx += 32) {
+      const int row = bI + idx / (K / 8), c8 = (idx % (K / 8)) * 8;
+      uint4 kv = *reinterpret_cast<const uint4*>(k_s + row * LDK + c8);
+      const float* ed = tab + (kTabEd + I) * K + c8;
+      uint32_t* w = reinterpret_cast<uint32_t*>(&kv);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 x = unpack(w[j]);
-          w[j] = pack(x.x * ed[2 * j], x.y * ed[2 * j + 1]);
-        }
-        *reinterpret_cast<uint4*>(kdo + row * K + c8) = kv;
+      for (int j = 0; j < 4; ++j) {
+        const float2 x = unpack(w[j]);
+        w[j] = pack(x.x * ed[2 * j], x.y * ed[2 * j + 1]);
       }
-      if (tid < K) reinterpret_cast<float*>(blk + Wk::oDL)[tid] = tab[kTabLast * K + tid];
+      *reinterpret_cast<uint4*>(kdo + row * K + c8) = kv;
     }
+    if (tid < K) reinterpret_cast<float*>(blk + Wk::oDL)[tid] = tab[kTabLast * K + tid];
   }
   // B_d: q tile and Kr no longer read (they take M and A); GDN reads neither after B_c2 (each warp
   // rewrites only its own rows of the k tile)
