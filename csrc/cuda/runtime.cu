@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
 
 #include "cuda/check.cuh"
 #include "cuda/cuda_ops.h"
@@ -77,6 +78,15 @@ int cuda_device_arch(int device) { return cached_attribute(arch_cache, device, q
 
 int cuda_sm_count(int device) { return cached_attribute(sm_cache, device, query_sm_count); }
 
-int cuda_smem_per_block(int device) { return cached_attribute(smem_cache, device, query_smem_per_block); }
+int cuda_smem_per_block(int device) {
+  const int n = cached_attribute(smem_cache, device, query_smem_per_block);
+  // CULA_MAX_SMEM_PER_BLOCK caps it (bytes): the kernels then plan as on a device with less shared
+  // memory (e.g. 166912 for an A100), so those paths are testable on a larger one. Read per call.
+  if (const char* cap = std::getenv("CULA_MAX_SMEM_PER_BLOCK")) {
+    const long v = std::strtol(cap, nullptr, 10);
+    if (v > 0 && v < n) return static_cast<int>(v);
+  }
+  return n;
+}
 
 }  // namespace cula

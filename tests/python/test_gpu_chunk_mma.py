@@ -99,7 +99,7 @@ def _check(rng, c):
                        device="cuda")
     got = cula.chunk_fwd(fam, **dev, cu_seqlens=None if cu is None else cu.cuda(), out=out, final_state_out=final, **kw)
     torch.cuda.synchronize()
-    assert cula.last_kernel() == KERNEL[fam], f"dispatch chose {cula.last_kernel()!r}"
+    assert cula.last_kernel() == c.get("kernel", KERNEL[fam]), f"dispatch chose {cula.last_kernel()!r}"
     assert torch.isfinite(out.float()).all(), "unwritten or non-finite output"
     assert torch.isfinite(final.float()).all(), "unwritten or non-finite final state"
     errs = [rel(out.float().cpu().numpy(), ref[0].float().numpy()), rel(final.float().cpu().numpy(), ref[1].float().numpy())]
@@ -255,6 +255,20 @@ def test_fused_eight_warp_kernel(rng, family, K, V, monkeypatch):
                 gdt=torch.float32, l2=True, bsig=False, lb=None, h0=True)
     _check(rng, dict(base, seqlens=[65, 0, 1, 200, 64], B=1, T=0, inter=False))
     _check(rng, dict(base, seqlens=None, B=2, T=257, inter=True))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chunk_forward_within_an_a100_shared_memory_limit(rng, family, monkeypatch):
+    """CULA_MAX_SMEM_PER_BLOCK at an A100's 163 KB per block: KDA at K = 128 (its scan needs 165-185 KB)
+    takes the recurrent kernel; GDN at K = V = 128 with more 32-column slices than SMs takes 32-column
+    slices (the 64-column scan needs 171.5 KB); simple GLA and Lightning the 8-warp fused kernel.
+    Every one against the oracle."""
+    monkeypatch.setenv("CULA_MAX_SMEM_PER_BLOCK", "166912")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    c = dict(family=family, gin=True, K=128, V=128, H=sms // 4 + 1, group=1, seqlens=None, B=1, T=100,
+             layout="k_last", sdt=torch.float32, gdt=torch.bfloat16, l2=True, bsig=True, lb=-5.0, h0=True,
+             inter=False, kernel="cuda" if family == "kda" else KERNEL[family])
+    _check(rng, c)
 
 
 @pytest.mark.parametrize("layout", ["batch", "varlen", "slots", "short", "long"])

@@ -1143,6 +1143,16 @@ cudaMemPool_t chunk_workspace_pool(int device) {
   return pools[device];
 }
 
+// Shared memory of the scan for a family at head size K and slice width VB (the prep needs less).
+template <int K>
+int scan_bytes(const Recurrence& r, int vb) {
+  if (!r.tr.delta) return vb == 32 ? ScanLayout<K, 32, false, false>::bytes : ScanLayout<K, 64, false, false>::bytes;
+  if (r.tr.gate != GateKind::PerChannel)
+    return vb == 32 ? ScanLayout<K, 32, true, true>::bytes : ScanLayout<K, 64, true, true>::bytes;
+  return vb == 32 ? ScanLayout<K, 32, true, false>::bytes : ScanLayout<K, 64, true, false>::bytes;
+}
+int scan_bytes(const Recurrence& r, int vb) { return r.K == 64 ? scan_bytes<64>(r, vb) : scan_bytes<128>(r, vb); }
+
 bool chunk_fwd_mma_accepts(const Recurrence& r, const cula_chunk_fwd_args& a) {
   if (!r.tr.delta && r.tr.gate != GateKind::PerChannel) return false;  // simple GLA, Lightning: chunk_fwd_fused
   if (r.tr.gate == GateKind::PerChannel) {
@@ -1158,15 +1168,18 @@ bool chunk_fwd_mma_accepts(const Recurrence& r, const cula_chunk_fwd_args& a) {
   for (const cula_tensor* t : std::initializer_list<const cula_tensor*>{a.q, a.k, a.v, a.out})
     if (t->dtype != CULA_BFLOAT16 || !chunk::aligned16(t)) return false;
   if (a.initial_state && !is_contiguous(*a.initial_state)) return false;
-  return cuda_device_arch(a.q->device_id) >= 80;  // mma.sync bf16, ldmatrix, cp.async
+  if (cuda_device_arch(a.q->device_id) < 80) return false;  // mma.sync bf16, ldmatrix, cp.async
+  // The scan's two stages must fit (KDA at K = 128 needs 165-185 KB: more than an A100's 163 KB,
+  // so there the recurrent kernel takes it)
+  return scan_bytes(r, 32) <= cuda_smem_per_block(a.q->device_id);
 }
 
 template <int K, int V, bool SCALAR, bool DELTA>
 void run_vb(const Recurrence& r, const FwdParams& p, int device, cudaStream_t stream) {
   // The scan has one CTA per (sequence, head, V slice), one CTA per SM: slices of 32 when those
-  // still fit in one wave, else 64.
+  // still fit in one wave (or when 64 columns do not fit the device's shared memory), else 64.
   const int sms = cuda_sm_count(device);
-  if (r.N * r.HV * (V / 32) <= sms)
+  if (r.N * r.HV * (V / 32) <= sms || ScanLayout<K, 64, DELTA, SCALAR>::bytes > cuda_smem_per_block(device))
     run<K, V, 32, SCALAR, DELTA>(r, p, device, stream);
   else
     run<K, V, 64, SCALAR, DELTA>(r, p, device, stream);
