@@ -259,15 +259,14 @@ def test_fused_eight_warp_kernel(rng, family, K, V, monkeypatch):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_chunk_forward_within_an_a100_shared_memory_limit(rng, family, monkeypatch):
-    """CULA_MAX_SMEM_PER_BLOCK at an A100's 163 KB per block: KDA at K = 128 (its scan needs 165-185 KB)
-    takes the recurrent kernel; GDN at K = V = 128 with more 32-column slices than SMs takes 32-column
-    slices (the 64-column scan needs 171.5 KB); simple GLA and Lightning the 8-warp fused kernel.
-    Every one against the oracle."""
+    """CULA_MAX_SMEM_PER_BLOCK at an A100's 163 KB per block: KDA at K = V = 128 with more 32-column slices
+    than SMs takes 32-column slices (159.5 KB; the 64-column scan needs 175.5 KB), simple GLA and Lightning
+    the 8-warp fused kernel, GDN and GLA their usual scans. Every one against the oracle."""
     monkeypatch.setenv("CULA_MAX_SMEM_PER_BLOCK", "166912")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     c = dict(family=family, gin=True, K=128, V=128, H=sms // 4 + 1, group=1, seqlens=None, B=1, T=100,
              layout="k_last", sdt=torch.float32, gdt=torch.bfloat16, l2=True, bsig=True, lb=-5.0, h0=True,
-             inter=False, kernel="cuda" if family == "kda" else KERNEL[family])
+             inter=False)
     _check(rng, c)
 
 

@@ -56,10 +56,10 @@
 // free; B_e M and tril(A_qk); B_f diagonal inverses; B_g Minv (GLA stops after writing A_qk).
 // scan: 8 warps; warp w owns rows 16(w%4).. of the token-side products and channels (w%4)*K/4..
 // of the state, for half w/4 of the slice's columns. Two stages of (W', Qg, Kt, AM hi and lo,
-// v slice, e^{G_last}, row factors), S (bf16) and Y (bf16): 188 KB for K = 128, VB = 64, one CTA
-// per SM (GLA: no W', no Y; GDN: Kt, raw q, k in the W', Qg, Kd slots).
-// Barriers per chunk: B1 stage in and S written; B2 Y written (delta rule); B3 stage, S and Y
-// free.
+// v slice (Y in its place), e^{G_last}, row factors) and S (bf16): 180 KB for K = 128, VB = 64,
+// one CTA per SM (163 KB at VB = 32, which an A100 block holds; GLA: no W'; GDN: Kt, raw q, k in
+// the W', Qg, Kd slots).
+// Barriers per chunk: B1 stage in and S written; B2 Y written (delta rule); B3 stage free.
 #include <cub/block/block_scan.cuh>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -146,7 +146,7 @@ struct PrepLayout {
 // instead (exact for any decay).
 constexpr float kSteepSpan = 64.0f;
 
-// sU holds the v slice read from the input; Y (in VN) exists only with the delta rule. RAWQK: sW
+// sU holds the v slice read from the input, replaced in place by Y with the delta rule. RAWQK: sW
 // holds Kt, sQ and sKd the raw q and k.
 template <int K, int VB, bool DELTA, bool RAWQK>
 struct ScanLayout {
@@ -154,7 +154,7 @@ struct ScanLayout {
   static constexpr int sW = 0, sQ = sW + (DELTA ? kBT * LDK * 2 : 0), sKd = sQ + kBT * LDK * 2, sA = sKd + kBT * LDK * 2,
                        sU = sA + a_planes(DELTA, RAWQK) * kBT * LDT * 2, sDL = sU + kBT * LDV * 2, sRF = sDL + K * 4,
                        stage = sRF + row_factors(DELTA, RAWQK) * kBT * 4;
-  static constexpr int oS = 2 * stage, oVN = oS + K * LDV * 2, bytes = oVN + (DELTA ? kBT * LDV * 2 : 0);
+  static constexpr int oS = 2 * stage, bytes = oS + K * LDV * 2;
 };
 
 // Rows of the per-channel exponent table.
@@ -869,7 +869,6 @@ __global__ void __launch_bounds__(kScanThreads, 1)
   constexpr int NTH = NT / 2;  // n-tiles per warp: warps 4..7 take the second half of the columns
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* s_s = reinterpret_cast<bf16*>(smem + Ly::oS);
-  bf16* vn_s = reinterpret_cast<bf16*>(smem + Ly::oVN);
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int I = warp & 3, bI = 16 * I, hc0 = (warp >> 2) * (VB / 2);
@@ -955,7 +954,9 @@ __global__ void __launch_bounds__(kScanThreads, 1)
     const bf16* qg_s = reinterpret_cast<const bf16*>(base + Ly::sQ);
     const bf16* kd_s = reinterpret_cast<const bf16*>(base + Ly::sKd);
     const bf16* a_s = reinterpret_cast<const bf16*>(base + Ly::sA);
-    const bf16* vin_s = reinterpret_cast<const bf16*>(base + Ly::sU);
+    // the v slice; with the delta rule Y replaces it in place (each thread reads exactly the v
+    // elements it later writes Y to)
+    bf16* vin_s = reinterpret_cast<bf16*>(smem + st * Ly::stage + Ly::sU);
     const float* dl_s = reinterpret_cast<const float*>(base + Ly::sDL);
     const int64_t t0 = sq.bos + static_cast<int64_t>(c) * kBT;
     const int Lc = static_cast<int>(min(int64_t{kBT}, sq.eos - t0));
@@ -1001,7 +1002,7 @@ __global__ void __launch_bounds__(kScanThreads, 1)
         mma::mma16816(o[2 * np + 1], aq, b[2], b[3]);
       }
     }
-    const bf16* vsrc = DELTA ? vn_s : vin_s;
+    const bf16* vsrc = vin_s;  // Y (delta rule) or v
     if constexpr (RAWQK) {  // o = qs e^{G_i} (q S); Y = beta_i v_i - beta_i ks e^{G_i} X_i
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
@@ -1021,8 +1022,8 @@ __global__ void __launch_bounds__(kScanThreads, 1)
       for (int nt = 0; nt < NTH; ++nt)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
-          u32at(vn_s + (bI + g + 8 * hh) * LDV + hc0 + nt * 8 + 2 * t) = pack(vn[nt][2 * hh], vn[nt][2 * hh + 1]);
-      __syncthreads();  // B2: Vnew (RAWQK: Y) visible
+          u32at(vin_s + (bI + g + 8 * hh) * LDV + hc0 + nt * 8 + 2 * t) = pack(vn[nt][2 * hh], vn[nt][2 * hh + 1]);
+      __syncthreads();  // B2: Y visible
     }
 
     // S = e^{G_last} S + Kd^T Vnew (RAWQK: Kt^T Y, Kt in the W slot), issued first so that its mma
@@ -1059,7 +1060,7 @@ __global__ void __launch_bounds__(kScanThreads, 1)
 #pragma unroll
       for (int nt = 0; nt < NTH; ++nt) u32at(dst + nt * 8) = pack(o[nt][2 * hh], o[nt][2 * hh + 1]);
     }
-    __syncthreads();  // B3: stage st, S (no delta rule) and Vnew no longer read
+    __syncthreads();  // B3: stage st (and S without the delta rule) no longer read
     stage_in(c + 2, st);
   }
 
@@ -1169,8 +1170,7 @@ bool chunk_fwd_mma_accepts(const Recurrence& r, const cula_chunk_fwd_args& a) {
     if (t->dtype != CULA_BFLOAT16 || !chunk::aligned16(t)) return false;
   if (a.initial_state && !is_contiguous(*a.initial_state)) return false;
   if (cuda_device_arch(a.q->device_id) < 80) return false;  // mma.sync bf16, ldmatrix, cp.async
-  // The scan's two stages must fit (KDA at K = 128 needs 165-185 KB: more than an A100's 163 KB,
-  // so there the recurrent kernel takes it)
+  // The scan's two stages must fit (at K = 128 the 32-column scans do on an A100, 163 KB per block)
   return scan_bytes(r, 32) <= cuda_smem_per_block(a.q->device_id);
 }
 
