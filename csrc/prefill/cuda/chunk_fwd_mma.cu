@@ -1026,12 +1026,13 @@ __global__ void __launch_bounds__(kScanThreads, 1)
       __syncthreads();  // B2: Y visible
     }
 
-    // S = e^{G_last} S + Kd^T Vnew (RAWQK: Kt^T Y, Kt in the W slot), issued first so that its mma
+    // S = e^{G_last} S + Kt^T Y (delta rule: Kt in the Kd slot, GDN's in the W slot; without it
+    // Kd^T v), issued first so that its mma
     // latency hides behind o's products; with the delta rule its bf16 copy for the next chunk goes
     // out after them (every warp read this chunk's copy before B2)
     S.update(RAWQK ? w_s : kd_s, LDK, vsrc, LDV, [&](int ch) { return dl_s[ch]; }, lane);
 
-    // o += tril(A_qk) Vnew (RAWQK: (tril(A_qk) Minv) Y); store
+    // o += AM Y (delta rule; without it tril(A_qk) v); store
 #pragma unroll
     for (int Jb = 0; Jb < 4; ++Jb) {
       if (Jb > I) continue;
