@@ -47,7 +47,8 @@
 // 16-row block is a shuffle scan (block_scan), the block sums meet in shared memory. The code is
 // kept small on purpose (rolled k-step loops): a fully unrolled body thrashed the instruction cache
 // (docs/NOTES.md).
-// Shared buffers (K = V = 128: ~75 KB, three CTAs per SM): R1 q tile -> q el -> M (fp32);
+// Shared buffers (KDA at K = 128: 74.5 KB, three CTAs per SM; GDN 43 KB, five): R1 q tile -> q el
+// -> M (fp32) (GDN: -> tril(A_qk) in fp32 once Minv is out);
 // KRAW k tile -> k el (or Kt) -> Kd; KR Kr -> tril(A_qk) in fp32 (absent for GLA); TB + TAB
 // KDA's bf16 gate tile until the block sums are out; TB Minv (or the exact path's scratch, row
 // factors and steep flags); TAB per-channel exponent rows; BT block sums and
@@ -116,7 +117,7 @@ struct Work {
 };
 
 // SCALAR (GDN): no Kr, no exponent table, no per-channel block sums (tril(A_qk) goes to R1 once
-// Minv is out): ~45 KB at K = 128, four CTAs per SM.
+// Minv is out, the per-row values live in TB until then): 43 KB at K = 128, five CTAs per SM.
 template <int K, bool DELTA, bool SCALAR>
 struct PrepLayout {
   static constexpr int LDK = K + 8, LDT = kBT + 8, MS = kBT + 4;
@@ -586,7 +587,7 @@ __global__ void __launch_bounds__(kThreads, DELTA && !SCALAR ? 3 : SCALAR ? 5 : 
     for (int q = 0; q < 3; ++q)
       if (pi[q] >= 0 && pi[q] == pj[q] && steep_s[pi[q]]) exact_diagonal(pi[q], aqk[q]);
   }
-  __syncthreads();  // B_c2: every warp done with the k el tile (it becomes k e^G next)
+  __syncthreads();  // B_c2: every warp done with the k el tile (it becomes Kd next)
   if constexpr (SCALAR) {
     // This warp's rows, 16 bytes at a time: F = diag(ks e^{G_last - G_i}) k in place (Kt's right
     // operand); e^{G_last} for every channel; the scan's row factors (Work::RAWQK): qs e^{G_i} for
