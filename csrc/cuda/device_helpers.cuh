@@ -45,8 +45,6 @@ __device__ __forceinline__ void allow_dependents_launch() {
 #endif
 }
 
-// The per-step log-decay of a gate computed in the kernel (SPEC §2) from a raw gate x (dt_bias
-// already added) and eA = exp(A_log): lb * sigmoid(eA x) with a lower bound, else -eA softplus(x).
 // -eA softplus(x), the gate without a lower bound: log1p(e^x), or x itself above 20 (where the two
 // agree in fp32). Selected, not branched: a branch per element made each exponential a divergent
 // region of its own. The argument is clamped so that the unselected exponential cannot overflow.
@@ -55,6 +53,8 @@ __device__ __forceinline__ float softplus_gate(float x, float eA) {
   return -eA * (x > 20.0f ? x : sp);
 }
 
+// The per-step log-decay of a gate computed in the kernel (SPEC §2) from a raw gate x (dt_bias
+// already added) and eA = exp(A_log): lb * sigmoid(eA x) with a lower bound, else -eA softplus(x).
 __device__ __forceinline__ float activate_gate(float x, float eA, bool has_lb, float lb) {
   return has_lb ? __fdividef(lb, 1.0f + __expf(-eA * x)) : softplus_gate(x, eA);
 }

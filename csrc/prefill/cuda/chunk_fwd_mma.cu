@@ -708,7 +708,7 @@ __global__ void __launch_bounds__(kThreads, DELTA && !SCALAR ? 3 : SCALAR ? 5 : 
           for (int nt = 0; nt < 2; ++nt) u32at(aqo + (bI + g + 8 * hh) * kBT + 16 * J + nt * 8 + 2 * t) = 0u;
   }
 
-  if constexpr (!DELTA) return;  // no delta rule: no M, Minv, U, W (the scan reads v itself)
+  if constexpr (!DELTA) return;  // no delta rule: no M, Minv, AM, Kt (the scan reads v itself)
   __syncthreads();  // B_e: M complete
   // Diagonal blocks of Minv: lane c < 16 solves column c by substitution, in fp32.
   if (lane < 16) {
@@ -1003,7 +1003,6 @@ __global__ void __launch_bounds__(kScanThreads, 1)
         mma::mma16816(o[2 * np + 1], aq, b[2], b[3]);
       }
     }
-    const bf16* vsrc = vin_s;  // Y (delta rule) or v
     if constexpr (RAWQK) {  // o = qs e^{G_i} (q S); Y = beta_i v_i - beta_i ks e^{G_i} X_i
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
@@ -1028,10 +1027,10 @@ __global__ void __launch_bounds__(kScanThreads, 1)
     }
 
     // S = e^{G_last} S + Kt^T Y (delta rule: Kt in the Kd slot, GDN's in the W slot; without it
-    // Kd^T v), issued first so that its mma
-    // latency hides behind o's products; with the delta rule its bf16 copy for the next chunk goes
-    // out after them (every warp read this chunk's copy before B2)
-    S.update(RAWQK ? w_s : kd_s, LDK, vsrc, LDV, [&](int ch) { return dl_s[ch]; }, lane);
+    // Kd^T v), issued first so that its mma latency hides behind o's products; with the delta rule
+    // its bf16 copy for the next chunk goes out after them (every warp read this chunk's copy
+    // before B2)
+    S.update(RAWQK ? w_s : kd_s, LDK, vin_s, LDV, [&](int ch) { return dl_s[ch]; }, lane);
 
     // o += AM Y (delta rule; without it tril(A_qk) v); store
 #pragma unroll
@@ -1044,7 +1043,7 @@ __global__ void __launch_bounds__(kScanThreads, 1)
 #pragma unroll
       for (int np = 0; np < NTH / 2; ++np) {
         uint32_t b[4];
-        mma::ldsm_x4_t(b, vsrc + (16 * Jb + mma::bk_row(lane)) * LDV + hc0 + 16 * np + mma::bk_col(lane));
+        mma::ldsm_x4_t(b, vin_s + (16 * Jb + mma::bk_row(lane)) * LDV + hc0 + 16 * np + mma::bk_col(lane));
         mma::mma16816(o[2 * np], a, b[0], b[1]);
         mma::mma16816(o[2 * np + 1], a, b[2], b[3]);
         if constexpr (Wk::kAPlanes == 2) {
