@@ -39,22 +39,30 @@
 // The in-block exponent bound (<= 15 |lower_bound|) is why the dispatch table sends only bounded
 // KDA gates (lower_bound >= -5) here; unbounded KDA gates take the recurrent kernel.
 //
-// prep: 4 warps; warp w owns chunk rows 16w..16w+15 for the element-wise work (norms, gate, el,
-// Kr, W' or Kt, Kd, Qg); the ten lower 16x16 block pairs of A (and of AM) are dealt round-robin to
-// the warps and Kt is split by column quarters, so the triangle costs every warp the same. The gate
-// goes into registers in the A-fragment layout (KDA with a bf16 gate: from a tile copied into TB and
-// TAB with q and k; otherwise from global memory, one k-step ahead); its cumulative sum inside a
-// 16-row block is a shuffle scan (block_scan), the block sums meet in shared memory. The code is
-// kept small on purpose (rolled k-step loops): a fully unrolled body thrashed the instruction cache
-// (docs/NOTES.md).
-// Shared buffers (KDA at K = 128: 74.5 KB, three CTAs per SM; GDN 43 KB, five): R1 q tile -> q el
+// prep, GDN and GLA: 4 warps; warp w owns chunk rows 16w..16w+15 for the element-wise work (norms,
+// gate, el, Kt, Kd); the ten lower 16x16 block pairs of A (and of AM) are dealt round-robin to the
+// warps and Kt is split by column tiles, so the triangle costs every warp the same. GLA's gate goes
+// into registers in the A-fragment layout (from global memory, one k-step ahead); its cumulative sum
+// inside a 16-row block is a shuffle scan (block_scan), the block sums meet in shared memory.
+// prep, KDA: 8 warps (three CTAs of 80 registers per SM: six warps per scheduler to hide the MUFU
+// and shared-memory latencies of the gate work). Row norms with 4 lanes per row. The gate pass takes
+// a channel pair per thread down the 16 rows of block w % 4 (warps w and w + 4 the two halves of the
+// channels), so the running sum of the log-decays needs no shuffles; the gate comes from a bf16
+// tile copied into TB and TAB with q and k, or from global memory four rows ahead. Pair products:
+// the six off-diagonal pairs one per warp, the diagonal ones (no E factor) two each to warps 6 and
+// 7; M and tril(A_qk) written by the owner of the pair; Minv by the first four warps; the AM pairs
+// dealt by cost; W' and Kd by alternate 16-byte pieces of a row block's two warps; Kt by 16-column
+// tiles. The code is kept small on purpose (rolled loops): a fully unrolled body thrashed the
+// instruction cache (docs/NOTES.md).
+// Shared buffers (KDA at K = 128: 75 KB, three CTAs per SM; GDN 43 KB, five): R1 q tile -> q el
 // -> M (fp32) (GDN: -> tril(A_qk) in fp32 once Minv is out);
 // KRAW k tile -> k el (or Kt) -> Kd; KR Kr -> tril(A_qk) in fp32 (absent for GLA); TB + TAB
 // KDA's bf16 gate tile until the block sums are out; TB Minv (or the exact path's scratch, row
 // factors and steep flags); TAB per-channel exponent rows; BT block sums and
-// dt_bias; per-row beta, scalar gate and fp32 q.k.
-// Barriers: B_a0 tiles in; B_b block sums; B_c Kr and table; B_c2 pair products done; B_d tiles
-// free; B_e M and tril(A_qk); B_f diagonal inverses; B_g Minv (GLA stops after writing A_qk).
+// dt_bias; per-row beta, scalar gate and fp32 q.k; KDA's row scales qs, ks.
+// Barriers: B_a0 tiles in; B_a1 row scales (KDA); B_b block sums; B_c Kr and table; B_c2 pair
+// products done; B_d Kr free (KDA); B_e M; B_f diagonal inverses; B_g Minv (GLA stops after writing
+// A_qk); B_h tril(A_qk) in R1 (GDN).
 // scan: 8 warps; warp w owns rows 16(w%4).. of the token-side products and channels (w%4)*K/4..
 // of the state, for half w/4 of the slice's columns. Two stages of (W', Qg, Kt, AM hi and lo,
 // v slice (Y in its place), e^{G_last}, row factors) and S (bf16): 180 KB for K = 128, VB = 64,
@@ -88,7 +96,10 @@ using mma::pack;
 using mma::unpack;
 
 constexpr int kBT = kChunk;
-constexpr int kThreads = 128;      // prep
+// Prep warps: KDA runs 8 (warps w and w + 4 own the same 16 rows and split their k-steps by parity,
+// so each scheduler has twice the warps to hide the MUFU and shared-memory latencies of the gate
+// work); GDN (five CTAs per SM) and GLA (four) run 4.
+constexpr int prep_warps(bool delta, bool scalar) { return delta && !scalar ? 8 : 4; }
 constexpr int kScanThreads = 256;  // scan
 
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
@@ -133,7 +144,9 @@ struct PrepLayout {
   static constexpr int oBETA = oBT + (SCALAR ? 3 * kBT * 4 : 9 * K * 4);
   static constexpr int oGS = oBETA + kBT * 4;
   static constexpr int oQK = oGS + kBT * 4;  // q.k of each row, fp32 (the diagonal of A_qk)
-  static constexpr int bytes = SCALAR ? oTAB : oQK + kBT * 4;
+  // KDA: the row scales qs, ks of the gate pass
+  static constexpr int oNRM = oQK + kBT * 4;
+  static constexpr int bytes = SCALAR ? oTAB : oNRM + (DELTA ? 2 * kBT * 4 : 0);
   static_assert(!SCALAR || oQK + kBT * 4 <= oTAB, "per-row values fit TB");
   // Without the delta rule TB (no Minv) holds the exact path of steep diagonal blocks: per warp the
   // local gate (16 x 16 fp32) and raw q, k (16 x 16 bf16) of one k-step; then the row factors of
@@ -168,13 +181,15 @@ __device__ __forceinline__ uint32_t& u32at(bf16* p) { return *reinterpret_cast<u
 __device__ __forceinline__ float2 bf2(const bf16* p) { return unpack(*reinterpret_cast<const uint32_t*>(p)); }
 
 template <int K, int V, bool SCALAR, bool DELTA>
-__global__ void __launch_bounds__(kThreads, DELTA && !SCALAR ? 3 : SCALAR ? 5 : 4)
+__global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCALAR ? 3 : SCALAR ? 5 : 4)
     chunk_prep_kernel(const FwdParams p, const int32_t* __restrict__ chunk_base, unsigned char* __restrict__ work) {
   static_assert(DELTA || !SCALAR, "scalar gates without the delta rule take chunk_fwd_fused");
   using Ly = PrepLayout<K, DELTA, SCALAR>;
   using Wk = Work<K, V, DELTA, SCALAR>;  // scalar gates come with the delta rule here
   constexpr int LDK = Ly::LDK, LDT = Ly::LDT, MS = Ly::MS;
   constexpr int KS = K / 16;
+  constexpr int NW = prep_warps(DELTA, SCALAR), NT = 32 * NW, KH = NW / 4;  // KH: warps per row block
+  static_assert(KH == 1 || (DELTA && !SCALAR), "8 prep warps: KDA");
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* q_s = reinterpret_cast<bf16*>(smem + Ly::oR1);
   float* m_s = reinterpret_cast<float*>(smem + Ly::oR1);
@@ -199,7 +214,8 @@ __global__ void __launch_bounds__(kThreads, DELTA && !SCALAR ? 3 : SCALAR ? 5 : 
   int* steep_s = reinterpret_cast<int*>(smem + Ly::oSTEEP);
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int I = warp, bI = 16 * warp;
+  // row block I of this warp; with 8 warps it takes k-steps kh, kh + 2, ... of the row block
+  const int I = KH == 1 ? warp : warp & 3, bI = 16 * I, kh = KH == 1 ? 0 : warp >> 2;
   const int hv = static_cast<int>(blockIdx.x % p.HV);
   const int cidx = static_cast<int>(blockIdx.x / p.HV);  // global chunk index
   int n, ci;
@@ -234,7 +250,7 @@ __global__ void __launch_bounds__(kThreads, DELTA && !SCALAR ? 3 : SCALAR ? 5 : 
 
   // ---- q, k (and per-channel gate) tiles; rows past the sequence are zeros
   {
-    using CopyK = chunk::TileCopy<kBT, K, kThreads>;
+    using CopyK = chunk::TileCopy<kBT, K, NT>;
     const CopyK ck(tid);
     const bf16* q_in = static_cast<const bf16*>(p.q) + b_row * p.q_s[0] + t0 * p.q_s[1] + h * p.q_s[2] + ck.c8;
     const bf16* k_in = static_cast<const bf16*>(p.k) + b_row * p.k_s[0] + t0 * p.k_s[1] + h * p.k_s[2] + ck.c8;
@@ -296,22 +312,12 @@ __global__ void __launch_bounds__(kThreads, DELTA && !SCALAR ? 3 : SCALAR ? 5 : 
   // block by shuffles (rows g and g + 8 of a channel live in the lanes with this t); minus the
   // block's first row, so a[e] = G_i - G_b (<= 0). first and total of element 4cs + hc's channel:
   // its gate at the first row and its sum over the block.
+  // (GLA; FLA's chunk_gla passes log-decays, so the per-element activation measured as fast here)
   auto block_scan = [&](int r0, int kk, float (&a)[8], float (&first)[2][2], float (&total)[2][2]) {
-    if constexpr (DELTA) {  // KDA: the gate computed in the kernel is its usual form
 #pragma unroll
-      for (int e = 0; e < 8; ++e) a[e] += bias_s[16 * kk + 2 * t + 8 * (e >> 2) + (e & 1)];
-      if (p.gate_in_kernel && p.gate_kind != 2) dev::activate_gates(a, eA, p.has_lb, p.lb);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        const int row = r0 + g + 8 * ((e >> 1) & 1);
-        a[e] = row < Lc ? dev::chunk_log_decay(a[e]) : 0.0f;
-      }
-    } else {  // GLA (FLA's chunk_gla passes log-decays): the per-element form measured as fast here
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        const int row = r0 + g + 8 * ((e >> 1) & 1), col = 16 * kk + 2 * t + 8 * (e >> 2) + (e & 1);
-        a[e] = row < Lc ? activate(a[e] + bias_s[col]) : 0.0f;
-      }
+    for (int e = 0; e < 8; ++e) {
+      const int row = r0 + g + 8 * ((e >> 1) & 1), col = 16 * kk + 2 * t + 8 * (e >> 2) + (e & 1);
+      a[e] = row < Lc ? activate(a[e] + bias_s[col]) : 0.0f;
     }
 #pragma unroll
     for (int cs = 0; cs < 2; ++cs)
@@ -330,132 +336,228 @@ __global__ void __launch_bounds__(kThreads, DELTA && !SCALAR ? 3 : SCALAR ? 5 : 
       }
   };
   float gnext[8];
-  if (!SCALAR && !gate_tile) load_gate(bI, 0, gnext);
+  if (!DELTA && !gate_tile) load_gate(bI, 0, gnext);
   mma::cp_async_wait_all();
   __syncthreads();  // B_a0: tiles landed
-  if (!SCALAR && gate_tile) load_gate(bI, 0, gnext);
+  if (!DELTA && gate_tile) load_gate(bI, 0, gnext);
 
-  // ---- row norms of this warp's rows (before the tiles are scaled in place)
-  float qs[2], ks[2];
-  {
-    float q2[2] = {0.0f, 0.0f}, k2[2] = {0.0f, 0.0f}, qk[2] = {0.0f, 0.0f};
-#pragma unroll 1
-    for (int kk = 0; kk < KS; ++kk)
+  if constexpr (DELTA && !SCALAR) {
+    // ---- KDA. Row norms: 4 lanes per row (warp w rows 8w..8w+7), each lane K / 4 channels in
+    // 16-byte pieces 16c + 8(p & 1) + 64(p >> 1), so the two rows of a quarter warp hit disjoint
+    // banks; the row scales go to shared memory for the gate pass.
+    float* rs_s = reinterpret_cast<float*>(smem + Ly::oNRM);  // qs per row, then ks per row
+    {
+      const int row = 8 * warp + (lane >> 2), c = lane & 3;
+      float q2 = 0.0f, k2 = 0.0f, qk = 0.0f;
 #pragma unroll
-      for (int rr = 0; rr < 4; ++rr) {
-        const int row = bI + g + 8 * (rr & 1), col = 16 * kk + 2 * t + 8 * (rr >> 1);
-        const float2 qv = bf2(q_s + row * LDK + col), kv = bf2(k_s + row * LDK + col);
-        q2[rr & 1] += qv.x * qv.x + qv.y * qv.y;
-        k2[rr & 1] += kv.x * kv.x + kv.y * kv.y;
-        qk[rr & 1] += qv.x * kv.x + qv.y * kv.y;
-      }
+      for (int pc = 0; pc < K / 32; ++pc) {
+        const int col = 16 * c + 8 * (pc & 1) + 64 * (pc >> 1);
+        const uint4 qv = *reinterpret_cast<const uint4*>(q_s + row * LDK + col);
+        const uint4 kv = *reinterpret_cast<const uint4*>(k_s + row * LDK + col);
+        const uint32_t* qw = reinterpret_cast<const uint32_t*>(&qv);
+        const uint32_t* kw = reinterpret_cast<const uint32_t*>(&kv);
 #pragma unroll
-    for (int x = 0; x < 2; ++x) {
-      q2[x] += __shfl_xor_sync(0xffffffffu, q2[x], 1);
-      q2[x] += __shfl_xor_sync(0xffffffffu, q2[x], 2);
-      k2[x] += __shfl_xor_sync(0xffffffffu, k2[x], 1);
-      k2[x] += __shfl_xor_sync(0xffffffffu, k2[x], 2);
-      qk[x] += __shfl_xor_sync(0xffffffffu, qk[x], 1);
-      qk[x] += __shfl_xor_sync(0xffffffffu, qk[x], 2);
-      qs[x] = p.l2norm ? p.scale * rsqrtf(q2[x] + 1e-6f) : p.scale;
-      ks[x] = p.l2norm ? rsqrtf(k2[x] + 1e-6f) : 1.0f;
-      // The diagonal of A_qk in fp32 from the unrounded rows: for short sequences it is most of o,
-      // and q.k of two nearly orthogonal rows loses its digits to bf16 rounding of q el and Kr.
-      if (t == 0) {
-        qk_s[bI + g + 8 * x] = qs[x] * ks[x] * qk[x];
-        if (SCALAR) qsc_s[bI + g + 8 * x] = qs[x], ksc_s[bI + g + 8 * x] = ks[x];
-        if (!DELTA) rowq_s[bI + g + 8 * x] = qs[x], rowk_s[bI + g + 8 * x] = ks[x];
-      }
-    }
-  }
-
-  if constexpr (SCALAR) {
-    // One log-decay per row: warp 0 scans the 64 rows (lane holds rows lane and lane + 32); rows
-    // past the sequence add nothing, so row 63 holds G_last.
-    if (warp == 0) {
-      float x[2];
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int row = lane + 32 * hh;
-        x[hh] = row < Lc ? activate(p.gate_kind == 1 ? gs_s[row] + head_bias : const_decay) : 0.0f;
-#pragma unroll
-        for (int d = 1; d < 32; d <<= 1) {
-          const float u = __shfl_up_sync(0xffffffffu, x[hh], d);
-          if (lane >= d) x[hh] += u;
+        for (int j = 0; j < 4; ++j) {
+          const float2 a = unpack(qw[j]), b = unpack(kw[j]);
+          q2 += a.x * a.x + a.y * a.y;
+          k2 += b.x * b.x + b.y * b.y;
+          qk += a.x * b.x + a.y * b.y;
         }
       }
-      x[1] += __shfl_sync(0xffffffffu, x[0], 31);
-      grow_s[lane] = x[0], grow_s[lane + 32] = x[1];
+#pragma unroll
+      for (int o = 1; o < 4; o <<= 1) {
+        q2 += __shfl_xor_sync(0xffffffffu, q2, o);
+        k2 += __shfl_xor_sync(0xffffffffu, k2, o);
+        qk += __shfl_xor_sync(0xffffffffu, qk, o);
+      }
+      if (c == 0) {
+        const float qsr = p.l2norm ? p.scale * rsqrtf(q2 + 1e-6f) : p.scale;
+        const float ksr = p.l2norm ? rsqrtf(k2 + 1e-6f) : 1.0f;
+        rs_s[row] = qsr, rs_s[kBT + row] = ksr;
+        // The diagonal of A_qk in fp32 from the unrounded rows: for short sequences it is most of
+        // o, and q.k of two nearly orthogonal rows loses its digits to bf16 rounding of q el and Kr.
+        qk_s[row] = qsr * ksr * qk;
+      }
     }
-    __syncthreads();  // B_b: row gates and row factors visible
-  } else {
+    __syncthreads();  // B_a1: row scales visible
 
-    // ---- per k-step (a rolled loop keeps the code small): local cumulative gate; block sums to
-    // shared memory; el = e^{G_i - G_bI}: with the delta rule Kr = k / el (KR) and in place Kl = k el;
-    // without it, in place Kt = k e^{G_eI - G_i} (<= 1, through the block's last row e_I); Ql = q el.
-    bool steep = false;
-#pragma unroll 1
-    for (int kk = 0; kk < KS; ++kk) {
-      float a[8], first[2][2], total[2][2];
+    // ---- KDA gate pass, a channel pair per thread down the 16 rows of block I (warps w and w + 4
+    // the two halves of the channels; 64 pairs per block, so at K = 64 the second half has none):
+    // log-decay, its running sum d_i = G_i - G_bI (<= 0) with no shuffles; Kr = k ks e^{-d} (KR)
+    // and in place Kl = k ks e^d, Ql = q qs e^d; the block's first gate and total per channel.
+    // Rows go four at a time (a rolled loop keeps the code small), their raw gates loaded a step
+    // ahead.
+    for (int cp = 32 * kh + lane; cp < K / 2; cp += 64) {
+      const int c0 = 2 * cp;
+      auto load_rows = [&](int i0, float (&x)[8]) {
 #pragma unroll
-      for (int e = 0; e < 8; ++e) a[e] = gnext[e];
-      if (kk + 1 < KS) load_gate(bI, kk + 1, gnext);
-      block_scan(bI, kk, a, first, total);
-#pragma unroll
-      for (int cs = 0; cs < 2; ++cs)
-#pragma unroll
-        for (int hc = 0; hc < 2; ++hc) {
-          if (g == 0) {
-            const int col = 16 * kk + 2 * t + 8 * cs + hc;
-            bsum_s[I * K + col] = total[cs][hc];
-            bfirst_s[I * K + col] = first[cs][hc];
+        for (int ii = 0; ii < 4; ++ii) {
+          const int row = bI + i0 + ii;
+          float2 v = make_float2(0.0f, 0.0f);
+          if (row < Lc) {
+            const int64_t off = b_row * p.g_s[0] + (t0 + row) * p.g_s[1] + hv * p.g_s[2] + c0;
+            v = gate_tile                  ? bf2(gate_at(row, c0))
+                : p.g_dt == CULA_FLOAT32 ? *reinterpret_cast<const float2*>(static_cast<const float*>(p.g) + off)
+                                         : bf2(static_cast<const bf16*>(p.g) + off);
           }
-          if (!DELTA) steep |= first[cs][hc] - total[cs][hc] > kSteepSpan;
+          x[2 * ii] = v.x, x[2 * ii + 1] = v.y;
+        }
+      };
+      const float bias0 = bias_s[c0], bias1 = bias_s[c0 + 1];
+      float run0 = 0.0f, run1 = 0.0f, first0 = 0.0f, first1 = 0.0f, xn[8];
+      load_rows(0, xn);
+#pragma unroll 1
+      for (int i0 = 0; i0 < 16; i0 += 4) {
+        float x[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) x[e] = xn[e] + ((e & 1) ? bias1 : bias0);
+        if (i0 + 4 < 16) load_rows(i0 + 4, xn);
+        if (p.gate_in_kernel && p.gate_kind != 2) dev::activate_gates(x, eA, p.has_lb, p.lb);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) x[e] = bI + i0 + (e >> 1) < Lc ? dev::chunk_log_decay(x[e]) : 0.0f;
+        if (i0 == 0) first0 = x[0], first1 = x[1];
+#pragma unroll
+        for (int ii = 0; ii < 4; ++ii) {
+          const int row = bI + i0 + ii;
+          run0 += x[2 * ii], run1 += x[2 * ii + 1];
+          const float d0 = run0 - first0, d1 = run1 - first1;
+          // |d| <= 15 |lower_bound| <= 75: every factor a normal float
+          const float e0 = dev::exp_ftz(d0), e1 = dev::exp_ftz(d1), r0 = dev::exp_ftz(-d0), r1 = dev::exp_ftz(-d1);
+          const float qsr = rs_s[row], ksr = rs_s[kBT + row];
+          const float2 kv = bf2(k_s + row * LDK + c0), qv = bf2(q_s + row * LDK + c0);
+          u32at(kr_s + row * LDK + c0) = pack(kv.x * ksr * r0, kv.y * ksr * r1);
+          u32at(k_s + row * LDK + c0) = pack(kv.x * ksr * e0, kv.y * ksr * e1);
+          u32at(q_s + row * LDK + c0) = pack(qv.x * qsr * e0, qv.y * qsr * e1);
+        }
+      }
+      bsum_s[I * K + c0] = run0, bsum_s[I * K + c0 + 1] = run1;
+      bfirst_s[I * K + c0] = first0, bfirst_s[I * K + c0 + 1] = first1;
+    }
+    __syncthreads();  // B_b: block sums visible
+  } else {
+    // ---- row norms of this warp's rows (before the tiles are scaled in place)
+    float qs[2], ks[2];
+    {
+      float q2[2] = {0.0f, 0.0f}, k2[2] = {0.0f, 0.0f}, qk[2] = {0.0f, 0.0f};
+#pragma unroll 1
+      for (int kk = 0; kk < KS; ++kk)
+#pragma unroll
+        for (int rr = 0; rr < 4; ++rr) {
+          const int row = bI + g + 8 * (rr & 1), col = 16 * kk + 2 * t + 8 * (rr >> 1);
+          const float2 qv = bf2(q_s + row * LDK + col), kv = bf2(k_s + row * LDK + col);
+          q2[rr & 1] += qv.x * qv.x + qv.y * qv.y;
+          k2[rr & 1] += kv.x * kv.x + kv.y * kv.y;
+          qk[rr & 1] += qv.x * kv.x + qv.y * kv.y;
         }
 #pragma unroll
-      for (int rr = 0; rr < 4; ++rr) {
-        const int x = rr & 1, row = bI + g + 8 * x, col = 16 * kk + 2 * t + 8 * (rr >> 1);
-        const float d0 = a[2 * rr], d1 = a[2 * rr + 1];
-        const float e0 = __expf(d0), e1 = __expf(d1);
-        const float2 kv = bf2(k_s + row * LDK + col), qv = bf2(q_s + row * LDK + col);
-        if (DELTA) {
-          const float r0 = __expf(-d0), r1 = __expf(-d1);
-          u32at(kr_s + row * LDK + col) = pack(kv.x * ks[x] * r0, kv.y * ks[x] * r1);
-          u32at(k_s + row * LDK + col) = pack(kv.x * ks[x] * e0, kv.y * ks[x] * e1);
-        } else {
+      for (int x = 0; x < 2; ++x) {
+        q2[x] += __shfl_xor_sync(0xffffffffu, q2[x], 1);
+        q2[x] += __shfl_xor_sync(0xffffffffu, q2[x], 2);
+        k2[x] += __shfl_xor_sync(0xffffffffu, k2[x], 1);
+        k2[x] += __shfl_xor_sync(0xffffffffu, k2[x], 2);
+        qk[x] += __shfl_xor_sync(0xffffffffu, qk[x], 1);
+        qk[x] += __shfl_xor_sync(0xffffffffu, qk[x], 2);
+      }
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {
+        qs[x] = p.l2norm ? p.scale * rsqrtf(q2[x] + 1e-6f) : p.scale;
+        ks[x] = p.l2norm ? rsqrtf(k2[x] + 1e-6f) : 1.0f;
+        // The diagonal of A_qk in fp32 from the unrounded rows: for short sequences it is most of o,
+        // and q.k of two nearly orthogonal rows loses its digits to bf16 rounding of q el and Kr.
+        if (t == 0) {
+          qk_s[bI + g + 8 * x] = qs[x] * ks[x] * qk[x];
+          if (SCALAR) qsc_s[bI + g + 8 * x] = qs[x], ksc_s[bI + g + 8 * x] = ks[x];
+          if (!DELTA) rowq_s[bI + g + 8 * x] = qs[x], rowk_s[bI + g + 8 * x] = ks[x];
+        }
+      }
+    }
+
+    if constexpr (SCALAR) {
+      // One log-decay per row: warp 0 scans the 64 rows (lane holds rows lane and lane + 32); rows
+      // past the sequence add nothing, so row 63 holds G_last.
+      if (warp == 0) {
+        float x[2];
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int row = lane + 32 * hh;
+          x[hh] = row < Lc ? activate(p.gate_kind == 1 ? gs_s[row] + head_bias : const_decay) : 0.0f;
+#pragma unroll
+          for (int d = 1; d < 32; d <<= 1) {
+            const float u = __shfl_up_sync(0xffffffffu, x[hh], d);
+            if (lane >= d) x[hh] += u;
+          }
+        }
+        x[1] += __shfl_sync(0xffffffffu, x[0], 31);
+        grow_s[lane] = x[0], grow_s[lane + 32] = x[1];
+      }
+      __syncthreads();  // B_b: row gates and row factors visible
+    } else {
+
+      // ---- GLA, per k-step (a rolled loop keeps the code small): local cumulative gate; block sums
+      // to shared memory; el = e^{G_i - G_bI}: in place Kt = k e^{G_eI - G_i} (<= 1, through the
+      // block's last row e_I) and Ql = q el.
+      bool steep = false;
+#pragma unroll 1
+      for (int kk = 0; kk < KS; ++kk) {
+        float a[8], first[2][2], total[2][2];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) a[e] = gnext[e];
+        if (kk + 1 < KS) load_gate(bI, kk + 1, gnext);
+        block_scan(bI, kk, a, first, total);
+#pragma unroll
+        for (int cs = 0; cs < 2; ++cs)
+#pragma unroll
+          for (int hc = 0; hc < 2; ++hc) {
+            if (g == 0) {
+              const int col = 16 * kk + 2 * t + 8 * cs + hc;
+              bsum_s[I * K + col] = total[cs][hc];
+              bfirst_s[I * K + col] = first[cs][hc];
+            }
+            steep |= first[cs][hc] - total[cs][hc] > kSteepSpan;
+          }
+#pragma unroll
+        for (int rr = 0; rr < 4; ++rr) {
+          const int x = rr & 1, row = bI + g + 8 * x, col = 16 * kk + 2 * t + 8 * (rr >> 1);
+          const float d0 = a[2 * rr], d1 = a[2 * rr + 1];
+          const float e0 = __expf(d0), e1 = __expf(d1);
+          const float2 kv = bf2(k_s + row * LDK + col), qv = bf2(q_s + row * LDK + col);
           const int cs = rr >> 1;
           const float t0 = __expf(total[cs][0] - first[cs][0] - d0), t1 = __expf(total[cs][1] - first[cs][1] - d1);
           u32at(k_s + row * LDK + col) = pack(kv.x * ks[x] * t0, kv.y * ks[x] * t1);
+          u32at(q_s + row * LDK + col) = pack(qv.x * qs[x] * e0, qv.y * qs[x] * e1);
         }
-        u32at(q_s + row * LDK + col) = pack(qv.x * qs[x] * e0, qv.y * qs[x] * e1);
       }
-    }
-    if (!DELTA) {
       steep = __any_sync(0xffffffffu, steep);
       if (lane == 0) steep_s[I] = steep;
+      __syncthreads();  // B_b: block sums visible
     }
-    __syncthreads();  // B_b: block sums visible
-
+  }
+  if constexpr (!SCALAR) {
     // ---- per-channel exponent table; without the delta rule the right operands (Kt) are taken
     // through the last row of their block, so the pair and Kd factors are too (all <= 1)
-    if (tid < K) {
+    // (8 warps: the pair rows by the first K threads, the others by the next K)
+    if (tid < KH * K) {
+      const int c = tid % K;
       float gb[4], ge[4], gl = 0.0f;
 #pragma unroll
       for (int b = 0; b < 4; ++b) {
-        gb[b] = gl + bfirst_s[b * K + tid];
-        gl += bsum_s[b * K + tid];
+        gb[b] = gl + bfirst_s[b * K + c];
+        gl += bsum_s[b * K + c];
         ge[b] = DELTA ? gb[b] : gl;
       }
+      if (KH == 1 || tid < K)
 #pragma unroll
-      for (int b = 1; b < 4; ++b)
+        for (int b = 1; b < 4; ++b)
 #pragma unroll
-        for (int a = 0; a < b; ++a) tab[tab_pair(b, a) * K + tid] = __expf(gb[b] - ge[a]);
+          for (int a = 0; a < b; ++a) tab[tab_pair(b, a) * K + c] = __expf(gb[b] - ge[a]);
+      if (KH == 1 || tid >= K) {
 #pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        tab[(kTabEb + b) * K + tid] = __expf(gb[b]);
-        tab[(kTabEd + b) * K + tid] = __expf(gl - ge[b]);
+        for (int b = 0; b < 4; ++b) {
+          tab[(kTabEb + b) * K + c] = __expf(gb[b]);
+          tab[(kTabEd + b) * K + c] = __expf(gl - ge[b]);
+        }
+        tab[kTabLast * K + c] = __expf(gl);
       }
-      tab[kTabLast * K + tid] = __expf(gl);
     }
     __syncthreads();  // B_c: Kr and the table visible
   }
@@ -517,16 +619,21 @@ __global__ void __launch_bounds__(kThreads, DELTA && !SCALAR ? 3 : SCALAR ? 5 : 
   // plain products by e^{G_i - G_j} per pair afterwards (exact for any decay), so the operands
   // are the raw q, k tiles.
   // (0,0) (1,0) (1,1) (2,0) (2,1) (2,2) (3,0) (3,1) (3,2) (3,3), pair q of warp w is number w + 4q
-  int pi[3], pj[3];
+  // (8 warps: the six off-diagonal pairs one each, the cheaper diagonal ones (no E factor) two each
+  // to the last two warps, as pair numbers in two nibble tables; Qg of row block I by the warp of its
+  // k-step's parity)
+  constexpr int QP = (10 + NW - 1) / NW;  // pairs per warp
+  int pi[QP], pj[QP];
 #pragma unroll
-  for (int q = 0; q < 3; ++q) {
-    const int m = warp + 4 * q;
+  for (int q = 0; q < QP; ++q) {
+    int m = warp + NW * q;
+    if (NW == 8) m = ((q == 0 ? 0x20876431u : 0x95FFFFFFu) >> (4 * warp)) & 15;
     pi[q] = m < 1 ? 0 : m < 3 ? 1 : m < 6 ? 2 : m < 10 ? 3 : -1;
     pj[q] = pi[q] < 0 ? -1 : m - pi[q] * (pi[q] + 1) / 2;
   }
-  float akk[3][2][4], aqk[3][2][4];
+  float akk[QP][2][4], aqk[QP][2][4];
 #pragma unroll
-  for (int q = 0; q < 3; ++q)
+  for (int q = 0; q < QP; ++q)
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -535,7 +642,7 @@ __global__ void __launch_bounds__(kThreads, DELTA && !SCALAR ? 3 : SCALAR ? 5 : 
   const bf16* right_s = SCALAR || !DELTA ? k_s : kr_s;  // Kt without the delta rule
 #pragma unroll 1
   for (int kk = 0; kk < KS; ++kk) {
-    if (!SCALAR)
+    if (!SCALAR && (kk & (KH - 1)) == kh)
 #pragma unroll
       for (int rr = 0; rr < 4; ++rr) {
         const int row = bI + g + 8 * (rr & 1), col = 16 * kk + 2 * t + 8 * (rr >> 1);
@@ -544,7 +651,7 @@ __global__ void __launch_bounds__(kThreads, DELTA && !SCALAR ? 3 : SCALAR ? 5 : 
         u32at(qgo + row * K + col) = pack(qv.x * eb.x, qv.y * eb.y);
       }
 #pragma unroll
-    for (int q = 0; q < 3; ++q) {
+    for (int q = 0; q < QP; ++q) {
       if (pi[q] < 0) continue;
       const int Ib = pi[q], Jb = pj[q];
       uint32_t ak[4], aq[4], b[4];
@@ -584,7 +691,7 @@ __global__ void __launch_bounds__(kThreads, DELTA && !SCALAR ? 3 : SCALAR ? 5 : 
     // Steep diagonal blocks: the left factor e^{G_bI - G_eI} may have overflowed there, so their
     // products are replaced by sums taken per element, each pair with its own exponent.
 #pragma unroll
-    for (int q = 0; q < 3; ++q)
+    for (int q = 0; q < QP; ++q)
       if (pi[q] >= 0 && pi[q] == pj[q] && steep_s[pi[q]]) exact_diagonal(pi[q], aqk[q]);
   }
   __syncthreads();  // B_c2: every warp done with the k el tile (it becomes Kd next)
@@ -618,8 +725,9 @@ __global__ void __launch_bounds__(kThreads, DELTA && !SCALAR ? 3 : SCALAR ? 5 : 
   } else if constexpr (DELTA) {
     // KDA, this warp's rows: W' = -beta k e^G = -beta Kl e^{G_bI} to the workspace; Kd = Kr
     // e^{G_last - G_bI} in place of Kl (Kt's right operand); beta and e^{G_last} to the workspace
+    // (8 warps: the two warps of a row block take alternate 16-byte pieces)
     bf16* wo = reinterpret_cast<bf16*>(blk + Wk::oW);
-    for (int idx = lane; idx < 16 * (K / 8); idx += 32) {
+    for (int idx = lane + 32 * kh; idx < 16 * (K / 8); idx += 32 * KH) {
       const int row = bI + idx / (K / 8), c8 = (idx % (K / 8)) * 8;
       uint4 kv = *reinterpret_cast<const uint4*>(k_s + row * LDK + c8);
       uint4 kd = *reinterpret_cast<const uint4*>(kr_s + row * LDK + c8);
@@ -637,7 +745,7 @@ __global__ void __launch_bounds__(kThreads, DELTA && !SCALAR ? 3 : SCALAR ? 5 : 
       *reinterpret_cast<uint4*>(wo + row * K + c8) = kv;
       *reinterpret_cast<uint4*>(ck_s + row * LDK + c8) = kd;
     }
-    if (lane < 16) reinterpret_cast<float*>(blk + Wk::oRF)[bI + lane] = beta_s[bI + lane];
+    if (kh == 0 && lane < 16) reinterpret_cast<float*>(blk + Wk::oRF)[bI + lane] = beta_s[bI + lane];
     if (tid < K) reinterpret_cast<float*>(blk + Wk::oDL)[tid] = tab[kTabLast * K + tid];
   } else {
     // Kd = Kt e^{G_last - G_eI} for this warp's rows, to the workspace (no delta rule)
@@ -656,62 +764,66 @@ __global__ void __launch_bounds__(kThreads, DELTA && !SCALAR ? 3 : SCALAR ? 5 : 
     }
     if (tid < K) reinterpret_cast<float*>(blk + Wk::oDL)[tid] = tab[kTabLast * K + tid];
   }
-  // B_d: q tile and Kr no longer read (they take M and A); GDN reads neither after B_c2 (each warp
-  // rewrites only its own rows of the k tile)
-  if (DELTA && !SCALAR) __syncthreads();
-
-  // ---- M = I + diag(beta) strict_lower(A_kk) for this warp's pairs; tril(A_qk) out (blocks
-  // above the diagonal of this warp's row block are zeros). Delta rule: tril(A_qk) in fp32 into
-  // the Kr buffer instead (GDN: kept in registers until M is consumed, then into R1), for the
-  // product tril(A_qk) Minv
+  // ---- M = I + diag(beta) strict_lower(A_kk) for this warp's pairs into R1 (the q el tile, free
+  // since B_c2); tril(A_qk) out (blocks above the diagonal of this warp's row block are zeros).
+  // Delta rule: tril(A_qk) in fp32 for the product tril(A_qk) Minv instead, into the Kr buffer once
+  // B_d frees it (GDN: kept in registers until M is consumed, then into R1).
   float* af_s = reinterpret_cast<float*>(smem + (SCALAR ? Ly::oR1 : Ly::oKR));
   static_assert(!DELTA || SCALAR || Ly::oTB - Ly::oKR >= kBT * MS * 4, "fp32 A_qk fits the Kr buffer");
-  {
-    bf16* aqo = reinterpret_cast<bf16*>(blk + Wk::oA);
+  // f(q, nt, hh, gi, gj) for the element pairs (gi, gj), (gi, gj + 1) of this warp's pair fragments
+  auto each_pair = [&](auto&& f) {
 #pragma unroll
-    for (int q = 0; q < 3; ++q) {
+    for (int q = 0; q < QP; ++q) {
       if (pi[q] < 0) continue;
-      const int Ib = pi[q], Jb = pj[q];
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int gi = 16 * Ib + g + 8 * hh, gj = 16 * Jb + nt * 8 + 2 * t;
-          if (SCALAR) {  // e^{G_i - G_j} <= 1 for j <= i, with the row factors of q_i, k_i, k_j
-            const float gri = grow_s[gi];
-            const float e0 = dev::masked_exp_scale(gj <= gi, ksc_s[gj], gri - grow_s[gj]);
-            const float e1 = dev::masked_exp_scale(gj + 1 <= gi, ksc_s[gj + 1], gri - grow_s[gj + 1]);
-            aqk[q][nt][2 * hh] *= qsc_s[gi] * e0, aqk[q][nt][2 * hh + 1] *= qsc_s[gi] * e1;
-            akk[q][nt][2 * hh] *= ksc_s[gi] * e0, akk[q][nt][2 * hh + 1] *= ksc_s[gi] * e1;
-          }
-          const float a0 = gj > gi ? 0.0f : gj == gi ? qk_s[gi] : aqk[q][nt][2 * hh];
-          const float a1 = gj + 1 > gi ? 0.0f : gj + 1 == gi ? qk_s[gi] : aqk[q][nt][2 * hh + 1];
-          if (SCALAR)
-            aqk[q][nt][2 * hh] = a0, aqk[q][nt][2 * hh + 1] = a1;
-          else if (DELTA)
-            *reinterpret_cast<float2*>(af_s + gi * MS + gj) = make_float2(a0, a1);
-          else
-            u32at(aqo + gi * kBT + gj) = pack(a0, a1);
-          if (DELTA) {
-            const float b = beta_s[gi];
-            m_s[gi * MS + gj] = gj < gi ? b * akk[q][nt][2 * hh] : (gj == gi ? 1.0f : 0.0f);
-            m_s[gi * MS + gj + 1] = gj + 1 < gi ? b * akk[q][nt][2 * hh + 1] : (gj + 1 == gi ? 1.0f : 0.0f);
-          }
-        }
+        for (int hh = 0; hh < 2; ++hh) f(q, nt, hh, 16 * pi[q] + g + 8 * hh, 16 * pj[q] + nt * 8 + 2 * t);
     }
+  };
+  // tril(A_qk) with its fp32 diagonal
+  auto masked_a = [&](int gi, int gj, float a) { return gj > gi ? 0.0f : gj == gi ? qk_s[gi] : a; };
+  if constexpr (SCALAR)  // e^{G_i - G_j} <= 1 for j <= i, with the row factors of q_i, k_i, k_j
+    each_pair([&](int q, int nt, int hh, int gi, int gj) {
+      const float gri = grow_s[gi];
+      const float e0 = dev::masked_exp_scale(gj <= gi, ksc_s[gj], gri - grow_s[gj]);
+      const float e1 = dev::masked_exp_scale(gj + 1 <= gi, ksc_s[gj + 1], gri - grow_s[gj + 1]);
+      aqk[q][nt][2 * hh] = masked_a(gi, gj, aqk[q][nt][2 * hh] * (qsc_s[gi] * e0));
+      aqk[q][nt][2 * hh + 1] = masked_a(gi, gj + 1, aqk[q][nt][2 * hh + 1] * (qsc_s[gi] * e1));
+      const float b = beta_s[gi];
+      m_s[gi * MS + gj] = gj < gi ? b * (akk[q][nt][2 * hh] * (ksc_s[gi] * e0)) : (gj == gi ? 1.0f : 0.0f);
+      m_s[gi * MS + gj + 1] = gj + 1 < gi ? b * (akk[q][nt][2 * hh + 1] * (ksc_s[gi] * e1)) : (gj + 1 == gi ? 1.0f : 0.0f);
+    });
+  if constexpr (DELTA && !SCALAR) {
+    each_pair([&](int q, int nt, int hh, int gi, int gj) {
+      const float b = beta_s[gi];
+      m_s[gi * MS + gj] = gj < gi ? b * akk[q][nt][2 * hh] : (gj == gi ? 1.0f : 0.0f);
+      m_s[gi * MS + gj + 1] = gj + 1 < gi ? b * akk[q][nt][2 * hh + 1] : (gj + 1 == gi ? 1.0f : 0.0f);
+    });
+  } else if constexpr (!DELTA) {
+    bf16* aqo = reinterpret_cast<bf16*>(blk + Wk::oA);
+    each_pair([&](int q, int nt, int hh, int gi, int gj) {
+      u32at(aqo + gi * kBT + gj) = pack(masked_a(gi, gj, aqk[q][nt][2 * hh]), masked_a(gi, gj + 1, aqk[q][nt][2 * hh + 1]));
+    });
 #pragma unroll
     for (int J = 0; J < 4; ++J)
-      if (J > I && !DELTA)  // the delta rule writes tril(A_qk) Minv below, its zero blocks with it
+      if (J > I)  // the delta rule writes tril(A_qk) Minv below, its zero blocks with it
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
           for (int nt = 0; nt < 2; ++nt) u32at(aqo + (bI + g + 8 * hh) * kBT + 16 * J + nt * 8 + 2 * t) = 0u;
+    return;  // no delta rule: no M, Minv, AM, Kt (the scan reads v itself)
   }
-
-  if constexpr (!DELTA) return;  // no delta rule: no M, Minv, AM, Kt (the scan reads v itself)
+  if constexpr (!SCALAR) {
+    __syncthreads();  // B_d: Kr no longer read (it takes tril(A_qk) in fp32)
+    each_pair([&](int q, int nt, int hh, int gi, int gj) {
+      *reinterpret_cast<float2*>(af_s + gi * MS + gj) =
+          make_float2(masked_a(gi, gj, aqk[q][nt][2 * hh]), masked_a(gi, gj + 1, aqk[q][nt][2 * hh + 1]));
+    });
+  }
   __syncthreads();  // B_e: M complete
   // Diagonal blocks of Minv: lane c < 16 solves column c by substitution, in fp32.
-  if (lane < 16) {
+  if (kh == 0 && lane < 16) {
     float xcol[16];
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
@@ -724,9 +836,10 @@ __global__ void __launch_bounds__(kThreads, DELTA && !SCALAR ? 3 : SCALAR ? 5 : 
     for (int i = 0; i < 16; ++i) t_s[(bI + i) * LDT + bI + lane] = __float2bfloat16_rn(xcol[i]);
   }
   __syncthreads();  // B_f: diagonal inverses visible
-  // Off-diagonal blocks, column block J = warp: Minv_IJ = -Minv_II sum_{L=J}^{I-1} M_IL Minv_LJ.
-  const int J = warp, bJ = 16 * warp;
-  for (int Ib = J + 1; Ib < 4; ++Ib) {
+  // Off-diagonal blocks, column block J = warp (the first four warps): Minv_IJ = -Minv_II
+  // sum_{L=J}^{I-1} M_IL Minv_LJ.
+  const int J = I, bJ = 16 * I;
+  for (int Ib = J + 1; Ib < 4 && kh == 0; ++Ib) {
     const int bIb = 16 * Ib;
     float x[2][4] = {};
     for (int Lb = J; Lb < Ib; ++Lb) {
@@ -783,11 +896,18 @@ __global__ void __launch_bounds__(kThreads, DELTA && !SCALAR ? 3 : SCALAR ? 5 : 
   // AM = tril(A_qk) Minv, block (Ib, Cb) = sum_{Jb=Cb..Ib} A_{Ib,Jb} Minv_{Jb,Cb}; the ten lower
   // block pairs dealt as for the pair products (4-6 k-steps per warp); A from fp32 as bf16 hi + lo;
   // out as one bf16 plane (GDN) or hi + lo (KDA).
+  // (8 warps: the pairs dealt by cost, Ib - Cb + 1 steps: (3,0); (2,0); (3,1); (1,0); (2,1) and
+  // (1,1); (3,2) and (2,2); (3,3); (0,0), as pair numbers in two nibble tables)
   bf16* amo = reinterpret_cast<bf16*>(blk + Wk::oA);
 #pragma unroll
-  for (int q = 0; q < 3; ++q) {
-    if (pi[q] < 0) continue;
-    const int Ib = pi[q], Cb = pj[q];
+  for (int q = 0; q < (KH == 2 ? 2 : 3); ++q) {
+    int Ib = pi[q], Cb = pj[q];
+    if (KH == 2) {
+      const int m = ((q == 0 ? 0x09841736u : 0xFF52FFFFu) >> (4 * warp)) & 15;
+      Ib = m == 15 ? -1 : m < 1 ? 0 : m < 3 ? 1 : m < 6 ? 2 : 3;
+      Cb = m - Ib * (Ib + 1) / 2;
+    }
+    if (Ib < 0) continue;
     float acc[2][4] = {};
     for (int Jb = Cb; Jb <= Ib; ++Jb) {
       uint32_t ah[4], al[4], b[4];
@@ -821,14 +941,16 @@ __global__ void __launch_bounds__(kThreads, DELTA && !SCALAR ? 3 : SCALAR ? 5 : 
   for (int J = 0; J < 4; ++J)
     if (J > I)
 #pragma unroll
-      for (int pl = 0; pl < Wk::kAPlanes; ++pl)
+      for (int pl = kh; pl < Wk::kAPlanes; pl += KH)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
           for (int nt = 0; nt < 2; ++nt)
             u32at(amo + pl * kBT * kBT + (bI + g + 8 * hh) * kBT + 16 * J + nt * 8 + 2 * t) = 0u;
   // Kt = Minv^T Kd (Kd in the k tile): row block Jb = sum_{Ib >= Jb} (Minv_{Ib,Jb})^T Kd_Ib; each
-  // warp a quarter of the K columns for all rows, the transposed Minv blocks as A fragments
+  // warp its 16-column tiles for all rows, the transposed Minv blocks as A fragments
+  constexpr int KT = cmax(1, K / (16 * NW));  // 16-column tiles per warp (8 warps at K = 64: four idle)
+  if (16 * NW > K && 16 * warp >= K) return;
   uint32_t tt[4][4][4];
 #pragma unroll
   for (int Ib = 0; Ib < 4; ++Ib)
@@ -837,7 +959,7 @@ __global__ void __launch_bounds__(kThreads, DELTA && !SCALAR ? 3 : SCALAR ? 5 : 
       mma::ldsm_x4_t(tt[Jb][Ib], t_s + (16 * Ib + mma::at_row(lane)) * LDT + 16 * Jb + mma::at_col(lane));
   bf16* kto = reinterpret_cast<bf16*>(blk + Wk::oKt);
 #pragma unroll 1
-  for (int c0 = warp * (K / 4); c0 < (warp + 1) * (K / 4); c0 += 16) {
+  for (int c0 = 16 * KT * warp, c1 = c0 + 16 * KT; c0 < c1; c0 += 16) {
     float acc[4][2][4] = {};
 #pragma unroll
     for (int Ib = 0; Ib < 4; ++Ib) {
@@ -1088,7 +1210,7 @@ void run(const Recurrence& r, const FwdParams& p, int device, cudaStream_t strea
   using Prep = PrepLayout<K, DELTA, SCALAR>;
   chunk::allow_smem(chunk_prep_kernel<K, V, SCALAR, DELTA>, Prep::bytes);
   chunk_prep_kernel<K, V, SCALAR, DELTA>
-      <<<static_cast<unsigned>(prep_blocks), kThreads, Prep::bytes, stream>>>(p, chunk_base, work);
+      <<<static_cast<unsigned>(prep_blocks), 32 * prep_warps(DELTA, SCALAR), Prep::bytes, stream>>>(p, chunk_base, work);
   chunk::allow_smem(chunk_scan_kernel<K, V, VB, DELTA, RAWQK>, Scan::bytes);
   chunk_scan_kernel<K, V, VB, DELTA, RAWQK>
       <<<static_cast<unsigned>(scan_blocks), kScanThreads, Scan::bytes, stream>>>(p, chunk_base, work);
