@@ -613,9 +613,9 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
   };
 
   // ---- pair products A_kk, A_qk over the ten lower block pairs (Ib, Jb), dealt to the warps
-  // round-robin (three or two each, so the triangle costs every warp about the same); the left
-  // operands (k el, q el of rows Ib, scaled by E_{Ib,Jb} off the diagonal) come from shared
-  // memory. Qg = q el e^{G_bI} of this warp's rows goes straight out. Scalar gates multiply the
+  // round-robin (three or two each, so the triangle costs every warp about the same); the operands
+  // come from shared memory, off the diagonal scaled by E_{Ib,Jb} (KDA: the right one, Kr of rows
+  // Jb; GLA: the left one, q el of rows Ib). Qg = q el e^{G_bI} of this warp's rows goes straight out. Scalar gates multiply the
   // plain products by e^{G_i - G_j} per pair afterwards (exact for any decay), so the operands
   // are the raw q, k tiles.
   // (0,0) (1,0) (1,1) (2,0) (2,1) (2,2) (3,0) (3,1) (3,2) (3,3), pair q of warp w is number w + 4q
@@ -657,15 +657,22 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
       uint32_t ak[4], aq[4], b[4];
       if (DELTA) mma::ldsm_x4(ak, k_s + (16 * Ib + mma::a_row(lane)) * LDK + 16 * kk + mma::a_col(lane));
       mma::ldsm_x4(aq, q_s + (16 * Ib + mma::a_row(lane)) * LDK + 16 * kk + mma::a_col(lane));
-      if (!SCALAR && Jb < Ib) {
+      mma::ldsm_x4(b, right_s + (16 * Jb + mma::bn_row(lane)) * LDK + 16 * kk + mma::bn_col(lane));
+      if (DELTA && !SCALAR && Jb < Ib) {
+        // KDA: E_{Ib,Jb} on the right operand, one fragment for both products (Kr e^{G_bI - G_bJ} =
+        // k ks e^{G_bI - G_j} <= |k ks|); b[0], b[2] hold channels 2t, 2t + 1, b[1], b[3] 2t + 8, 2t + 9
+#pragma unroll
+        for (int h8 = 0; h8 < 2; ++h8) {
+          const float2 e = *reinterpret_cast<const float2*>(tab + tab_pair(Ib, Jb) * K + 16 * kk + 2 * t + 8 * h8);
+          const float2 x = unpack(b[h8]), y = unpack(b[h8 + 2]);
+          b[h8] = pack(x.x * e.x, x.y * e.y);
+          b[h8 + 2] = pack(y.x * e.x, y.y * e.y);
+        }
+      } else if (!DELTA && Jb < Ib) {
 #pragma unroll
         for (int rr = 0; rr < 4; ++rr) {
           const float2 e = *reinterpret_cast<const float2*>(tab + tab_pair(Ib, Jb) * K + 16 * kk + 2 * t + 8 * (rr >> 1));
           const float2 qv = unpack(aq[rr]);
-          if (DELTA) {
-            const float2 kv = unpack(ak[rr]);
-            ak[rr] = pack(kv.x * e.x, kv.y * e.y);
-          }
           aq[rr] = pack(qv.x * e.x, qv.y * e.y);
         }
       } else if (!DELTA) {
@@ -678,7 +685,6 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
           aq[rr] = pack(qv.x * __expf(bfirst_s[col] - bsum_s[col]), qv.y * __expf(bfirst_s[col + 1] - bsum_s[col + 1]));
         }
       }
-      mma::ldsm_x4(b, right_s + (16 * Jb + mma::bn_row(lane)) * LDK + 16 * kk + mma::bn_col(lane));
       if (DELTA) {
         mma::mma16816(akk[q][0], ak, b[0], b[1]);
         mma::mma16816(akk[q][1], ak, b[2], b[3]);
