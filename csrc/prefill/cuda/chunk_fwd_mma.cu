@@ -519,10 +519,10 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
         for (int rr = 0; rr < 4; ++rr) {
           const int x = rr & 1, row = bI + g + 8 * x, col = 16 * kk + 2 * t + 8 * (rr >> 1);
           const float d0 = a[2 * rr], d1 = a[2 * rr + 1];
-          const float e0 = __expf(d0), e1 = __expf(d1);
+          const float e0 = dev::exp_ftz(d0), e1 = dev::exp_ftz(d1);
           const float2 kv = bf2(k_s + row * LDK + col), qv = bf2(q_s + row * LDK + col);
           const int cs = rr >> 1;
-          const float t0 = __expf(total[cs][0] - first[cs][0] - d0), t1 = __expf(total[cs][1] - first[cs][1] - d1);
+          const float t0 = dev::exp_ftz(total[cs][0] - first[cs][0] - d0), t1 = dev::exp_ftz(total[cs][1] - first[cs][1] - d1);
           u32at(k_s + row * LDK + col) = pack(kv.x * ks[x] * t0, kv.y * ks[x] * t1);
           u32at(q_s + row * LDK + col) = pack(qv.x * qs[x] * e0, qv.y * qs[x] * e1);
         }
@@ -549,14 +549,14 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
 #pragma unroll
         for (int b = 1; b < 4; ++b)
 #pragma unroll
-          for (int a = 0; a < b; ++a) tab[tab_pair(b, a) * K + c] = __expf(gb[b] - ge[a]);
+          for (int a = 0; a < b; ++a) tab[tab_pair(b, a) * K + c] = dev::exp_ftz(gb[b] - ge[a]);
       if (KH == 1 || tid >= K) {
 #pragma unroll
         for (int b = 0; b < 4; ++b) {
-          tab[(kTabEb + b) * K + c] = __expf(gb[b]);
-          tab[(kTabEd + b) * K + c] = __expf(gl - ge[b]);
+          tab[(kTabEb + b) * K + c] = dev::exp_ftz(gb[b]);
+          tab[(kTabEd + b) * K + c] = dev::exp_ftz(gl - ge[b]);
         }
-        tab[kTabLast * K + c] = __expf(gl);
+        tab[kTabLast * K + c] = dev::exp_ftz(gl);
       }
     }
     __syncthreads();  // B_c: Kr and the table visible
@@ -682,7 +682,7 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
         for (int rr = 0; rr < 4; ++rr) {
           const int col = Ib * K + 16 * kk + 2 * t + 8 * (rr >> 1);
           const float2 qv = unpack(aq[rr]);
-          aq[rr] = pack(qv.x * __expf(bfirst_s[col] - bsum_s[col]), qv.y * __expf(bfirst_s[col + 1] - bsum_s[col + 1]));
+          aq[rr] = pack(qv.x * dev::exp_ftz(bfirst_s[col] - bsum_s[col]), qv.y * dev::exp_ftz(bfirst_s[col + 1] - bsum_s[col + 1]));
         }
       }
       if (DELTA) {
@@ -709,13 +709,13 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
     if (lane < 16) {
       const int row = bI + lane;
       float* rf = reinterpret_cast<float*>(blk + Wk::oRF);
-      rf[row] = qsc_s[row] * __expf(grow_s[row]);
+      rf[row] = qsc_s[row] * dev::exp_ftz(grow_s[row]);
       rf[kBT + row] = beta_s[row];
-      rf[2 * kBT + row] = -beta_s[row] * ksc_s[row] * __expf(grow_s[row]);
+      rf[2 * kBT + row] = -beta_s[row] * ksc_s[row] * dev::exp_ftz(grow_s[row]);
     }
     for (int idx = lane; idx < 16 * (K / 8); idx += 32) {
       const int row = bI + idx / (K / 8), c8 = (idx % (K / 8)) * 8;
-      const float fw = ksc_s[row] * __expf(glast - grow_s[row]);
+      const float fw = ksc_s[row] * dev::exp_ftz(glast - grow_s[row]);
       const uint4 kv = *reinterpret_cast<const uint4*>(k_s + row * LDK + c8);
       uint4 ow;
       const uint32_t* kw = reinterpret_cast<const uint32_t*>(&kv);
