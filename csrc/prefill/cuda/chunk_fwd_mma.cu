@@ -96,9 +96,9 @@ using mma::pack;
 using mma::unpack;
 
 constexpr int kBT = kChunk;
-// Prep warps: KDA runs 8 (warps w and w + 4 own the same 16 rows and split their k-steps by parity,
-// so each scheduler has twice the warps to hide the MUFU and shared-memory latencies of the gate
-// work); GDN (five CTAs per SM) and GLA (four) run 4.
+// Prep warps: KDA runs 8 (three CTAs per SM: twice the warps per scheduler to hide the MUFU and
+// shared-memory latencies of its gate work; the design note above says how the work is cut for
+// them); GDN (five CTAs per SM) and GLA (four) run 4.
 constexpr int prep_warps(bool delta, bool scalar) { return delta && !scalar ? 8 : 4; }
 constexpr int kScanThreads = 256;  // scan
 
@@ -214,7 +214,8 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
   int* steep_s = reinterpret_cast<int*>(smem + Ly::oSTEEP);
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  // row block I of this warp; with 8 warps it takes k-steps kh, kh + 2, ... of the row block
+  // row block I of this warp; with 8 warps kh is which of the row block's two warps it is (the
+  // channel half of the gate pass, the k-step parity of Qg, the plane of AM's zero blocks)
   const int I = KH == 1 ? warp : warp & 3, bI = 16 * I, kh = KH == 1 ? 0 : warp >> 2;
   const int hv = static_cast<int>(blockIdx.x % p.HV);
   const int cidx = static_cast<int>(blockIdx.x / p.HV);  // global chunk index
