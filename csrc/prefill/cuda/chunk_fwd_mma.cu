@@ -41,9 +41,9 @@
 //
 // prep, GDN and GLA: 4 warps; warp w owns chunk rows 16w..16w+15 for the element-wise work (norms,
 // gate, el, Kt, Kd); the ten lower 16x16 block pairs of A (and of AM) are dealt round-robin to the
-// warps and Kt is split by column tiles, so the triangle costs every warp the same. GLA's gate goes
-// into registers in the A-fragment layout (from global memory, one k-step ahead); its cumulative sum
-// inside a 16-row block is a shuffle scan (block_scan), the block sums meet in shared memory.
+// warps and Kt is split by column tiles, so the triangle costs every warp the same. GLA's gate pass
+// takes a channel pair per thread down the 16 rows of the warp's block (the block total first, for
+// Kt's factors through the block's end); the block sums meet in shared memory.
 // prep, KDA: 8 warps (three CTAs of 80 registers per SM: six warps per scheduler to hide the MUFU
 // and shared-memory latencies of the gate work). Row norms with 4 lanes per row. The gate pass takes
 // a channel pair per thread down the 16 rows of block w % 4 (warps w and w + 4 the two halves of the
@@ -313,7 +313,7 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
   // block by shuffles (rows g and g + 8 of a channel live in the lanes with this t); minus the
   // block's first row, so a[e] = G_i - G_b (<= 0). first and total of element 4cs + hc's channel:
   // its gate at the first row and its sum over the block.
-  // (GLA; FLA's chunk_gla passes log-decays, so the per-element activation measured as fast here)
+  // (GLA's exact path of steep diagonal blocks)
   auto block_scan = [&](int r0, int kk, float (&a)[8], float (&first)[2][2], float (&total)[2][2]) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
@@ -336,11 +336,8 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
         x -= first[cs][hc], y -= first[cs][hc];
       }
   };
-  float gnext[8];
-  if (!DELTA && !gate_tile) load_gate(bI, 0, gnext);
   mma::cp_async_wait_all();
   __syncthreads();  // B_a0: tiles landed
-  if (!DELTA && gate_tile) load_gate(bI, 0, gnext);
 
   if constexpr (DELTA && !SCALAR) {
     // ---- KDA. Row norms: 4 lanes per row (warp w rows 8w..8w+7), each lane K / 4 channels in
@@ -494,39 +491,50 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
       __syncthreads();  // B_b: row gates and row factors visible
     } else {
 
-      // ---- GLA, per k-step (a rolled loop keeps the code small): local cumulative gate; block sums
-      // to shared memory; el = e^{G_i - G_bI}: in place Kt = k e^{G_eI - G_i} (<= 1, through the
-      // block's last row e_I) and Ql = q el.
+      // ---- GLA gate pass, a channel pair per thread down the 16 rows of this warp's block (two
+      // pairs per lane; the row scales come from this warp's norms): the 16 rows' log-decays into
+      // registers (their loads in flight together), the block's first gate and total; then in place
+      // Kt = k ks e^{G_eI - G_i} (<= 1, through the block's last row e_I) and Ql = q qs e^{G_i - G_bI}.
+      __syncwarp();
       bool steep = false;
 #pragma unroll 1
-      for (int kk = 0; kk < KS; ++kk) {
-        float a[8], first[2][2], total[2][2];
+      for (int cp = lane; cp < K / 2; cp += 32) {
+        const int c0 = 2 * cp;
+        float x[32];  // row i, channel c0 + h at 2i + h
 #pragma unroll
-        for (int e = 0; e < 8; ++e) a[e] = gnext[e];
-        if (kk + 1 < KS) load_gate(bI, kk + 1, gnext);
-        block_scan(bI, kk, a, first, total);
-#pragma unroll
-        for (int cs = 0; cs < 2; ++cs)
-#pragma unroll
-          for (int hc = 0; hc < 2; ++hc) {
-            if (g == 0) {
-              const int col = 16 * kk + 2 * t + 8 * cs + hc;
-              bsum_s[I * K + col] = total[cs][hc];
-              bfirst_s[I * K + col] = first[cs][hc];
-            }
-            steep |= first[cs][hc] - total[cs][hc] > kSteepSpan;
+        for (int i = 0; i < 16; ++i) {
+          float2 v = make_float2(0.0f, 0.0f);
+          if (bI + i < Lc) {
+            const int64_t off = b_row * p.g_s[0] + (t0 + bI + i) * p.g_s[1] + hv * p.g_s[2] + c0;
+            v = p.g_dt == CULA_FLOAT32 ? *reinterpret_cast<const float2*>(static_cast<const float*>(p.g) + off)
+                                       : bf2(static_cast<const bf16*>(p.g) + off);
           }
-#pragma unroll
-        for (int rr = 0; rr < 4; ++rr) {
-          const int x = rr & 1, row = bI + g + 8 * x, col = 16 * kk + 2 * t + 8 * (rr >> 1);
-          const float d0 = a[2 * rr], d1 = a[2 * rr + 1];
-          const float e0 = dev::exp_ftz(d0), e1 = dev::exp_ftz(d1);
-          const float2 kv = bf2(k_s + row * LDK + col), qv = bf2(q_s + row * LDK + col);
-          const int cs = rr >> 1;
-          const float t0 = dev::exp_ftz(total[cs][0] - first[cs][0] - d0), t1 = dev::exp_ftz(total[cs][1] - first[cs][1] - d1);
-          u32at(k_s + row * LDK + col) = pack(kv.x * ks[x] * t0, kv.y * ks[x] * t1);
-          u32at(q_s + row * LDK + col) = pack(qv.x * qs[x] * e0, qv.y * qs[x] * e1);
+          x[2 * i] = v.x + bias_s[c0], x[2 * i + 1] = v.y + bias_s[c0 + 1];
         }
+        if (p.gate_in_kernel && p.gate_kind != 2) dev::activate_gates(x, eA, p.has_lb, p.lb);
+        float run[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int e = 0; e < 32; ++e) {
+          x[e] = bI + (e >> 1) < Lc ? dev::chunk_log_decay(x[e]) : 0.0f;
+          run[e & 1] += x[e];  // the block's total, summed down the rows
+        }
+        const float first[2] = {x[0], x[1]}, total[2] = {run[0], run[1]};
+        steep |= first[0] - total[0] > kSteepSpan || first[1] - total[1] > kSteepSpan;
+        run[0] = run[1] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          const int row = bI + i;
+          run[0] += x[2 * i], run[1] += x[2 * i + 1];
+          const float d0 = run[0] - first[0], d1 = run[1] - first[1];
+          const float e0 = dev::exp_ftz(d0), e1 = dev::exp_ftz(d1);
+          const float t0 = dev::exp_ftz(total[0] - first[0] - d0), t1 = dev::exp_ftz(total[1] - first[1] - d1);
+          const float qsr = rowq_s[row], ksr = rowk_s[row];
+          const float2 kv = bf2(k_s + row * LDK + c0), qv = bf2(q_s + row * LDK + c0);
+          u32at(k_s + row * LDK + c0) = pack(kv.x * ksr * t0, kv.y * ksr * t1);
+          u32at(q_s + row * LDK + c0) = pack(qv.x * qsr * e0, qv.y * qsr * e1);
+        }
+        bsum_s[I * K + c0] = total[0], bsum_s[I * K + c0 + 1] = total[1];
+        bfirst_s[I * K + c0] = first[0], bfirst_s[I * K + c0 + 1] = first[1];
       }
       steep = __any_sync(0xffffffffu, steep);
       if (lane == 0) steep_s[I] = steep;
