@@ -7,6 +7,7 @@ one build serves every Python >= 3.10 and every torch version.
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import math
 import os
 import pathlib
@@ -151,6 +152,36 @@ LIB = _load()
 ABI_VERSION = 1
 if LIB.cula_abi_version() != ABI_VERSION:
     raise ImportError(f"cula: native library ABI {LIB.cula_abi_version()} does not match the Python package's {ABI_VERSION}")
+
+
+def _load_fast_call(lib_path):
+    """The optional C module that packs the argument structs (csrc/binding/fast_call.c): beside
+    the loaded library (a build tree) or in the package (a wheel). None when it is absent or
+    CULA_FAST_CALL=0; the ctypes packing then serves every call."""
+    if os.environ.get("CULA_FAST_CALL", "1") == "0":
+        return None
+    for folder in (pathlib.Path(lib_path).resolve().parent, pathlib.Path(__file__).resolve().parent):
+        for path in sorted(folder.glob("_fast_call*.so")):
+            spec = importlib.util.spec_from_file_location("cula._fast_call", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+    return None
+
+
+FAST_CALL = _load_fast_call(LIB.path)
+# Argument struct -> (the fast-call module's entry number, the entry's address, tensor fields in
+# struct order): the module calls the function this ctypes handle loaded.
+FAST_ENTRIES = {
+    t: (kind, ctypes.cast(getattr(LIB, fn), ctypes.c_void_p).value, tuple(n for n, f in t._fields_ if f is TP))
+    for kind, (fn, t) in enumerate([("cula_chunk_fwd", ChunkFwdArgs), ("cula_decode", DecodeArgs),
+                                    ("cula_chunk_bwd", ChunkBwdArgs), ("cula_kda_gate", KdaGateArgs)])
+}
+
+
+def binding() -> str:
+    """How calls reach the library: "fast_call" (the C module) or "ctypes"."""
+    return "fast_call" if FAST_CALL is not None else "ctypes"
 
 
 class CulaError(ValueError):

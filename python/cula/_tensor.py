@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+import sys
 
 import numpy as np
 
@@ -120,11 +121,35 @@ def _layout(args_type):
     return lay
 
 
+_FAST = None  # the fast-call module once it knows torch's tensor type and dtypes
+
+
+def _fast_ready():
+    global _FAST
+    torch = sys.modules.get("torch")  # no torch imported: no torch tensors, nothing to speed up
+    if _lib.FAST_CALL is None or torch is None:
+        return None
+    fields = tuple(f for _, _, f in sorted(_lib.FAST_ENTRIES.values()))
+    _lib.FAST_CALL.configure(torch.Tensor, dict(_TORCH_CODES or _torch_codes()), fields)
+    _FAST = _lib.FAST_CALL
+    return _FAST
+
+
 def call(args_type, entry, opt, tensors: dict, **scalars) -> None:
-    """Packs one C ABI argument struct (laid out as args_type) and its tensor descriptions into one
-    buffer with struct.pack_into (the struct, then one cula_tensor per array given; fields of
-    arrays not given stay NULL) and calls the entry with its address, raising the library's error
-    as a Python exception. opt: _lib.options(...). The arrays stay alive for the call."""
+    """Calls a C ABI entry with its argument struct (laid out as args_type) built from `tensors`
+    (field name -> array; fields not given stay NULL) and `scalars`, raising the library's error
+    as a Python exception. opt: _lib.options(...). The arrays stay alive for the call.
+
+    Torch tensors go through the fast-call module when it is built (the struct packed in C);
+    anything it does not take (numpy arrays, an unknown dtype, another device) comes here, where
+    the struct and one cula_tensor per array are packed into one buffer with struct.pack_into."""
+    fast = _FAST or _fast_ready()
+    if fast is not None:
+        kind, address, _ = _lib.FAST_ENTRIES[args_type]
+        status = fast.call(kind, address, opt, scalars.get("chunk_size", 0), tensors)
+        if status is not None:
+            _lib.check(status)
+            return
     size, opt_at, offsets, scalar_at = _LAYOUTS.get(args_type) or _layout(args_type)
     given = [(n, x) for n, x in tensors.items() if x is not None]
     buf = ctypes.create_string_buffer(size + _TENSOR.size * len(given))

@@ -14,6 +14,7 @@ import os
 import statistics
 import time
 
+from . import _lib
 from .demo import Progress
 
 HEADS = (32, 64)
@@ -133,7 +134,7 @@ def bench_decode(out_dir: str, gpu_name: str | None = None) -> int:
         torch.cuda.empty_cache()
     os.makedirs(out_dir, exist_ok=True)
     meta = dict(gpu=gpu_name or props.name, copy_gb_per_s=round(bw, 1), torch=torch.__version__,
-                fla=_version("fla-core"), date=time.strftime("%Y-%m-%d"),
+                fla=_version("fla-core"), date=time.strftime("%Y-%m-%d"), binding=_lib.binding(),
                 method="eager: median over 25 timings of the mean of 20 back-to-back calls; graph: "
                        f"{GRAPH_CALLS} calls captured in one CUDA graph (rotating inputs), median over 25 replays of "
                        f"the replay time / {GRAPH_CALLS}; CUDA events")

@@ -20,6 +20,7 @@ import time
 
 from .bench_common import PEERS_AND_BASELINE_METHOD, REPS, causal_sdpa, time_peers_and_baseline, write_report
 from .bench_decode import _version, cuda_device
+from . import _lib
 from .demo import Progress
 
 K = V = 128
@@ -134,7 +135,7 @@ def bench_fwd(family: str, out_dir: str, gpu_name: str | None = None, configs=No
         del sets
         torch.cuda.empty_cache()
     meta = dict(gpu=gpu_name or props.name, copy_gb_per_s=round(bw, 1), torch=torch.__version__,
-                fla=_version("fla-core"), date=time.strftime("%Y-%m-%d"),
+                fla=_version("fla-core"), date=time.strftime("%Y-%m-%d"), binding=_lib.binding(),
                 method=PEERS_AND_BASELINE_METHOD + "; cula's FLA drop-in and FLA called with the same arguments, "
                 "under torch.inference_mode")
     peers = [p for p in ("fla_triton", "torch_sdpa") if any(p in r[1] for r in rows)]

@@ -18,6 +18,7 @@ import time
 
 from .bench_common import PEERS_AND_BASELINE_METHOD, REPS, causal_sdpa, time_peers_and_baseline, write_report
 from .bench_decode import _version, cuda_device
+from . import _lib
 from .demo import Progress
 
 K = V = 128
@@ -112,7 +113,7 @@ def bench_kda(out_dir: str, gpu_name: str | None = None, configs=None, resume=Fa
     configs = [c for c in configs if c[0] not in done]
     meta = dict(gpu=gpu, copy_gb_per_s=round(bw, 1), torch=torch.__version__,
                 fla=_version("fla-core"), flashkda=_flashkda_version() if flash_fn else None,
-                date=time.strftime("%Y-%m-%d"), method=method)
+                date=time.strftime("%Y-%m-%d"), binding=_lib.binding(), method=method)
     prog = Progress(len(configs), "bench kda")
     for name, B, T, H, seqlens in configs:
         if seqlens:
