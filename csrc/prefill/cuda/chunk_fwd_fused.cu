@@ -7,7 +7,9 @@
 //    inclusive cumulative log-decay of each row from the chunk start (gate activation in kernel
 //    when asked), the row factors qs = scale (/ |q| with l2norm) and ks = 1 (/ |k|), and what the
 //    fused kernel needs of them per row (qs e^G, ks e^{G_last - G}, G - ln ks) plus e^{G_last}:
-//    1.3 KB per chunk and head.
+//    1.3 KB per chunk and head. Lightning (constant decay, no l2norm) in one pass of the
+//    warp-specialized kernel needs no factor kernel: its copying warps write the factors of each
+//    stage themselves (constant_decay_factors), so a dense call has no workspace at all.
 //  fused (one CTA per sequence, value head and VB columns of V, chunks in order, the state slice
 //    S (K x VB, fp32) in registers), per chunk:
 //      o_i = qs_i e^{G_i} (q_i S) + sum_{j<=i} qs_i ks_j e^{G_i - G_j} (q_i . k_j) v_j
@@ -166,6 +168,25 @@ __global__ void __launch_bounds__(32 * kFactorWarps)
     f[kFP + row] = x[hh] - __logf(ksr[hh]);
   }
   if (lane < 4) f[kFL + lane] = __expf(glast);
+}
+
+// A constant decay without l2norm (Lightning): every row factor of a chunk follows from the
+// per-token log-decay a and the chunk length Lc (G_r = a (min(r, Lc - 1) + 1), qs = scale, ks = 1),
+// so the warp-specialized kernel writes them itself (no factor kernel, no workspace). Four
+// consecutive floats of the factor block, from float e4 * 4 on.
+__device__ __forceinline__ float4 constant_decay_factors(int e4, float a, float scale, int Lc) {
+  // a float4 lies in one region of the block (regions of kBT floats, kFL = 80 float4 in)
+  const int region = e4 / (kBT / 4), row0 = (e4 % (kBT / 4)) * 4;
+  const float glast = a * static_cast<float>(Lc);
+  float r[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float G = a * static_cast<float>(min(row0 + j, Lc - 1) + 1);
+    // kFO = scale e^G, kFV = e^{G_last - G}, kFL = e^{G_last}: one exponential per float
+    const float e = __expf(region == 2 ? G : region == 3 ? glast - G : glast);
+    r[j] = region == 0 || region == 4 ? G : region == 1 ? scale : region == 2 ? scale * e : e;  // kFP: ln ks = 0
+  }
+  return make_float4(r[0], r[1], r[2], r[3]);
 }
 
 // kLocal: the local pass of a split sequence, one CTA per (sequence, value head, V slice, part
@@ -459,7 +480,9 @@ struct WsLayout {
   static_assert(K * VB * 4 <= 2 * K * LDV * 2, "a state slice fits the ring (the fold of a split sequence)");
 };
 
-template <int K, int VB>
+// kOwnFactors (fac == nullptr): the row factors are written here (constant_decay_factors), not
+// copied from the factor kernel's output.
+template <int K, int VB, bool kOwnFactors>
 __global__ void __launch_bounds__(kWsThreads, 1)
     chunk_fused_ws_kernel(const FwdParams p, const int32_t* __restrict__ chunk_base, const float* __restrict__ fac,
                           const SplitState sp) {
@@ -484,7 +507,10 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   if (sp.nseg > 1 && c_begin == c_end && !last_segment) return;
   const int nloc = c_end - c_begin;
   if (tid == 0) {
-    for (int s = 0; s < D; ++s) mbar::init(&full[s], 32 * kWsStateWarps), mbar::init(&empty[s], kWsOutWarps + kWsStateWarps);
+    // kOwnFactors: each copying thread also arrives on full[] after its factor stores (a release),
+    // besides its arrival on its copies
+    for (int s = 0; s < D; ++s)
+      mbar::init(&full[s], 32 * kWsStateWarps * (kOwnFactors ? 2 : 1)), mbar::init(&empty[s], kWsOutWarps + kWsStateWarps);
     for (int s = 0; s < 2; ++s) mbar::init(&sready[s], kWsStateWarps), mbar::init(&sfree[s], kWsOutWarps);
   }
   __syncthreads();
@@ -502,6 +528,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     const bf16* k_in = static_cast<const bf16*>(p.k) + sq.b_row * p.k_s[0] + sq.bos * p.k_s[1] + h * p.k_s[2] + ck.c8;
     const bf16* v_in =
         static_cast<const bf16*>(p.v) + sq.b_row * p.v_s[0] + sq.bos * p.v_s[1] + hv * p.v_s[2] + v0 + cv.c8;
+    const float own_a =
+        kOwnFactors ? dev::chunk_log_decay(-dev::ld(p.decay, p.decay_dt, p.decay_heads == p.HV ? hv : h)) : 0.0f;
     // Chunk c_begin + i into stage i % D; the stage's full barrier completes when the copies land.
     auto produce = [&](int i) {
       const int c = c_begin + i;
@@ -523,9 +551,16 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         const bool in = r < Lc;
         mma::cp_async16_or_zero(dst + Ly::sV + (r * LDV + cv.c8) * 2, v_in + (t0 + (in ? r : 0)) * p.v_s[1], in);
       }
-      const float* f = fac + ((cbase + c) * p.HV + hv) * kFactorFloats;
-      if (ts < kFactorFloats / 4) mma::cp_async16(dst + Ly::sF + ts * 16, f + ts * 4);
-      mbar::arrive_on_copies(&full[i % D]);
+      if constexpr (kOwnFactors) {
+        if (ts < kFactorFloats / 4)
+          reinterpret_cast<float4*>(stage_at(i) + Ly::sF)[ts] = constant_decay_factors(ts, own_a, p.scale, Lc);
+        mbar::arrive_on_copies(&full[i % D]);
+        mbar::arrive(&full[i % D]);
+      } else {
+        const float* f = fac + ((cbase + c) * p.HV + hv) * kFactorFloats;
+        if (ts < kFactorFloats / 4) mma::cp_async16(dst + Ly::sF + ts * 16, f + ts * 4);
+        mbar::arrive_on_copies(&full[i % D]);
+      }
     };
     for (int i = 0; i < min(D, nloc); ++i) produce(i);
 
@@ -700,26 +735,35 @@ void run(const Recurrence& r, const FwdParams& p, int nseg, int nsub, int device
   const int64_t fused_blocks = r.N * r.HV * (r.V / VB);
   const int64_t local_parts = static_cast<int64_t>(nseg - 1) * nsub;
   const int64_t slice_floats = int64_t{K} * VB, slices = fused_blocks;  // one per (sequence, head, V slice)
-  const int64_t fac_bytes = pairs * kFactorFloats * 4;
+  // CULA_FUSED_8WARP set: the 8-warp kernel on any device (tests of the path small devices take)
+  const bool ws = WsLayout<K, VB>::bytes <= cuda_smem_per_block(device) && !std::getenv("CULA_FUSED_8WARP");
+  // Lightning in one pass of the warp-specialized kernel: it writes its row factors itself, which
+  // saves the factor kernel, and with dense inputs the whole workspace (an allocation, a launch
+  // and a release: ~25 us of host time per call when the host's caches are cold)
+  const bool own_factors = ws && nseg == 1 && p.gate_kind == 2 && !p.l2norm;
+  const int64_t fac_bytes = own_factors ? 0 : pairs * kFactorFloats * 4;
   const int64_t loc_floats = local_parts * slices * slice_floats, dec_floats = (local_parts * r.N * r.HV + 3) / 4 * 4;
   const int64_t s0_floats = nseg > 1 ? slices * slice_floats : 0;
   const int64_t bytes = base_bytes + fac_bytes + (loc_floats + dec_floats + s0_floats) * 4;
   if (pairs >= (int64_t{1} << 31) || fused_blocks >= (int64_t{1} << 31))
     throw_unsupported("chunk_fwd", "too many chunks x heads for one launch");
   if (max_chunks == 0) return;
-  void* ws = nullptr;
-  chunk::check(cudaMallocFromPoolAsync(&ws, static_cast<size_t>(bytes), chunk_workspace_pool(device), stream),
-               "workspace allocation");
-  int32_t* chunk_base = p.cu ? static_cast<int32_t*>(ws) : nullptr;
-  float* fac = reinterpret_cast<float*>(static_cast<unsigned char*>(ws) + base_bytes);
+  void* work = nullptr;
+  if (bytes > 0)
+    chunk::check(cudaMallocFromPoolAsync(&work, static_cast<size_t>(bytes), chunk_workspace_pool(device), stream),
+                 "workspace allocation");
+  int32_t* chunk_base = p.cu ? static_cast<int32_t*>(work) : nullptr;
+  float* const after_base = reinterpret_cast<float*>(static_cast<unsigned char*>(work) + base_bytes);
+  float* fac = own_factors ? nullptr : after_base;
   SplitState sp{};
   sp.nseg = nseg, sp.nsub = nsub;
-  sp.loc = fac + fac_bytes / 4;
+  sp.loc = after_base + fac_bytes / 4;
   sp.dec = sp.loc + loc_floats;
   sp.s0 = sp.dec + dec_floats;
   if (p.cu) chunk::launch_chunk_base(p, chunk_base, stream);
-  chunk_factor_kernel<<<static_cast<unsigned>((pairs + kFactorWarps - 1) / kFactorWarps), 32 * kFactorWarps, 0,
-                        stream>>>(p, chunk_base, fac, static_cast<int>(pairs));
+  if (!own_factors)
+    chunk_factor_kernel<<<static_cast<unsigned>((pairs + kFactorWarps - 1) / kFactorWarps), 32 * kFactorWarps, 0,
+                          stream>>>(p, chunk_base, fac, static_cast<int>(pairs));
   if constexpr (VB == 64) {  // segments only with 64-column slices (plan_fused)
     if (nseg > 1) {
       chunk::allow_smem(chunk_fused_kernel<K, VB, true>, FusedLayout<K, VB, true>::bytes);
@@ -728,11 +772,15 @@ void run(const Recurrence& r, const FwdParams& p, int nseg, int nsub, int device
              FusedLayout<K, VB, true>::bytes, stream>>>(p, chunk_base, fac, sp);
     }
   }
-  // CULA_FUSED_8WARP set: the 8-warp kernel on any device (tests of the path small devices take)
-  if (WsLayout<K, VB>::bytes <= cuda_smem_per_block(device) && !std::getenv("CULA_FUSED_8WARP")) {
-    chunk::allow_smem(chunk_fused_ws_kernel<K, VB>, WsLayout<K, VB>::bytes);
-    chunk_fused_ws_kernel<K, VB><<<dim3(static_cast<unsigned>(fused_blocks), static_cast<unsigned>(nseg)), kWsThreads,
-                                   WsLayout<K, VB>::bytes, stream>>>(p, chunk_base, fac, sp);
+  if (ws) {
+    const dim3 grid(static_cast<unsigned>(fused_blocks), static_cast<unsigned>(nseg));
+    if (own_factors) {
+      chunk::allow_smem(chunk_fused_ws_kernel<K, VB, true>, WsLayout<K, VB>::bytes);
+      chunk_fused_ws_kernel<K, VB, true><<<grid, kWsThreads, WsLayout<K, VB>::bytes, stream>>>(p, chunk_base, fac, sp);
+    } else {
+      chunk::allow_smem(chunk_fused_ws_kernel<K, VB, false>, WsLayout<K, VB>::bytes);
+      chunk_fused_ws_kernel<K, VB, false><<<grid, kWsThreads, WsLayout<K, VB>::bytes, stream>>>(p, chunk_base, fac, sp);
+    }
   } else {  // e.g. K = 128, VB = 64 on sm_80 (164 KB): the 8-warp kernel
     chunk::allow_smem(chunk_fused_kernel<K, VB, false>, FusedLayout<K, VB, false>::bytes);
     chunk_fused_kernel<K, VB, false>
@@ -740,7 +788,7 @@ void run(const Recurrence& r, const FwdParams& p, int nseg, int nsub, int device
            FusedLayout<K, VB, false>::bytes, stream>>>(p, chunk_base, fac, sp);
   }
   const cudaError_t launched = cudaGetLastError();
-  chunk::check(cudaFreeAsync(ws, stream), "workspace release");
+  if (work) chunk::check(cudaFreeAsync(work, stream), "workspace release");
   chunk::check(launched, "kernel launch");
 }
 
