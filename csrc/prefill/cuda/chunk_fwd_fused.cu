@@ -7,9 +7,9 @@
 //    inclusive cumulative log-decay of each row from the chunk start (gate activation in kernel
 //    when asked), the row factors qs = scale (/ |q| with l2norm) and ks = 1 (/ |k|), and what the
 //    fused kernel needs of them per row (qs e^G, ks e^{G_last - G}, G - ln ks) plus e^{G_last}:
-//    1.3 KB per chunk and head. Lightning (constant decay, no l2norm) in one pass of the
-//    warp-specialized kernel needs no factor kernel: its copying warps write the factors of each
-//    stage themselves (constant_decay_factors), so a dense call has no workspace at all.
+//    1.3 KB per chunk and head. Lightning (constant decay, no l2norm) needs no factor kernel:
+//    the fused kernels' copying threads write the factors of each stage themselves
+//    (constant_decay_factors), so a dense call in one pass has no workspace at all.
 //  fused (one CTA per sequence, value head and VB columns of V, chunks in order, the state slice
 //    S (K x VB, fp32) in registers), per chunk:
 //      o_i = qs_i e^{G_i} (q_i S) + sum_{j<=i} qs_i ks_j e^{G_i - G_j} (q_i . k_j) v_j
@@ -44,6 +44,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <initializer_list>
+#include <type_traits>
 
 #include "common/error.h"
 #include "cuda/check.cuh"
@@ -191,7 +192,8 @@ __device__ __forceinline__ float4 constant_decay_factors(int e4, float a, float 
 
 // kLocal: the local pass of a split sequence, one CTA per (sequence, value head, V slice, part
 // before the last segment); otherwise one CTA per (sequence, value head, V slice, segment).
-template <int K, int VB, bool kLocal>
+// kOwnFactors (fac == nullptr): the row factors are written here (constant_decay_factors).
+template <int K, int VB, bool kLocal, bool kOwnFactors>
 __global__ void __launch_bounds__(kThreads, kLocal ? 3 : 1)  // the local pass: ~65 KB, three CTAs per SM
     chunk_fused_kernel(const FwdParams p, const int32_t* __restrict__ chunk_base, const float* __restrict__ fac,
                        const SplitState sp) {
@@ -253,6 +255,8 @@ __global__ void __launch_bounds__(kThreads, kLocal ? 3 : 1)  // the local pass: 
   const bf16* q_in = static_cast<const bf16*>(p.q) + sq.b_row * p.q_s[0] + sq.bos * p.q_s[1] + h * p.q_s[2] + ck.c8;
   const bf16* k_in = static_cast<const bf16*>(p.k) + sq.b_row * p.k_s[0] + sq.bos * p.k_s[1] + h * p.k_s[2] + ck.c8;
   const bf16* v_in = static_cast<const bf16*>(p.v) + sq.b_row * p.v_s[0] + sq.bos * p.v_s[1] + hv * p.v_s[2] + v0 + cv.c8;
+  const float own_a =
+      kOwnFactors ? dev::chunk_log_decay(-dev::ld(p.decay, p.decay_dt, p.decay_heads == p.HV ? hv : h)) : 0.0f;
   auto stage_in = [&](int c, int st) {
     if (c < c_end) {
       unsigned char* dst = smem + st * Ly::stage;
@@ -280,8 +284,13 @@ __global__ void __launch_bounds__(kThreads, kLocal ? 3 : 1)  // the local pass: 
         else
           *reinterpret_cast<uint4*>(d) = zero4;
       }
-      const float* f = fac + ((cbase + c) * p.HV + hv) * kFactorFloats;
-      if (tid < kFactorFloats / 4) mma::cp_async16(dst + Ly::sF + tid * 16, f + tid * 4);
+      if constexpr (kOwnFactors) {  // plain stores, ordered for the readers by the chunk's first barrier
+        if (tid < kFactorFloats / 4)
+          reinterpret_cast<float4*>(dst + Ly::sF)[tid] = constant_decay_factors(tid, own_a, p.scale, Lc);
+      } else {
+        const float* f = fac + ((cbase + c) * p.HV + hv) * kFactorFloats;
+        if (tid < kFactorFloats / 4) mma::cp_async16(dst + Ly::sF + tid * 16, f + tid * 4);
+      }
     }
     mma::cp_async_commit();
   };
@@ -737,10 +746,10 @@ void run(const Recurrence& r, const FwdParams& p, int nseg, int nsub, int device
   const int64_t slice_floats = int64_t{K} * VB, slices = fused_blocks;  // one per (sequence, head, V slice)
   // CULA_FUSED_8WARP set: the 8-warp kernel on any device (tests of the path small devices take)
   const bool ws = WsLayout<K, VB>::bytes <= cuda_smem_per_block(device) && !std::getenv("CULA_FUSED_8WARP");
-  // Lightning in one pass of the warp-specialized kernel: it writes its row factors itself, which
-  // saves the factor kernel, and with dense inputs the whole workspace (an allocation, a launch
-  // and a release: ~25 us of host time per call when the host's caches are cold)
-  const bool own_factors = ws && nseg == 1 && p.gate_kind == 2 && !p.l2norm;
+  // Lightning without l2norm: the fused kernels write their row factors themselves, which saves
+  // the factor kernel and, for one pass over dense inputs, the whole workspace (an allocation, a
+  // launch and a release: ~25 us of host time per call when the host's caches are cold)
+  const bool own_factors = p.gate_kind == 2 && !p.l2norm;
   const int64_t fac_bytes = own_factors ? 0 : pairs * kFactorFloats * 4;
   const int64_t loc_floats = local_parts * slices * slice_floats, dec_floats = (local_parts * r.N * r.HV + 3) / 4 * 4;
   const int64_t s0_floats = nseg > 1 ? slices * slice_floats : 0;
@@ -764,29 +773,30 @@ void run(const Recurrence& r, const FwdParams& p, int nseg, int nsub, int device
   if (!own_factors)
     chunk_factor_kernel<<<static_cast<unsigned>((pairs + kFactorWarps - 1) / kFactorWarps), 32 * kFactorWarps, 0,
                           stream>>>(p, chunk_base, fac, static_cast<int>(pairs));
-  if constexpr (VB == 64) {  // segments only with 64-column slices (plan_fused)
-    if (nseg > 1) {
-      chunk::allow_smem(chunk_fused_kernel<K, VB, true>, FusedLayout<K, VB, true>::bytes);
-      chunk_fused_kernel<K, VB, true>
-          <<<dim3(static_cast<unsigned>(fused_blocks), static_cast<unsigned>(local_parts)), kThreads,
-             FusedLayout<K, VB, true>::bytes, stream>>>(p, chunk_base, fac, sp);
+  const dim3 grid(static_cast<unsigned>(fused_blocks), static_cast<unsigned>(nseg));
+  auto launch = [&](auto own) {  // the kernels of one factor source (own: std::bool_constant)
+    constexpr bool kOwn = decltype(own)::value;
+    if constexpr (VB == 64) {  // segments only with 64-column slices (plan_fused)
+      if (nseg > 1) {
+        chunk::allow_smem(chunk_fused_kernel<K, VB, true, kOwn>, FusedLayout<K, VB, true>::bytes);
+        chunk_fused_kernel<K, VB, true, kOwn>
+            <<<dim3(static_cast<unsigned>(fused_blocks), static_cast<unsigned>(local_parts)), kThreads,
+               FusedLayout<K, VB, true>::bytes, stream>>>(p, chunk_base, fac, sp);
+      }
     }
-  }
-  if (ws) {
-    const dim3 grid(static_cast<unsigned>(fused_blocks), static_cast<unsigned>(nseg));
-    if (own_factors) {
-      chunk::allow_smem(chunk_fused_ws_kernel<K, VB, true>, WsLayout<K, VB>::bytes);
-      chunk_fused_ws_kernel<K, VB, true><<<grid, kWsThreads, WsLayout<K, VB>::bytes, stream>>>(p, chunk_base, fac, sp);
-    } else {
-      chunk::allow_smem(chunk_fused_ws_kernel<K, VB, false>, WsLayout<K, VB>::bytes);
-      chunk_fused_ws_kernel<K, VB, false><<<grid, kWsThreads, WsLayout<K, VB>::bytes, stream>>>(p, chunk_base, fac, sp);
+    if (ws) {
+      chunk::allow_smem(chunk_fused_ws_kernel<K, VB, kOwn>, WsLayout<K, VB>::bytes);
+      chunk_fused_ws_kernel<K, VB, kOwn><<<grid, kWsThreads, WsLayout<K, VB>::bytes, stream>>>(p, chunk_base, fac, sp);
+    } else {  // e.g. K = 128, VB = 64 on sm_80 (164 KB): the 8-warp kernel
+      chunk::allow_smem(chunk_fused_kernel<K, VB, false, kOwn>, FusedLayout<K, VB, false>::bytes);
+      chunk_fused_kernel<K, VB, false, kOwn>
+          <<<grid, kThreads, FusedLayout<K, VB, false>::bytes, stream>>>(p, chunk_base, fac, sp);
     }
-  } else {  // e.g. K = 128, VB = 64 on sm_80 (164 KB): the 8-warp kernel
-    chunk::allow_smem(chunk_fused_kernel<K, VB, false>, FusedLayout<K, VB, false>::bytes);
-    chunk_fused_kernel<K, VB, false>
-        <<<dim3(static_cast<unsigned>(fused_blocks), static_cast<unsigned>(nseg)), kThreads,
-           FusedLayout<K, VB, false>::bytes, stream>>>(p, chunk_base, fac, sp);
-  }
+  };
+  if (own_factors)
+    launch(std::true_type{});
+  else
+    launch(std::false_type{});
   const cudaError_t launched = cudaGetLastError();
   if (work) chunk::check(cudaFreeAsync(work, stream), "workspace release");
   chunk::check(launched, "kernel launch");
