@@ -22,8 +22,63 @@ def test_fast_call_module_is_built_and_loaded():
     assert kinds == [0, 1, 2, 3] and all(addr for _, addr, _ in _lib.FAST_ENTRIES.values())
 
 
-torch = pytest.importorskip("torch", reason="torch is not installed")
 needs_fast = pytest.mark.skipif(_lib.FAST_CALL is None, reason="cula was built without the fast-call module")
+
+
+class HostTensor:
+    """A numpy array behind the attributes the fast-call module reads of a torch tensor."""
+
+    CODES = {np.dtype(np.float32): _lib.FLOAT32, np.dtype(np.float64): _lib.FLOAT64, np.dtype(np.int32): _lib.INT32}
+
+    def __init__(self, a):
+        self.a, self.dtype, self.shape = a, a.dtype, tuple(a.shape)
+        self.is_cuda, self.is_cpu = False, True
+
+    def stride(self):
+        return tuple(st // self.a.itemsize for st in self.a.strides)
+
+    def data_ptr(self):
+        return self.a.ctypes.data
+
+    def get_device(self):
+        return -1
+
+
+@needs_fast
+def test_fast_call_packs_what_ctypes_packs(rng):
+    """The C packing itself, without torch: host arrays behind tensor attributes through the fast
+    path give the bits the ctypes packing gives."""
+    f32 = np.float32
+    q, k = rng.standard_normal((1, 23, 2, 16)).astype(f32), rng.standard_normal((1, 23, 2, 16)).astype(f32)
+    v = rng.standard_normal((1, 2, 23, 8)).astype(f32).transpose(0, 2, 1, 3)  # a strided view
+    decay, h0 = rng.uniform(0.01, 0.5, 2).astype(f32), rng.standard_normal((2, 2, 16, 8)).astype(f32)
+    cu = np.array([0, 9, 23], np.int32)
+    o_ref, s_ref = ops.chunk_fwd("lightning", q, k, v, decay=decay, initial_state=h0, cu_seqlens=cu, scale=0.3,
+                                 output_final_state=True, state_layout="k_first")
+    out, fin = np.full((1, 23, 2, 8), np.nan, f32), np.full((2, 2, 16, 8), np.nan, f32)
+    fast = _lib.FAST_CALL
+    kind, addr, fields = _lib.FAST_ENTRIES[_lib.ChunkFwdArgs]
+    fast.configure(HostTensor, dict(HostTensor.CODES), tuple(f for _, _, f in sorted(_lib.FAST_ENTRIES.values())))
+    try:
+        arrays = {n: HostTensor(x) for n, x in dict(q=q, k=k, v=v, decay=decay, initial_state=h0, cu_seqlens=cu,
+                                                     out=out, final_state=fin).items()}
+        opt = _lib.options("lightning", scale=0.3, state_layout="k_first")
+        assert fast.call(kind, addr, opt, 64, arrays) == _lib.OK
+        # an array the module does not take (a float16 one): nothing called, None
+        arrays["decay"] = HostTensor(decay.astype(np.float16))
+        out2 = np.full_like(out, np.nan)
+        arrays["out"] = HostTensor(out2)
+        assert fast.call(kind, addr, opt, 64, arrays) is None and np.isnan(out2).all()
+    finally:
+        _tensor._FAST = None  # the next torch call configures the module for torch again
+    assert np.array_equal(out, o_ref) and np.array_equal(fin, s_ref)
+
+
+try:
+    import torch
+except ImportError:
+    torch = None
+needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
 
 
 @contextlib.contextmanager
@@ -52,8 +107,9 @@ def fast_only():
         _tensor._pack_tensor = real
 
 
-def t(rng, *shape, scale=1.0, dtype=torch.float32, device="cpu"):
-    return torch.from_numpy(rng.standard_normal(shape).astype(np.float32) * scale).to(dtype).to(device)
+def t(rng, *shape, scale=1.0, dtype=None, device="cpu"):
+    x = torch.from_numpy(rng.standard_normal(shape).astype(np.float32) * scale)
+    return x.to(dtype or torch.float32).to(device)
 
 
 def both_paths(fn):
@@ -75,6 +131,7 @@ def assert_identical(a, b):
         assert torch.equal(x, y)
 
 
+@needs_torch
 @needs_fast
 @pytest.mark.parametrize("family", ["kda", "gdn", "gla", "simple_gla", "lightning"])
 def test_chunk_fwd_same_results_both_paths(rng, family):
@@ -105,6 +162,7 @@ def test_chunk_fwd_same_results_both_paths(rng, family):
     assert_identical(*both_paths(run))
 
 
+@needs_torch
 @needs_fast
 def test_decode_kda_gate_and_bwd_same_results_both_paths(rng):
     N, T, H, K, V = 3, 2, 2, 16, 8
@@ -132,6 +190,7 @@ def test_decode_kda_gate_and_bwd_same_results_both_paths(rng):
     assert_identical(*both_paths(bwd))
 
 
+@needs_torch
 @needs_fast
 def test_fast_path_errors_match_ctypes(rng):
     q, k = t(rng, 1, 9, 2, 16), t(rng, 1, 9, 2, 16)
@@ -145,6 +204,7 @@ def test_fast_path_errors_match_ctypes(rng):
     assert msgs[0] == msgs[1] and "v" in msgs[0]
 
 
+@needs_torch
 @needs_fast
 def test_what_the_fast_path_does_not_take_falls_back(rng):
     q, k, v = t(rng, 1, 20, 2, 16), t(rng, 1, 20, 2, 16), t(rng, 1, 20, 2, 8)
@@ -162,6 +222,7 @@ def test_what_the_fast_path_does_not_take_falls_back(rng):
         ops.chunk_fwd("lightning", q.to("meta"), k, v, decay=decay)
 
 
+@needs_torch
 @needs_fast
 def test_fast_call_refuses_misuse():
     fc = _lib.FAST_CALL
@@ -175,8 +236,8 @@ def test_fast_call_refuses_misuse():
         fc.call(7, addr, opt, 0, {})  # no such entry
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or _lib.LIB.cula_cuda_device_count() == 0,
-                    reason="no CUDA device visible to torch and cula")
+@pytest.mark.skipif(torch is None or not torch.cuda.is_available() or _lib.LIB.cula_cuda_device_count() == 0,
+                    reason="torch with a CUDA device visible to torch and cula is not available")
 @needs_fast
 @pytest.mark.parametrize("family", ["gdn", "lightning"])
 def test_cuda_chunk_fwd_same_results_both_paths(rng, family):
