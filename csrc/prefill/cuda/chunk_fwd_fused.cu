@@ -99,6 +99,12 @@ struct SplitState {
 
 __device__ __forceinline__ uint32_t& u32at(bf16* p) { return *reinterpret_cast<uint32_t*>(p); }
 
+// The per-token log-decay of a constant-decay (Lightning) value head hv of query head h: -decay,
+// one rate per query head or per value head.
+__device__ __forceinline__ float constant_log_decay(const FwdParams& p, int hv, int h) {
+  return -dev::ld(p.decay, p.decay_dt, p.decay_heads == p.HV ? hv : h);
+}
+
 // Row factors of every (chunk, value head): one warp each, lane holds rows lane and lane + 32.
 __global__ void __launch_bounds__(32 * kFactorWarps)
     chunk_factor_kernel(const FwdParams p, const int32_t* __restrict__ chunk_base, float* __restrict__ fac, int pairs) {
@@ -114,8 +120,7 @@ __global__ void __launch_bounds__(32 * kFactorWarps)
   const int h = hv / (p.HV / p.H);
   const float eA = (p.gate_in_kernel && p.A_log) ? __expf(dev::ld(p.A_log, p.A_dt, hv)) : 1.0f;
   const float bias = (p.gate_in_kernel && p.dt_bias) ? dev::ld(p.dt_bias, p.bias_dt, hv) : 0.0f;
-  const float decay =
-      p.gate_kind == 2 ? -dev::ld(p.decay, p.decay_dt, p.decay_heads == p.HV ? hv : (hv / (p.HV / p.H))) : 0.0f;
+  const float decay = p.gate_kind == 2 ? constant_log_decay(p, hv, h) : 0.0f;
   float* f = fac + static_cast<int64_t>(pair) * kFactorFloats;
   float x[2], qsr[2], ksr[2];
 #pragma unroll
@@ -173,8 +178,8 @@ __global__ void __launch_bounds__(32 * kFactorWarps)
 
 // A constant decay without l2norm (Lightning): every row factor of a chunk follows from the
 // per-token log-decay a and the chunk length Lc (G_r = a (min(r, Lc - 1) + 1), qs = scale, ks = 1),
-// so the warp-specialized kernel writes them itself (no factor kernel, no workspace). Four
-// consecutive floats of the factor block, from float e4 * 4 on.
+// so the fused kernels write them themselves (no factor kernel). Four consecutive floats of the
+// factor block, from float e4 * 4 on.
 __device__ __forceinline__ float4 constant_decay_factors(int e4, float a, float scale, int Lc) {
   // a float4 lies in one region of the block (regions of kBT floats, kFL = 80 float4 in)
   const int region = e4 / (kBT / 4), row0 = (e4 % (kBT / 4)) * 4;
@@ -255,8 +260,7 @@ __global__ void __launch_bounds__(kThreads, kLocal ? 3 : 1)  // the local pass: 
   const bf16* q_in = static_cast<const bf16*>(p.q) + sq.b_row * p.q_s[0] + sq.bos * p.q_s[1] + h * p.q_s[2] + ck.c8;
   const bf16* k_in = static_cast<const bf16*>(p.k) + sq.b_row * p.k_s[0] + sq.bos * p.k_s[1] + h * p.k_s[2] + ck.c8;
   const bf16* v_in = static_cast<const bf16*>(p.v) + sq.b_row * p.v_s[0] + sq.bos * p.v_s[1] + hv * p.v_s[2] + v0 + cv.c8;
-  const float own_a =
-      kOwnFactors ? dev::chunk_log_decay(-dev::ld(p.decay, p.decay_dt, p.decay_heads == p.HV ? hv : h)) : 0.0f;
+  const float own_a = kOwnFactors ? dev::chunk_log_decay(constant_log_decay(p, hv, h)) : 0.0f;
   auto stage_in = [&](int c, int st) {
     if (c < c_end) {
       unsigned char* dst = smem + st * Ly::stage;
@@ -537,8 +541,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     const bf16* k_in = static_cast<const bf16*>(p.k) + sq.b_row * p.k_s[0] + sq.bos * p.k_s[1] + h * p.k_s[2] + ck.c8;
     const bf16* v_in =
         static_cast<const bf16*>(p.v) + sq.b_row * p.v_s[0] + sq.bos * p.v_s[1] + hv * p.v_s[2] + v0 + cv.c8;
-    const float own_a =
-        kOwnFactors ? dev::chunk_log_decay(-dev::ld(p.decay, p.decay_dt, p.decay_heads == p.HV ? hv : h)) : 0.0f;
+    const float own_a = kOwnFactors ? dev::chunk_log_decay(constant_log_decay(p, hv, h)) : 0.0f;
     // Chunk c_begin + i into stage i % D; the stage's full barrier completes when the copies land.
     auto produce = [&](int i) {
       const int c = c_begin + i;
