@@ -11,7 +11,7 @@ import numpy as np
 
 from . import _lib
 from ._lib import CulaError
-from ._tensor import _IS_TORCH, as_array, call, dtype_name, empty_like_family, is_torch, stream_of
+from ._tensor import as_array, call, dtype_name, empty_like_family, is_torch, stream_of
 
 __all__ = [
     "chunk_fwd", "chunk_kda", "chunk_gdn", "chunk_gated_delta_rule", "chunk_gla", "chunk_simple_gla",
@@ -30,10 +30,8 @@ def _host_offsets(cu_seqlens):
 
 
 def _given(**tensors):
-    """The arrays given (not None), each through as_array (the C ABI leaves the others NULL);
-    torch tensors pass as they are without a call (host time per call)."""
-    torch_types = _IS_TORCH
-    return {n: x if torch_types.get(type(x)) else as_array(x, n) for n, x in tensors.items() if x is not None}
+    """The arrays given (not None), each through as_array (the C ABI leaves the others NULL)."""
+    return {n: as_array(x, n) for n, x in tensors.items() if x is not None}
 
 
 def _state_shape(n, hv, k, v, layout):
