@@ -270,6 +270,25 @@ def test_chunk_forward_within_an_a100_shared_memory_limit(rng, family, monkeypat
     _check(rng, c)
 
 
+@pytest.mark.parametrize("K", [64, 128])
+@pytest.mark.parametrize("family", ["kda", "gdn", "gla"])
+def test_mma_forward_all_columns_scan(rng, family, K):
+    """With more sequence-heads than 64-column slices fit in one wave (two for varlen calls), the scan takes
+    all 128 columns of a head in one CTA of 16 warps: dense with intermediate states and a K-first bf16
+    state, and varlen with zero-length, one-token and partial chunks, against the oracle."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    HV = 16
+    B = sms // (2 * HV) + 1
+    assert B * HV * 2 > sms
+    base = dict(family=family, gin=True, K=K, V=128, H=8, group=2, lb=-5.0, l2=True, bsig=True, h0=True,
+                gdt=torch.bfloat16)
+    _check(rng, dict(base, seqlens=None, B=B, T=130, layout="k_first", sdt=torch.bfloat16, inter=True))
+    N = sms // HV + 1
+    seqlens = [int(x) for x in rng.choice([0, 1, 63, 64, 65, 130], size=N)]
+    assert N * HV * 2 > 2 * sms
+    _check(rng, dict(base, seqlens=seqlens, B=1, T=0, layout="k_last", sdt=torch.float32, inter=False))
+
+
 @pytest.mark.parametrize("layout", ["batch", "varlen", "slots", "short", "long"])
 @pytest.mark.parametrize("family", ["simple_gla", "lightning"])
 def test_fused_split_sequences(rng, family, layout):

@@ -31,7 +31,8 @@
 //    are recomputed per element in fp32 (exact_diagonal: raw q, k and gate re-read, one k-step at
 //    a time through a per-warp scratch in the Minv buffer). No Kr tile: 56 KB, four CTAs per SM.
 //  scan (one CTA per sequence, value head and VB columns of V, chunks in order, the state slice
-//    S (K x VB, fp32) in registers; 8 warps, the second four on the other half of the columns):
+//    S (K x VB, fp32) in registers; 8 warps, the second four on the other half of the columns, or
+//    16 warps on four quarters of VB = 128):
 //    Y = beta v + W' S (v read from the input);  o = Qg S + AM Y;  S = e^{G_last} S + Kt^T Y.
 //    The next chunk's workspace streams in by cp.async (2 stages). GDN: Qg S = diag(qs e^G) (q S)
 //    and W' S = diag(-beta ks e^G) (k S) scale rows of the accumulators.
@@ -63,16 +64,18 @@
 // Barriers: B_a0 tiles in; B_a1 row scales (KDA); B_b block sums; B_c Kr and table; B_c2 pair
 // products done; B_d Kr free (KDA); B_e M; B_f diagonal inverses; B_g Minv (GLA stops after writing
 // A_qk); B_h tril(A_qk) in R1 (GDN).
-// scan: 8 warps; warp w owns rows 16(w%4).. of the token-side products and channels (w%4)*K/4..
-// of the state, for half w/4 of the slice's columns. Two stages of (W', Qg, Kt, AM hi and lo,
-// v slice (Y in its place), e^{G_last}, row factors) and S (bf16): 180 KB for K = 128, VB = 64,
-// one CTA per SM (163 KB at VB = 32, which an A100 block holds; GLA: no W'; GDN: Kt, raw q, k in
-// the W', Qg, Kd slots).
+// scan: 8 warps (16 at VB = 128); warp w owns rows 16(w%4).. of the token-side products and
+// channels (w%4)*K/4.. of the state, for column group w/4 of the slice (halves; quarters of 32
+// columns at VB = 128). Two stages of (W', Qg, Kt, AM hi and lo, v slice (Y in its place),
+// e^{G_last}, row factors) and S (bf16): 180 KB for K = 128, VB = 64, one CTA per SM (163 KB at
+// VB = 32, which an A100 block holds; 212 KB at VB = 128; GLA: no W'; GDN: Kt, raw q, k in the W',
+// Qg, Kd slots).
 // Barriers per chunk: B1 stage in and S written; B2 Y written (delta rule); B3 stage free.
 #include <cub/block/block_scan.cuh>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <initializer_list>
 #include <mutex>
 #include <string>
@@ -100,7 +103,10 @@ constexpr int kBT = kChunk;
 // shared-memory latencies of its gate work; the design note above says how the work is cut for
 // them); GDN (five CTAs per SM) and GLA (four) run 4.
 constexpr int prep_warps(bool delta, bool scalar) { return delta && !scalar ? 8 : 4; }
-constexpr int kScanThreads = 256;  // scan
+// Scan warps: four row blocks times VB / 32 column groups of 32 columns (VB = 32: two groups of
+// 16). The 128-column scan (16 warps, one stage read per chunk for all of a head's columns; KDA
+// and GLA) is for calls with more sequence-heads than 64-column slices fit in one wave.
+constexpr int scan_warps(int vb) { return vb == 128 ? 16 : 8; }
 
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
 
@@ -991,34 +997,34 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
 }
 
 template <int K, int V, int VB, bool DELTA, bool RAWQK>
-__global__ void __launch_bounds__(kScanThreads, 1)
+__global__ void __launch_bounds__(32 * scan_warps(VB), 1)
     chunk_scan_kernel(const FwdParams p, const int32_t* __restrict__ chunk_base, const unsigned char* __restrict__ work) {
   using Ly = ScanLayout<K, VB, DELTA, RAWQK>;
   using Wk = Work<K, V, DELTA, RAWQK>;
   constexpr int LDK = Ly::LDK, LDV = Ly::LDV, LDT = Ly::LDT;
   constexpr int KS = K / 16;
-  constexpr int NT = VB / 8;
-  constexpr int NTH = NT / 2;  // n-tiles per warp: warps 4..7 take the second half of the columns
+  constexpr int NW = scan_warps(VB), NTHR = 32 * NW, WH = NW / 4;  // WH: column groups
+  constexpr int NTH = VB / (8 * WH);  // n-tiles per warp: warps 4j..4j+3 take column group j
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* s_s = reinterpret_cast<bf16*>(smem + Ly::oS);
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int I = warp & 3, bI = 16 * I, hc0 = (warp >> 2) * (VB / 2);
+  const int I = warp & 3, bI = 16 * I, hc0 = (warp >> 2) * (VB / WH);
   const chunk::SliceTask tk = chunk::slice_task<VB>(p, chunk_base);
   const int n = tk.n, hv = tk.hv, v0 = tk.v0, nchunks = tk.nchunks;
   const Seq sq = tk.sq;
   const int64_t cbase = tk.cbase;
 
-  StateSlice<K, VB> S(warp, lane, v0);
-  const int64_t slot = StateSlice<K, VB>::pool_slot(p, n);
+  StateSlice<K, VB, NW> S(warp, lane, v0);
+  const int64_t slot = StateSlice<K, VB, NW>::pool_slot(p, n);
   S.load(p, n, hv, slot);
 
   // One chunk's workspace slice (and v slice without the delta rule) into stage st (an empty
   // commit group past the end).
   constexpr int kMats = DELTA ? 3 : 2;  // (W,) Qg, Kd
-  using CopyK = chunk::TileCopy<kBT, K, kScanThreads>;       // W, Qg, Kd
-  using CopyA = chunk::TileCopy<Wk::kAPlanes * kBT, kBT, kScanThreads>;  // A_qk (hi and lo planes)
-  using CopyV = chunk::TileCopy<kBT, VB, kScanThreads>;       // U or v slice
+  using CopyK = chunk::TileCopy<kBT, K, NTHR>;                   // W, Qg, Kd
+  using CopyA = chunk::TileCopy<Wk::kAPlanes * kBT, kBT, NTHR>;  // A_qk (hi and lo planes)
+  using CopyV = chunk::TileCopy<kBT, VB, NTHR>;                  // U or v slice
   const CopyK ck(tid);
   const CopyA ca(tid);
   const CopyV cv(tid);
@@ -1222,7 +1228,7 @@ void run(const Recurrence& r, const FwdParams& p, int device, cudaStream_t strea
       <<<static_cast<unsigned>(prep_blocks), 32 * prep_warps(DELTA, SCALAR), Prep::bytes, stream>>>(p, chunk_base, work);
   chunk::allow_smem(chunk_scan_kernel<K, V, VB, DELTA, RAWQK>, Scan::bytes);
   chunk_scan_kernel<K, V, VB, DELTA, RAWQK>
-      <<<static_cast<unsigned>(scan_blocks), kScanThreads, Scan::bytes, stream>>>(p, chunk_base, work);
+      <<<static_cast<unsigned>(scan_blocks), 32 * scan_warps(VB), Scan::bytes, stream>>>(p, chunk_base, work);
   const cudaError_t launched = cudaGetLastError();
   chunk::check(cudaFreeAsync(ws, stream), "workspace release");
   chunk::check(launched, "kernel launch");
@@ -1308,10 +1314,26 @@ bool chunk_fwd_mma_accepts(const Recurrence& r, const cula_chunk_fwd_args& a) {
 
 template <int K, int V, bool SCALAR, bool DELTA>
 void run_vb(const Recurrence& r, const FwdParams& p, int device, cudaStream_t stream) {
-  // The scan has one CTA per (sequence, head, V slice), one CTA per SM: slices of 32 when those
-  // still fit in one wave (or when 64 columns do not fit the device's shared memory), else 64.
-  const int sms = cuda_sm_count(device);
-  if (r.N * r.HV * (V / 32) <= sms || ScanLayout<K, 64, DELTA, SCALAR>::bytes > cuda_smem_per_block(device))
+  // The scan has one CTA per (sequence, head, V slice), one CTA per SM. Slices of 32 columns when
+  // those still fit in one wave (or when 64 columns do not fit the device's shared memory). KDA and
+  // GLA on equal-length sequences take all 128 columns in one CTA of 16 warps (the stage read once
+  // for the whole head) when 64-column slices would need more than one wave: a loaded SM moves a
+  // head through about as fast either way, so what it saves is the partial last wave (docs/NOTES.md;
+  // GDN's 16-warp scan was slower, and varlen calls, whose lengths the host does not know, lost
+  // where one long sequence started late). Else 64.
+  // CULA_SCAN_VB=32|64|128 (read once per process) forces a width where it fits, for benchmarks.
+  static const int forced = [] {
+    const char* e = std::getenv("CULA_SCAN_VB");
+    return e ? std::atoi(e) : 0;
+  }();
+  const int sms = cuda_sm_count(device), smem = cuda_smem_per_block(device);
+  const int64_t heads = static_cast<int64_t>(r.N) * r.HV;
+  const bool fit64 = ScanLayout<K, 64, DELTA, SCALAR>::bytes <= smem;
+  if constexpr (V == 128 && !SCALAR) {
+    const bool wide = forced ? forced == 128 : !p.cu && heads * (V / 64) > sms;
+    if (wide && ScanLayout<K, 128, DELTA, SCALAR>::bytes <= smem) return run<K, V, 128, SCALAR, DELTA>(r, p, device, stream);
+  }
+  if (forced ? forced == 32 || !fit64 : heads * (V / 32) <= sms || !fit64)
     run<K, V, 32, SCALAR, DELTA>(r, p, device, stream);
   else
     run<K, V, 64, SCALAR, DELTA>(r, p, device, stream);

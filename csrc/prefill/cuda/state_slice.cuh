@@ -1,8 +1,8 @@
 // The state slice that each warp of the chunk-walking kernels (chunk_scan_kernel in
 // chunk_fwd_mma.cu, chunk_fused_kernel in chunk_fwd_fused.cu) keeps in registers for a whole
-// sequence. With kWarps = 8 (the scan and the sm_80 fused kernel) warp w owns channels
-// (w%4)*K/4.. and half w/4 of the VB columns; with kWarps = 4 (the state warps of the
-// warp-specialized fused kernel) warp w owns channels w*K/4.. and all VB columns. Element
+// sequence. Warp w owns channels (w%4)*K/4.. and column group w/4 of the kWarps / 4 groups of
+// VB columns: kWarps = 8 (the scan and the sm_80 fused kernel) two halves, 16 (the 128-column
+// scan) four quarters, 4 (the state warps of the warp-specialized fused kernel) all VB. Element
 // (mt, nt, r) is channel cw + mt*16 + g + 8(r>>1), column v0 + hc0 + nt*8 + 2t + (r&1): the
 // C-fragment layout of the state update's mma, so the slice never leaves registers between chunks.
 #pragma once
@@ -19,7 +19,7 @@ namespace cula {
 
 template <int K, int VB, int kWarps = 8>
 struct StateSlice {
-  static_assert(kWarps == 4 || kWarps == 8, "4 warps over the channels, times 1 or 2 column halves");
+  static_assert(kWarps == 4 || kWarps == 8 || kWarps == 16, "4 warps over the channels, times 1, 2 or 4 column groups");
   static constexpr int WH = kWarps / 4;       // column groups
   static constexpr int MT = K / 64;           // 16-channel tiles per warp
   static constexpr int NTH = VB / (8 * WH);   // 8-column tiles per warp
