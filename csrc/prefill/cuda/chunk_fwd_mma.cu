@@ -115,7 +115,8 @@ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 // delta rule: GDN): no W', Qg tiles; their factors are per row, so the scan reads q, k from the
 // input and applies the row factors. The A slot holds tril(A_qk) (no delta rule) or AM =
 // tril(A_qk) Minv, as bf16 hi + lo planes for KDA and one bf16 plane for GDN and GLA (as FLA
-// keeps A).
+// keeps A); both lower triangular in 16 x 16 blocks, whose six zero blocks the prep does not
+// write and the scan does not copy (6 of KDA's 64.5 KB per chunk and head).
 constexpr int a_planes(bool delta, bool rawqk) { return delta && !rawqk ? 2 : 1; }
 // per-row factors: KDA beta_i; GDN qs e^{G_i}, beta_i and -beta_i ks e^{G_i}
 constexpr int row_factors(bool delta, bool rawqk) { return rawqk ? 3 : delta ? 1 : 0; }
@@ -228,10 +229,13 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   // row block I of this warp; with 8 warps kh is which of the row block's two warps it is (the
-  // channel half of the gate pass, the k-step parity of Qg, the plane of AM's zero blocks)
+  // channel half of the gate pass, the k-step parity of Qg)
   const int I = KH == 1 ? warp : warp & 3, bI = 16 * I, kh = KH == 1 ? 0 : warp >> 2;
-  const int hv = static_cast<int>(blockIdx.x % p.HV);
-  const int cidx = static_cast<int>(blockIdx.x / p.HV);  // global chunk index
+  // Chunks from the last to the first: the scan starts on the first ones, so the prep writes them
+  // last and they are still in L2 then.
+  const unsigned task = gridDim.x - 1 - blockIdx.x;
+  const int hv = static_cast<int>(task % p.HV);
+  const int cidx = static_cast<int>(task / p.HV);  // global chunk index
   int n, ci;
   if (!chunk::locate(p, chunk_base, cidx, n, ci)) return;
   const Seq sq = seq_of(p, n);
@@ -791,7 +795,7 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
     if (tid < K) reinterpret_cast<float*>(blk + Wk::oDL)[tid] = tab[kTabLast * K + tid];
   }
   // ---- M = I + diag(beta) strict_lower(A_kk) for this warp's pairs into R1 (the q el tile, free
-  // since B_c2); tril(A_qk) out (blocks above the diagonal of this warp's row block are zeros).
+  // since B_c2); tril(A_qk) out (its blocks above the diagonal are not written).
   // Delta rule: tril(A_qk) in fp32 for the product tril(A_qk) Minv instead, into the Kr buffer once
   // B_d frees it (GDN: kept in registers until M is consumed, then into R1).
   float* af_s = reinterpret_cast<float*>(smem + (SCALAR ? Ly::oR1 : Ly::oKR));
@@ -831,13 +835,7 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
     each_pair([&](int q, int nt, int hh, int gi, int gj) {
       u32at(aqo + gi * kBT + gj) = pack(masked_a(gi, gj, aqk[q][nt][2 * hh]), masked_a(gi, gj + 1, aqk[q][nt][2 * hh + 1]));
     });
-#pragma unroll
-    for (int J = 0; J < 4; ++J)
-      if (J > I)  // the delta rule writes tril(A_qk) Minv below, its zero blocks with it
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh)
-#pragma unroll
-          for (int nt = 0; nt < 2; ++nt) u32at(aqo + (bI + g + 8 * hh) * kBT + 16 * J + nt * 8 + 2 * t) = 0u;
+    // (the blocks above the diagonal are neither written nor read: the scan copies the lower ones)
     return;  // no delta rule: no M, Minv, AM, Kt (the scan reads v itself)
   }
   if constexpr (!SCALAR) {
@@ -952,16 +950,6 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
         }
       }
   }
-#pragma unroll
-  for (int J = 0; J < 4; ++J)
-    if (J > I)
-#pragma unroll
-      for (int pl = kh; pl < Wk::kAPlanes; pl += KH)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh)
-#pragma unroll
-          for (int nt = 0; nt < 2; ++nt)
-            u32at(amo + pl * kBT * kBT + (bI + g + 8 * hh) * kBT + 16 * J + nt * 8 + 2 * t) = 0u;
   // Kt = Minv^T Kd (Kd in the k tile): row block Jb = sum_{Ib >= Jb} (Minv_{Ib,Jb})^T Kd_Ib; each
   // warp its 16-column tiles for all rows, the transposed Minv blocks as A fragments
   constexpr int KT = cmax(1, K / (16 * NW));  // 16-column tiles per warp (8 warps at K = 64: four idle)
@@ -1064,8 +1052,9 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
         }
       }
 #pragma unroll
-      for (int j = 0; j < CopyA::J; ++j)  // rows 64..127: the lo plane (KDA)
-        mma::cp_async16(dst + Ly::sA + (ca.row(j) * LDT + ca.c8) * 2, blk + Wk::oA + (ca.row(j) * kBT + ca.c8) * 2);
+      for (int j = 0; j < CopyA::J; ++j)  // rows 64..127: the lo plane (KDA); only blocks on or below the diagonal
+        if (ca.c8 < 16 * ((ca.row(j) % kBT) / 16 + 1))
+          mma::cp_async16(dst + Ly::sA + (ca.row(j) * LDT + ca.c8) * 2, blk + Wk::oA + (ca.row(j) * kBT + ca.c8) * 2);
 #pragma unroll
       for (int j = 0; j < CopyV::J; ++j) {
         const int r = cv.row(j);
