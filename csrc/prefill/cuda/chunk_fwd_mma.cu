@@ -664,7 +664,8 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
       for (int r = 0; r < 4; ++r) akk[q][nt][r] = 0.0f, aqk[q][nt][r] = 0.0f;
   bf16* qgo = reinterpret_cast<bf16*>(blk + Wk::oQ);
   const bf16* right_s = SCALAR || !DELTA ? k_s : kr_s;  // Kt without the delta rule
-#pragma unroll 1
+  constexpr int kPairUnroll = DELTA && !SCALAR ? 2 : 1;
+#pragma unroll kPairUnroll
   for (int kk = 0; kk < KS; ++kk) {
     if (!SCALAR && (kk & (KH - 1)) == kh)
 #pragma unroll
@@ -757,12 +758,20 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
     // e^{G_last - G_bI} in place of Kl (Kt's right operand); beta and e^{G_last} to the workspace
     // (8 warps: the two warps of a row block take alternate 16-byte pieces)
     bf16* wo = reinterpret_cast<bf16*>(blk + Wk::oW);
+    // A lane takes the same 8 channels in every row (the stride 32 KH is a multiple of K / 8), so
+    // their factors are read once (read per row they were the prep's most shared-memory traffic)
+    const int c8 = (lane + 32 * kh) % (K / 8) * 8;
+    float eb[8], ed[8];
+#pragma unroll
+    for (int j = 0; j < 8; j += 4) {
+      *reinterpret_cast<float4*>(eb + j) = *reinterpret_cast<const float4*>(tab + (kTabEb + I) * K + c8 + j);
+      *reinterpret_cast<float4*>(ed + j) = *reinterpret_cast<const float4*>(tab + (kTabEd + I) * K + c8 + j);
+    }
+    static_assert((32 * KH) % (K / 8) == 0, "a lane's channels are the same in every row");
     for (int idx = lane + 32 * kh; idx < 16 * (K / 8); idx += 32 * KH) {
-      const int row = bI + idx / (K / 8), c8 = (idx % (K / 8)) * 8;
+      const int row = bI + idx / (K / 8);
       uint4 kv = *reinterpret_cast<const uint4*>(k_s + row * LDK + c8);
       uint4 kd = *reinterpret_cast<const uint4*>(kr_s + row * LDK + c8);
-      const float* eb = tab + (kTabEb + I) * K + c8;
-      const float* ed = tab + (kTabEd + I) * K + c8;
       const float b = -beta_s[row];
       uint32_t* w = reinterpret_cast<uint32_t*>(&kv);
       uint32_t* d = reinterpret_cast<uint32_t*>(&kd);
@@ -780,10 +789,14 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
   } else {
     // Kd = Kt e^{G_last - G_eI} for this warp's rows, to the workspace (no delta rule)
     bf16* kdo = reinterpret_cast<bf16*>(blk + Wk::oKd);
+    const int c8 = lane % (K / 8) * 8;  // the same channels in every row (as for KDA above)
+    float ed[8];
+#pragma unroll
+    for (int j = 0; j < 8; j += 4)
+      *reinterpret_cast<float4*>(ed + j) = *reinterpret_cast<const float4*>(tab + (kTabEd + I) * K + c8 + j);
     for (int idx = lane; idx < 16 * (K / 8); idx += 32) {
-      const int row = bI + idx / (K / 8), c8 = (idx % (K / 8)) * 8;
+      const int row = bI + idx / (K / 8);
       uint4 kv = *reinterpret_cast<const uint4*>(k_s + row * LDK + c8);
-      const float* ed = tab + (kTabEd + I) * K + c8;
       uint32_t* w = reinterpret_cast<uint32_t*>(&kv);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
