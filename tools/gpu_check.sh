@@ -22,11 +22,12 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 python3 -m cula info | tee -a "$LOG/summary.txt" || status=1
 build/cula_tests --gtest_brief=1 2>&1 | tee "$LOG/ctest.txt" | tail -3 || status=1
 python3 -m pytest -q -rs -s -p no:cacheprovider tests/python 2>&1 | tee "$LOG/pytest.txt" | tail -25 || status=1
-# racecheck models __syncthreads, not mbarrier hand-offs (it reports hazards on a correct one), so
-# it runs with the fused kernels' 8-warp path; synccheck checks the warp-specialized kernel's
-# named barriers and mbarriers.
+# racecheck models __syncthreads, not mbarrier hand-offs nor a named barrier split into arrive and
+# sync (it reports hazards on correct ones), so it runs with the fused kernels' 8-warp path and the
+# chunk prep's block-barrier mode; synccheck checks the warp-specialized kernel's named barriers
+# and mbarriers.
 for tool in memcheck racecheck synccheck; do
-  env $([ "$tool" = racecheck ] && echo CULA_FUSED_8WARP=1) compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
+  env $([ "$tool" = racecheck ] && echo CULA_FUSED_8WARP=1 CULA_BLOCK_BARRIERS_ONLY=1) compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
     tests/python/test_gpu.py tests/python/test_gpu_decode.py tests/python/test_gpu_prefill.py tests/python/test_gpu_chunk_mma.py \
     -k "shape0 or shape1 or written or rejects or reference or head_sizes or pool or steep_and_gentle or (split_sequences and short) or minus_infinity" 2>&1 | tee -a "$LOG/sanitizer.txt" | tail -4
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

@@ -53,6 +53,10 @@ __device__ __forceinline__ void wait(uint64_t* bar, uint32_t parity) {
 __device__ __forceinline__ void named_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// Arrival at barrier `id` without waiting for it (the producer side of named_sync).
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 
 }  // namespace mbar
 

@@ -51,10 +51,11 @@
 // channels), so the running sum of the log-decays needs no shuffles; the gate comes from a bf16
 // tile copied into TB and TAB with q and k, or from global memory four rows ahead. Pair products:
 // the six off-diagonal pairs one per warp, the diagonal ones (no E factor) two each to warps 6 and
-// 7; M and tril(A_qk) written by the owner of the pair; Minv by the first four warps; the AM pairs
-// dealt by cost; W' and Kd by alternate 16-byte pieces of a row block's two warps; Kt by 16-column
-// tiles. The code is kept small on purpose (rolled loops): a fully unrolled body thrashed the
-// instruction cache (docs/NOTES.md).
+// 7; M written by the owner of the pair; Minv by the first four warps while the last four write
+// W' and Kd of their row blocks (they would wait at the barriers otherwise); then tril(A_qk) in
+// fp32 by the pair owners; the AM pairs dealt by cost; Kt by 16-column tiles. The code is kept
+// small on purpose (rolled loops): a fully unrolled body thrashed the instruction cache
+// (docs/NOTES.md).
 // Shared buffers (KDA at K = 128: 75 KB, three CTAs per SM; GDN 43 KB, five): R1 q tile -> q el
 // -> M (fp32) (GDN: -> tril(A_qk) in fp32 once Minv is out);
 // KRAW k tile -> k el (or Kt) -> Kd; KR Kr -> tril(A_qk) in fp32 (absent for GLA); TB + TAB
@@ -62,8 +63,9 @@
 // factors and steep flags); TAB per-channel exponent rows; BT block sums and
 // dt_bias; per-row beta, scalar gate and fp32 q.k; KDA's row scales qs, ks.
 // Barriers: B_a0 tiles in; B_a1 row scales (KDA); B_b block sums; B_c Kr and table; B_c2 pair
-// products done; B_d Kr free (KDA); B_e M; B_f diagonal inverses; B_g Minv (GLA stops after writing
-// A_qk); B_h tril(A_qk) in R1 (GDN).
+// products done (GLA stops after writing A_qk); B_e M; B_f diagonal inverses (KDA: barrier 1, warps
+// 4-7 only arrive); B_g Minv (KDA: also W', Kd out and Kr free); B_h tril(A_qk) in fp32 (KDA: in the
+// Kr buffer; GDN: in R1).
 // scan: 8 warps (16 at VB = 128); warp w owns rows 16(w%4).. of the token-side products and
 // channels (w%4)*K/4.. of the state, for column group w/4 of the slice (halves; quarters of 32
 // columns at VB = 128). Two stages of (W', Qg, Kt, AM hi and lo, v slice (Y in its place),
@@ -85,6 +87,7 @@
 #include "cuda/check.cuh"
 #include "cuda/cuda_ops.h"
 #include "cuda/device_helpers.cuh"
+#include "cuda/mbarrier.cuh"
 #include "cuda/mma.cuh"
 #include "prefill/cuda/chunk_fwd_mma.h"
 #include "prefill/cuda/chunk_common.cuh"
@@ -245,7 +248,7 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
   const int h = hv / (p.HV / p.H);
   unsigned char* blk = work + (static_cast<int64_t>(cidx) * p.HV + hv) * Wk::bytes;
 
-  const float eA = (p.gate_in_kernel && p.A_log) ? __expf(dev::ld(p.A_log, p.A_dt, hv)) : 1.0f;
+  float eA = 1.0f;  // e^{A_log}, taken once the tile copies are issued (its load would hold them back)
   const float head_bias = (p.gate_in_kernel && p.dt_bias && !p.dt_bias_per_channel) ? dev::ld(p.dt_bias, p.bias_dt, hv) : 0.0f;
   const float const_decay =
       p.gate_kind == 2 ? -dev::ld(p.decay, p.decay_dt, p.decay_heads == p.HV ? hv : (hv / (p.HV / p.H))) : 0.0f;
@@ -293,6 +296,7 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
       }
     }
     mma::cp_async_commit();
+    if (p.gate_in_kernel && p.A_log) eA = __expf(dev::ld(p.A_log, p.A_dt, hv));
     if (tid < kBT) {
       float b = 0.0f, gsr = 0.0f;
       if (tid < Lc) {
@@ -754,38 +758,7 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
     }
     if (tid < K) reinterpret_cast<float*>(blk + Wk::oDL)[tid] = __expf(glast);
   } else if constexpr (DELTA) {
-    // KDA, this warp's rows: W' = -beta k e^G = -beta Kl e^{G_bI} to the workspace; Kd = Kr
-    // e^{G_last - G_bI} in place of Kl (Kt's right operand); beta and e^{G_last} to the workspace
-    // (8 warps: the two warps of a row block take alternate 16-byte pieces)
-    bf16* wo = reinterpret_cast<bf16*>(blk + Wk::oW);
-    // A lane takes the same 8 channels in every row (the stride 32 KH is a multiple of K / 8), so
-    // their factors are read once (read per row they were the prep's most shared-memory traffic)
-    const int c8 = (lane + 32 * kh) % (K / 8) * 8;
-    float eb[8], ed[8];
-#pragma unroll
-    for (int j = 0; j < 8; j += 4) {
-      *reinterpret_cast<float4*>(eb + j) = *reinterpret_cast<const float4*>(tab + (kTabEb + I) * K + c8 + j);
-      *reinterpret_cast<float4*>(ed + j) = *reinterpret_cast<const float4*>(tab + (kTabEd + I) * K + c8 + j);
-    }
-    static_assert((32 * KH) % (K / 8) == 0, "a lane's channels are the same in every row");
-    for (int idx = lane + 32 * kh; idx < 16 * (K / 8); idx += 32 * KH) {
-      const int row = bI + idx / (K / 8);
-      uint4 kv = *reinterpret_cast<const uint4*>(k_s + row * LDK + c8);
-      uint4 kd = *reinterpret_cast<const uint4*>(kr_s + row * LDK + c8);
-      const float b = -beta_s[row];
-      uint32_t* w = reinterpret_cast<uint32_t*>(&kv);
-      uint32_t* d = reinterpret_cast<uint32_t*>(&kd);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 x = unpack(w[j]), y = unpack(d[j]);
-        w[j] = pack(x.x * eb[2 * j] * b, x.y * eb[2 * j + 1] * b);
-        d[j] = pack(y.x * ed[2 * j], y.y * ed[2 * j + 1]);
-      }
-      *reinterpret_cast<uint4*>(wo + row * K + c8) = kv;
-      *reinterpret_cast<uint4*>(ck_s + row * LDK + c8) = kd;
-    }
-    if (kh == 0 && lane < 16) reinterpret_cast<float*>(blk + Wk::oRF)[bI + lane] = beta_s[bI + lane];
-    if (tid < K) reinterpret_cast<float*>(blk + Wk::oDL)[tid] = tab[kTabLast * K + tid];
+    // KDA: W' and Kd are written by warps 4-7 while warps 0-3 invert M (below)
   } else {
     // Kd = Kt e^{G_last - G_eI} for this warp's rows, to the workspace (no delta rule)
     bf16* kdo = reinterpret_cast<bf16*>(blk + Wk::oKd);
@@ -851,14 +824,50 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
     // (the blocks above the diagonal are neither written nor read: the scan copies the lower ones)
     return;  // no delta rule: no M, Minv, AM, Kt (the scan reads v itself)
   }
-  if constexpr (!SCALAR) {
-    __syncthreads();  // B_d: Kr no longer read (it takes tril(A_qk) in fp32)
-    each_pair([&](int q, int nt, int hh, int gi, int gj) {
-      *reinterpret_cast<float2*>(af_s + gi * MS + gj) =
-          make_float2(masked_a(gi, gj, aqk[q][nt][2 * hh]), masked_a(gi, gj + 1, aqk[q][nt][2 * hh + 1]));
-    });
-  }
   __syncthreads();  // B_e: M complete
+  // KDA, warps 4-7 while warps 0-3 invert M (they arrive at B_f at once: nothing they do needs it):
+  // rows of block I: W' = -beta k e^G = -beta Kl e^{G_bI} to the workspace; Kd = Kr e^{G_last -
+  // G_bI} in place of Kl (Kt's right operand); beta and e^{G_last} to the workspace. A lane takes
+  // the same 8 channels in every row (the stride 32 is a multiple of K / 8), so their factors are
+  // read once (read per row they were the prep's largest shared-memory traffic).
+  auto w_kd_pass = [&] {
+    bf16* wo = reinterpret_cast<bf16*>(blk + Wk::oW);
+    const int c8 = lane % (K / 8) * 8;
+    float eb[8], ed[8];
+#pragma unroll
+    for (int j = 0; j < 8; j += 4) {
+      *reinterpret_cast<float4*>(eb + j) = *reinterpret_cast<const float4*>(tab + (kTabEb + I) * K + c8 + j);
+      *reinterpret_cast<float4*>(ed + j) = *reinterpret_cast<const float4*>(tab + (kTabEd + I) * K + c8 + j);
+    }
+    static_assert(32 % (K / 8) == 0, "a lane's channels are the same in every row");
+    for (int idx = lane; idx < 16 * (K / 8); idx += 32) {
+      const int row = bI + idx / (K / 8);
+      uint4 kv = *reinterpret_cast<const uint4*>(k_s + row * LDK + c8);
+      uint4 kd = *reinterpret_cast<const uint4*>(kr_s + row * LDK + c8);
+      const float b = -beta_s[row];
+      uint32_t* w = reinterpret_cast<uint32_t*>(&kv);
+      uint32_t* d = reinterpret_cast<uint32_t*>(&kd);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 x = unpack(w[j]), y = unpack(d[j]);
+        w[j] = pack(x.x * eb[2 * j] * b, x.y * eb[2 * j + 1] * b);
+        d[j] = pack(y.x * ed[2 * j], y.y * ed[2 * j + 1]);
+      }
+      *reinterpret_cast<uint4*>(wo + row * K + c8) = kv;
+      *reinterpret_cast<uint4*>(ck_s + row * LDK + c8) = kd;
+    }
+    if (lane < 16) reinterpret_cast<float*>(blk + Wk::oRF)[bI + lane] = beta_s[bI + lane];
+    if (tid - 128 < K) reinterpret_cast<float*>(blk + Wk::oDL)[tid - 128] = tab[kTabLast * K + tid - 128];
+  };
+  // With p.block_barriers_only (for racecheck, which misreads the block barriers after a barrier
+  // that some warps only arrive at) B_f is a block barrier and warps 4-7 start after it.
+  const bool overlap_w_kd = DELTA && !SCALAR && !p.block_barriers_only;
+  if constexpr (DELTA && !SCALAR) {
+    if (overlap_w_kd && kh == 1) {
+      mbar::named_arrive(1, 32 * NW);  // B_f
+      w_kd_pass();
+    }
+  }
   // Diagonal blocks of Minv: lane c < 16 solves column c by substitution, in fp32.
   if (kh == 0 && lane < 16) {
     float xcol[16];
@@ -872,7 +881,13 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
 #pragma unroll
     for (int i = 0; i < 16; ++i) t_s[(bI + i) * LDT + bI + lane] = __float2bfloat16_rn(xcol[i]);
   }
-  __syncthreads();  // B_f: diagonal inverses visible
+  if (overlap_w_kd) {
+    if (kh == 0) mbar::named_sync(1, 32 * NW);  // B_f: diagonal inverses visible (warps 4-7 arrived)
+  } else {
+    __syncthreads();  // B_f: diagonal inverses visible
+    if constexpr (DELTA && !SCALAR)
+      if (kh == 1) w_kd_pass();
+  }
   // Off-diagonal blocks, column block J = warp (the first four warps): Minv_IJ = -Minv_II
   // sum_{L=J}^{I-1} M_IL Minv_LJ.
   const int J = I, bJ = 16 * I;
@@ -911,7 +926,14 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
         u32at(t_s + (bIb + g + 8 * hh) * LDT + bJ + nt * 8 + 2 * t) = pack(-y[nt][2 * hh], -y[nt][2 * hh + 1]);
     __syncwarp();
   }
-  __syncthreads();  // B_g: Minv complete
+  __syncthreads();  // B_g: Minv complete (KDA: W', Kd written, Kr no longer read)
+  if constexpr (!SCALAR) {  // KDA: tril(A_qk) in fp32 into the Kr buffer
+    each_pair([&](int q, int nt, int hh, int gi, int gj) {
+      *reinterpret_cast<float2*>(af_s + gi * MS + gj) =
+          make_float2(masked_a(gi, gj, aqk[q][nt][2 * hh]), masked_a(gi, gj + 1, aqk[q][nt][2 * hh + 1]));
+    });
+    __syncthreads();  // B_h: tril(A_qk) visible
+  }
   if constexpr (SCALAR) {  // tril(A_qk) from registers into R1 (M is consumed)
     each_pair([&](int q, int nt, int hh, int gi, int gj) {
       *reinterpret_cast<float2*>(af_s + gi * MS + gj) = make_float2(aqk[q][nt][2 * hh], aqk[q][nt][2 * hh + 1]);
@@ -1351,7 +1373,13 @@ void run_family(const Recurrence& r, const FwdParams& p, int device, cudaStream_
 }
 
 void cuda_chunk_fwd_mma(const Recurrence& r, const cula_chunk_fwd_args& a) {
-  const FwdParams p = make_fwd_params(r, a);
+  // CULA_BLOCK_BARRIERS_ONLY=1 (read once per process): see FwdParams::block_barriers_only
+  static const int block_barriers_only = [] {
+    const char* e = std::getenv("CULA_BLOCK_BARRIERS_ONLY");
+    return e && *e && *e != '0' ? 1 : 0;
+  }();
+  FwdParams p = make_fwd_params(r, a);
+  p.block_barriers_only = block_barriers_only;
   if (r.N == 0) return;
   const int dev = a.q->device_id;
   chunk::check(cudaSetDevice(dev), "cudaSetDevice");
