@@ -53,7 +53,7 @@
 // the six off-diagonal pairs one per warp, the diagonal ones (no E factor) two each to warps 6 and
 // 7; M written by the owner of the pair; Minv by the first four warps while the last four write
 // W' and Kd of their row blocks (they would wait at the barriers otherwise); then tril(A_qk) in
-// fp32 by the pair owners; the AM pairs dealt by cost; Kt by 16-column tiles. The code is kept
+// fp32 by the pair owners and Kt by 16-column tiles; the AM pairs dealt by cost. The code is kept
 // small on purpose (rolled loops): a fully unrolled body thrashed the instruction cache
 // (docs/NOTES.md).
 // Shared buffers (KDA at K = 128: 75 KB, three CTAs per SM; GDN 43 KB, five): R1 q tile -> q el
@@ -932,14 +932,51 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
       *reinterpret_cast<float2*>(af_s + gi * MS + gj) =
           make_float2(masked_a(gi, gj, aqk[q][nt][2 * hh]), masked_a(gi, gj + 1, aqk[q][nt][2 * hh + 1]));
     });
-    __syncthreads();  // B_h: tril(A_qk) visible
-  }
-  if constexpr (SCALAR) {  // tril(A_qk) from registers into R1 (M is consumed)
+  } else {  // tril(A_qk) from registers into R1 (M is consumed)
     each_pair([&](int q, int nt, int hh, int gi, int gj) {
       *reinterpret_cast<float2*>(af_s + gi * MS + gj) = make_float2(aqk[q][nt][2 * hh], aqk[q][nt][2 * hh + 1]);
     });
-    __syncthreads();  // B_h: tril(A_qk) visible
   }
+  // Kt = Minv^T Kd (Kd in the k tile): row block Jb = sum_{Ib >= Jb} (Minv_{Ib,Jb})^T Kd_Ib; each
+  // warp its 16-column tiles for all rows, the transposed Minv blocks as A fragments
+  // (KDA: before B_h, since it reads neither tril(A_qk) nor anything written after B_g, so the warps
+  // reach B_h with this work done instead of waiting there for the tril(A_qk) writes: -1..-1.5%;
+  // GDN's 4-warp prep measured 2% slower in that order, so it stays after AM)
+  auto kt_pass = [&] {
+    if (16 * NW <= K || 16 * warp < K) {  // (8 warps at K = 64: four idle)
+      constexpr int KT = cmax(1, K / (16 * NW));  // 16-column tiles per warp
+      uint32_t tt[4][4][4];
+#pragma unroll
+      for (int Ib = 0; Ib < 4; ++Ib)
+#pragma unroll
+        for (int Jb = 0; Jb <= Ib; ++Jb)
+          mma::ldsm_x4_t(tt[Jb][Ib], t_s + (16 * Ib + mma::at_row(lane)) * LDT + 16 * Jb + mma::at_col(lane));
+      bf16* kto = reinterpret_cast<bf16*>(blk + Wk::oKt);
+#pragma unroll 1
+      for (int c0 = 16 * KT * warp, c1 = c0 + 16 * KT; c0 < c1; c0 += 16) {
+        float acc[4][2][4] = {};
+#pragma unroll
+        for (int Ib = 0; Ib < 4; ++Ib) {
+          uint32_t b[4];
+          mma::ldsm_x4_t(b, ck_s + (16 * Ib + mma::bk_row(lane)) * LDK + c0 + mma::bk_col(lane));
+#pragma unroll
+          for (int Jb = 0; Jb <= Ib; ++Jb) {
+            mma::mma16816(acc[Jb][0], tt[Jb][Ib], b[0], b[1]);
+            mma::mma16816(acc[Jb][1], tt[Jb][Ib], b[2], b[3]);
+          }
+        }
+#pragma unroll
+        for (int Jb = 0; Jb < 4; ++Jb)
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh)
+              u32at(kto + (16 * Jb + g + 8 * hh) * K + c0 + 8 * nt + 2 * t) = pack(acc[Jb][nt][2 * hh], acc[Jb][nt][2 * hh + 1]);
+      }
+    }
+  };
+  if constexpr (!SCALAR) kt_pass();
+  __syncthreads();  // B_h: tril(A_qk) visible
 
   // Vnew = U + W S = Minv Y with Y = beta v + W' S, W' = -beta k e^G (the scan forms Y from v read
   // from the input), so the intra-chunk part of o is A Vnew = (tril(A_qk) Minv) Y and the state
@@ -985,38 +1022,7 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
         }
       }
   }
-  // Kt = Minv^T Kd (Kd in the k tile): row block Jb = sum_{Ib >= Jb} (Minv_{Ib,Jb})^T Kd_Ib; each
-  // warp its 16-column tiles for all rows, the transposed Minv blocks as A fragments
-  constexpr int KT = cmax(1, K / (16 * NW));  // 16-column tiles per warp (8 warps at K = 64: four idle)
-  if (16 * NW > K && 16 * warp >= K) return;
-  uint32_t tt[4][4][4];
-#pragma unroll
-  for (int Ib = 0; Ib < 4; ++Ib)
-#pragma unroll
-    for (int Jb = 0; Jb <= Ib; ++Jb)
-      mma::ldsm_x4_t(tt[Jb][Ib], t_s + (16 * Ib + mma::at_row(lane)) * LDT + 16 * Jb + mma::at_col(lane));
-  bf16* kto = reinterpret_cast<bf16*>(blk + Wk::oKt);
-#pragma unroll 1
-  for (int c0 = 16 * KT * warp, c1 = c0 + 16 * KT; c0 < c1; c0 += 16) {
-    float acc[4][2][4] = {};
-#pragma unroll
-    for (int Ib = 0; Ib < 4; ++Ib) {
-      uint32_t b[4];
-      mma::ldsm_x4_t(b, ck_s + (16 * Ib + mma::bk_row(lane)) * LDK + c0 + mma::bk_col(lane));
-#pragma unroll
-      for (int Jb = 0; Jb <= Ib; ++Jb) {
-        mma::mma16816(acc[Jb][0], tt[Jb][Ib], b[0], b[1]);
-        mma::mma16816(acc[Jb][1], tt[Jb][Ib], b[2], b[3]);
-      }
-    }
-#pragma unroll
-    for (int Jb = 0; Jb < 4; ++Jb)
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh)
-          u32at(kto + (16 * Jb + g + 8 * hh) * K + c0 + 8 * nt + 2 * t) = pack(acc[Jb][nt][2 * hh], acc[Jb][nt][2 * hh + 1]);
-  }
+  if constexpr (SCALAR) kt_pass();
 }
 
 template <int K, int V, int VB, bool DELTA, bool RAWQK>
