@@ -36,3 +36,49 @@ def test_ncu_source_summary_reads_the_source_page(tmp_path):
     ranges = out[-2:]
     assert ranges[0].split() == ["+000000", "50.0%", "40.0%"] and ranges[1].split() == ["+000800", "50.0%", "60.0%"]
     assert tool.main([str(path), "--top", "1"]) == 0
+
+
+def test_ab_kernel_time_takes_turns_between_builds(tmp_path):
+    """Each round runs every library in a process of its own that loads that library (CPU backend,
+    small shapes): a time per round for every config, and the JSON names what each process loaded."""
+    import json
+    import shutil
+
+    import pytest
+
+    cula_lib = pytest.importorskip("cula._lib")
+    libs = {}
+    for name in ("old", "new"):
+        (tmp_path / name).mkdir()
+        libs[name] = str(tmp_path / name / "libcula.so")
+        shutil.copy(str(cula_lib.LIB.path), libs[name])
+    out = tmp_path / "ab.json"
+    tool = _tool("ab_kernel_time")
+    configs = ["1x96:2", "varlen:40,0,57:2"]
+    argv = [x for n, p in libs.items() for x in ("--lib", f"{n}={p}")] + ["--device", "cpu", "--kv", "64",
+                                                                          "--rounds", "2", "--reps", "1", "--groups", "1",
+                                                                          "--json", str(out)]
+    assert tool.main(argv + [x for c in configs for x in ("--config", c)]) == 0
+    data = json.loads(out.read_text())
+    assert data["loaded"] == libs and data["kernels"] == {"old": "cpu", "new": "cpu"}
+    for name in libs:
+        assert sorted(data["ms"][name]) == sorted(configs)
+        assert all(len(v) == 2 and min(v) > 0 for v in data["ms"][name].values())
+    assert tool.parse_config("varlen:40,0,57:2") == (1, 97, 2, [40, 0, 57])
+    assert tool.parse_config("2x8192:64") == (2, 8192, 64, None)
+
+
+def test_ab_kernel_time_rejects_bad_arguments(tmp_path, capsys):
+    import pytest
+
+    tool = _tool("ab_kernel_time")
+    with pytest.raises(SystemExit, match=r"argument --config: expected BxT:H or varlen:L1,L2,...:H, got '8192:x'"):
+        tool.main(["--config", "8192:x"])
+    with pytest.raises(SystemExit, match=r"argument --lib: expected NAME=PATH of an existing library, got 'a'"):
+        tool.main(["--lib", "a", "--lib", "b=c"])
+    lib = tmp_path / "libcula.so"
+    lib.write_bytes(b"")
+    with pytest.raises(SystemExit, match=r"expected two or more libraries with distinct names, got 1"):
+        tool.main(["--lib", f"a={lib}"])
+    with pytest.raises(SystemExit, match=r"argument --rounds: expected a positive count, got 0"):
+        tool.main(["--lib", f"a={lib}", "--lib", f"b={lib}", "--rounds", "0"])

@@ -1,0 +1,186 @@
+#!/usr/bin/env python3
+"""Back-to-back time of cula's chunked forward under two or more builds of libcula.so, taken in
+turns: each round runs every library once, each in a fresh process (CULA_LIBRARY names it), so
+the builds see the same machine state and a drift of the machine shows in every column. This is
+how the kernel changes in docs/NOTES.md are measured ("kernel time back to back, N rounds
+alternating"); the benchmarks against peers are `cula bench`.
+
+    python3 tools/ab_kernel_time.py --lib old=exp/lib_old.so --lib new=build/libcula.so \\
+        --family kda --config 1x8192:64 --config varlen:1024,1024,1024:64 --rounds 3
+
+A config is BxT:H or varlen:L1,L2,...:H (one packed sequence of those lengths). Inputs are bf16
+torch tensors on the GPU with the benchmark's options (in-kernel gate with lower bound -5, l2norm,
+beta sigmoid); --device cpu runs float32 host arrays on the CPU backend instead (small shapes;
+for checking the tool itself). A library's time per config is the median over groups of --reps
+back-to-back calls of the mean call time; the table gives each round's times and the ratio of
+each library's median over the rounds to the first library's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+MARK = "AB_RESULT "
+
+
+def parse_config(text):
+    """'BxT:H' -> (B, T, H, None); 'varlen:L1,L2:H' -> (1, sum, H, [L1, L2])."""
+    try:
+        head, h = text.rsplit(":", 1)
+        H = int(h)
+        if head.startswith("varlen:"):
+            lens = [int(x) for x in head[len("varlen:"):].split(",")]
+            if not lens or min(lens) < 0:
+                raise ValueError
+            return 1, sum(lens), H, lens
+        b, t = head.split("x")
+        return int(b), int(t), H, None
+    except ValueError:
+        raise SystemExit(f"argument --config: expected BxT:H or varlen:L1,L2,...:H, got {text!r}") from None
+
+
+def _child(args):
+    import numpy as np
+
+    from cula import _lib, ops
+
+    cuda = args.device == "cuda"
+    if cuda:
+        import torch
+    rng = np.random.default_rng(0)
+    K = V = args.kv
+    results = {}
+    for text in args.config:
+        B, T, H, lens = parse_config(text)
+        g_shape = (B, T, H, K) if args.family in ("kda", "gla") else (B, T, H)
+
+        def make(*shape, scale=1.0):
+            x = (rng.standard_normal(shape) * scale).astype(np.float32)
+            return torch.from_numpy(x).to("cuda", torch.bfloat16) if cuda else x
+
+        sets = [dict(q=make(B, T, H, K), k=make(B, T, H, K), v=make(B, T, H, V), g=make(*g_shape),
+                     beta=make(B, T, H)) for _ in range(2)]
+        for s in sets:
+            s["out"] = torch.empty(B, T, H, V, device="cuda", dtype=torch.bfloat16) if cuda \
+                else np.empty((B, T, H, V), np.float32)
+        A_log = (rng.random(H) - 0.5).astype(np.float32)
+        dt_bias = (rng.standard_normal((H, K) if args.family == "kda" else (H,)) * 0.1).astype(np.float32)
+        cu = np.array([0] + list(itertools.accumulate(lens)), np.int64) if lens else None
+        if cuda:
+            A_log, dt_bias = torch.from_numpy(A_log).cuda(), torch.from_numpy(dt_bias).cuda()
+            cu = torch.from_numpy(cu).cuda() if cu is not None else None
+        kw = dict(scale=K ** -0.5, use_qk_l2norm_in_kernel=True, cu_seqlens=cu, out=None)
+        if args.family in ("kda", "gdn"):
+            kw.update(use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0, A_log=A_log, dt_bias=dt_bias,
+                      use_beta_sigmoid_in_kernel=True)
+
+        def run(i):
+            x = sets[i % 2]
+            beta = x["beta"] if args.family in ("kda", "gdn") else None
+            ops.chunk_fwd(args.family, x["q"], x["k"], x["v"], x["g"], beta, **{**kw, "out": x["out"]})
+
+        for i in range(3):
+            run(i)
+        means = []
+        for _ in range(args.groups):
+            if cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                for i in range(args.reps):
+                    run(i)
+                b.record()
+                torch.cuda.synchronize()
+                means.append(a.elapsed_time(b) / args.reps)
+            else:
+                t0 = time.perf_counter()
+                for i in range(args.reps):
+                    run(i)
+                means.append((time.perf_counter() - t0) * 1e3 / args.reps)
+        results[text] = statistics.median(means)
+    print(MARK + json.dumps(dict(kernel=ops.last_kernel(), library=str(_lib.LIB.path), ms=results)), flush=True)
+    return 0
+
+
+def run_rounds(args, libs):
+    """{name: {config: [ms per round]}}, each library's last kernel name and the path it loaded."""
+    times = {name: {c: [] for c in args.config} for name, _ in libs}
+    kernels, loaded = {}, {}
+    child_args = ["--family", args.family, "--device", args.device, "--kv", str(args.kv), "--reps", str(args.reps),
+                  "--groups", str(args.groups)] + [x for c in args.config for x in ("--config", c)]
+    for r in range(args.rounds):
+        for name, path in libs:
+            env = dict(os.environ, CULA_LIBRARY=os.path.abspath(path))
+            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child"] + child_args, env=env,
+                                  capture_output=True, text=True)
+            line = next((l for l in proc.stdout.splitlines() if l.startswith(MARK)), None)
+            if proc.returncode != 0 or line is None:
+                raise SystemExit(f"library {name} ({path}), round {r + 1}: the timing process failed "
+                                 f"(exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+            res = json.loads(line[len(MARK):])
+            kernels[name], loaded[name] = res["kernel"], res["library"]
+            for c, ms in res["ms"].items():
+                times[name][c].append(ms)
+    return times, kernels, loaded
+
+
+def table(args, libs, times):
+    first = libs[0][0]
+    lines = ["| config | " + " | ".join(f"{n} (ms per round)" for n, _ in libs) + " | "
+             + " | ".join(f"{n}/{first}" for n, _ in libs[1:]) + " |",
+             "|---" * (2 * len(libs)) + "|"]
+    for c in args.config:
+        base = statistics.median(times[first][c])
+        cells = [" ".join(f"{x:.3f}" for x in times[n][c]) for n, _ in libs]
+        ratios = [f"{statistics.median(times[n][c]) / base:.3f}" for n, _ in libs[1:]]
+        lines.append(f"| {args.family} {c} | " + " | ".join(cells + ratios) + " |")
+    return lines
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--lib", action="append", default=[], metavar="NAME=PATH", help="a build to time (two or more)")
+    p.add_argument("--family", default="kda", choices=["kda", "gdn", "gla", "simple_gla"])
+    p.add_argument("--config", action="append", default=None, help="BxT:H or varlen:L1,L2,...:H (repeatable)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--reps", type=int, default=10, help="back-to-back calls per timed group")
+    p.add_argument("--groups", type=int, default=5, help="timed groups per config (the median is kept)")
+    p.add_argument("--kv", type=int, default=128, help="K = V")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--json", default=None, help="also write the times per round here")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.config = args.config or ["1x8192:64", "varlen:" + ",".join(["1024"] * 8) + ":64", "2x8192:64"]
+    for c in args.config:
+        parse_config(c)
+    for name, value in (("--rounds", args.rounds), ("--reps", args.reps), ("--groups", args.groups)):
+        if value < 1:
+            raise SystemExit(f"argument {name}: expected a positive count, got {value}")
+    if args.child:
+        return _child(args)
+    libs = []
+    for spec in args.lib:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not os.path.exists(path):
+            raise SystemExit(f"argument --lib: expected NAME=PATH of an existing library, got {spec!r}")
+        libs.append((name, path))
+    if len(libs) < 2 or len({n for n, _ in libs}) != len(libs):
+        raise SystemExit(f"argument --lib: expected two or more libraries with distinct names, got {len(libs)}")
+    times, kernels, loaded = run_rounds(args, libs)
+    print("\n".join(table(args, libs, times)))
+    print("kernels: " + ", ".join(f"{n} {k}" for n, k in kernels.items()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(family=args.family, device=args.device, rounds=args.rounds, reps=args.reps,
+                           groups=args.groups, libs=dict(libs), loaded=loaded, kernels=kernels, ms=times), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
