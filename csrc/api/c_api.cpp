@@ -141,54 +141,22 @@ cula_status cula_kda_gate(const cula_kda_gate_args* args) {
     const char* op = "kda_gate";
     if (!args) throw_arg(op, "args", "a pointer to cula_kda_gate_args", "NULL");
     const cula_kda_gate_args& a = *args;
-    if (a.struct_size < sizeof(cula_kda_gate_args))
-      throw_arg(op, "args.struct_size", ">= " + std::to_string(sizeof(cula_kda_gate_args)), std::to_string(a.struct_size));
-    if (!a.g) throw_arg(op, "g", "a tensor [B, T, HV, K]", "None");
-    if (a.g->ndim != 4 || !is_float_dtype(a.g->dtype)) throw_arg(op, "g", "a 4-D floating-point tensor [B, T, HV, K]", describe(a.g));
-    const int64_t HV = a.g->shape[2], K = a.g->shape[3];
-    const int32_t dev = a.g->device_type, dev_id = a.g->device_id;
-    auto same_device = [&](const cula_tensor* t, const char* name) {
-      if (t->device_type != dev || (dev == CULA_CUDA && t->device_id != dev_id))
-        throw_arg(op, name, "a tensor on the device of g (" + describe(a.g) + ")", describe(t));
+    const KdaGateShape shape = validate_kda_gate(a);
+    const int64_t HV = shape.HV, K = shape.K;
+    const int32_t dev = a.g->device_type;
+    // The CUDA kernel reads g, A_log and dt_bias as contiguous tensors, the parameters as float32.
+    auto cuda_ready = [&](const cula_tensor* t, const char* name, bool fp32) {
+      if (t && (!is_contiguous(*t) || (fp32 && t->dtype != CULA_FLOAT32)))
+        throw_arg(op, name, fp32 ? "a contiguous float32 tensor for the CUDA kernel" : "a contiguous tensor for the CUDA kernel",
+                  describe(t) + (is_contiguous(*t) ? "" : " (a strided view)"));
     };
-    auto fp32_vector = [&](const cula_tensor* t, const char* name) {
-      same_device(t, name);
-      if (!is_float_dtype(t->dtype)) throw_arg(op, name, "a floating-point tensor", describe(t));
-      // The CUDA kernel reads the parameters as contiguous float32.
-      if (dev == CULA_CUDA && (t->dtype != CULA_FLOAT32 || !is_contiguous(*t)))
-        throw_arg(op, name, "a contiguous float32 tensor for the CUDA kernel", describe(t));
-    };
-    if (a.opt.has_lower_bound && !(std::isfinite(a.opt.lower_bound) && a.opt.lower_bound < 0))
-      throw_arg(op, "lower_bound", "a finite negative number", std::to_string(a.opt.lower_bound));
-    if (a.opt.safe_gate && !(a.opt.has_lower_bound && a.opt.lower_bound >= -5.0))
-      throw_arg(op, "lower_bound", "a value in [-5, 0) with safe_gate=True",
-                a.opt.has_lower_bound ? std::to_string(a.opt.lower_bound) : std::string("None"));
-    if (!a.A_log && !a.opt.has_lower_bound) throw_arg(op, "A_log", "a tensor [HV] when lower_bound is None", "None");
-    if (a.A_log) {
-      fp32_vector(a.A_log, "A_log");
-      if (a.A_log->ndim != 1 || a.A_log->shape[0] != HV)
-        throw_arg(op, "A_log", "shape [HV] = [" + std::to_string(HV) + "]", "shape " + shape_string(*a.A_log));
-    }
-    if (a.dt_bias) {
-      fp32_vector(a.dt_bias, "dt_bias");
-      const bool ok = (a.dt_bias->ndim == 1 && a.dt_bias->shape[0] == HV * K) ||
-                      (a.dt_bias->ndim == 2 && a.dt_bias->shape[0] == HV && a.dt_bias->shape[1] == K);
-      if (!ok)
-        throw_arg(op, "dt_bias", "shape [HV*K] = [" + std::to_string(HV * K) + "] or [HV, K]", "shape " + shape_string(*a.dt_bias));
-    }
-    if (!a.g_out) throw_arg(op, "g_out", "an output tensor shaped like g", "None");
-    same_device(a.g_out, "g_out");
-    bool same_shape = a.g_out->ndim == 4;
-    for (int i = 0; same_shape && i < 4; ++i) same_shape = a.g_out->shape[i] == a.g->shape[i];
-    if (!same_shape) throw_arg(op, "g_out", "the shape of g " + shape_string(*a.g), "shape " + shape_string(*a.g_out));
-    if (a.g_out->dtype != CULA_FLOAT32 && a.g_out->dtype != CULA_BFLOAT16)
-      throw_arg(op, "g_out", "a float32 or bfloat16 tensor", describe(a.g_out));
-    if (!is_contiguous(*a.g_out)) throw_arg(op, "g_out", "a contiguous output buffer", "a strided view");
     const int32_t backend = a.opt.backend == CULA_BACKEND_AUTO ? (dev == CULA_CUDA ? CULA_BACKEND_CUDA : CULA_BACKEND_CPU)
                                                                : a.opt.backend;
     if (backend == CULA_BACKEND_CUDA) {
       if (dev != CULA_CUDA) throw_arg(op, "backend", "a host backend for host tensors", "CUDA");
-      if (!is_contiguous(*a.g)) throw_arg(op, "g", "a contiguous tensor for the CUDA kernel", "a strided view");
+      cuda_ready(a.g, "g", false);
+      cuda_ready(a.A_log, "A_log", true);
+      cuda_ready(a.dt_bias, "dt_bias", true);
       cuda_kda_gate(a, HV, K);
     } else {
       if (dev != CULA_CPU) throw_arg(op, "backend", "CUDA (or AUTO) for CUDA tensors", backend_name(backend));

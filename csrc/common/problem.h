@@ -120,7 +120,7 @@ struct Recurrence {
   // a = -exp(A_log) softplus(x + dt_bias), or lb * sigmoid(exp(A_log) (x + dt_bias)) with a lower bound.
   template <typename R>
   R gate_activation(R x, int64_t hv, int64_t i) const {
-    if (dt_bias) x += static_cast<R>(dt_bias_per_channel ? dt_bias.at(hv * K + i) : dt_bias.at(hv));
+    if (dt_bias) x += static_cast<R>(dt_bias_per_channel ? dt_bias.flat(hv * K + i) : dt_bias.at(hv));
     if (has_lb) {
       const R z = A_log ? std::exp(static_cast<R>(A_log.at(hv))) * x : x;
       return static_cast<R>(lb) * sigmoid(z);
@@ -178,6 +178,13 @@ struct DecodeSlots {
 Recurrence validate_chunk_fwd(const cula_chunk_fwd_args& a);
 Recurrence validate_decode(const cula_decode_args& a);
 Recurrence validate_chunk_bwd(const cula_chunk_bwd_args& a);
+
+// Validates a cula_kda_gate call (every tensor on the device of g; the CUDA kernel's extra needs
+// are checked by its caller). Returns g's HV and K.
+struct KdaGateShape {
+  int64_t HV, K;
+};
+KdaGateShape validate_kda_gate(const cula_kda_gate_args& a);
 
 int64_t chunk_count(const Recurrence& r, int64_t chunk);  // sum over sequences of ceil(len / chunk)
 

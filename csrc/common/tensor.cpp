@@ -69,6 +69,7 @@ bool is_contiguous(const cula_tensor& t) {
 }
 
 std::string shape_string(const cula_tensor& t) {
+  if (t.ndim < 0 || t.ndim > CULA_MAX_DIMS) return "of rank " + std::to_string(t.ndim);  // messages about bad input
   std::ostringstream os;
   os << "[";
   for (int i = 0; i < t.ndim; ++i) os << (i ? ", " : "") << t.shape[i];

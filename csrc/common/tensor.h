@@ -83,6 +83,9 @@ struct View {
   double at(I... idx) const {
     return load_as_double(t->data, t->dtype, off(static_cast<int64_t>(idx)...));
   }
+  // Element i in logical order of a contiguous tensor of any rank (a per-channel dt_bias is
+  // [HV*K] or [HV, K]; at(i) would step by the first dimension's stride).
+  double flat(int64_t i) const { return load_as_double(t->data, t->dtype, i); }
   // n elements starting at offset `base`, `stride` apart, converted to R (dtype switch hoisted).
   template <typename R>
   void row(int64_t base, int64_t n, int64_t stride, R* dst) const {

@@ -36,6 +36,7 @@ struct Checker {
   const char* entry;
   int32_t device_type = CULA_CPU;
   int32_t device_id = 0;
+  const char* device_of = "q";  // the tensor whose device every other must share
 
   [[noreturn]] void fail(const std::string& arg, const std::string& expected, const std::string& given) const {
     throw_arg(entry, arg, expected, given);
@@ -50,15 +51,18 @@ struct Checker {
 
   void basic(const cula_tensor* t, const std::string& name) const {
     if (t->ndim < 0 || t->ndim > CULA_MAX_DIMS) fail(name, "a tensor of at most 6 dimensions", std::to_string(t->ndim) + " dimensions");
-    for (int i = 0; i < t->ndim; ++i)
+    int64_t n = 1;
+    for (int i = 0; i < t->ndim; ++i) {
       if (t->shape[i] < 0) fail(name, "non-negative sizes", "shape " + shape_string(*t));
+      if (__builtin_mul_overflow(n, t->shape[i], &n)) fail(name, "sizes whose product fits in 64 bits", "shape " + shape_string(*t));
+    }
     if (!t->data && numel(*t) > 0) fail(name, "a tensor with data", "a null data pointer");
   }
 
   void on_device(const cula_tensor* t, const std::string& name) const {
     if (t->device_type != device_type || (device_type == CULA_CUDA && t->device_id != device_id)) {
       const std::string want = device_type == CULA_CUDA ? "cuda:" + std::to_string(device_id) : "cpu";
-      fail(name, "a tensor on " + want + " (the device of q)", describe(t));
+      fail(name, "a tensor on " + want + " (the device of " + device_of + ")", describe(t));
     }
   }
 
@@ -409,6 +413,49 @@ Recurrence validate_chunk_bwd(const cula_chunk_bwd_args& a) {
   like(a.ddt_bias, "ddt_bias", a.dt_bias, "dt_bias");
   like(a.d_initial_state, "d_initial_state", a.initial_state, "initial_state");
   return r;
+}
+
+KdaGateShape validate_kda_gate(const cula_kda_gate_args& a) {
+  Checker c{"kda_gate"};
+  c.device_of = "g";
+  if (a.struct_size < sizeof(cula_kda_gate_args))
+    c.fail("args.struct_size", ">= " + std::to_string(sizeof(cula_kda_gate_args)), std::to_string(a.struct_size));
+  c.present(a.g, "g", "the raw gate [B, T, HV, K]");
+  c.basic(a.g, "g");
+  c.device_type = a.g->device_type;
+  c.device_id = a.g->device_id;
+  if (a.g->ndim != 4 || !is_float_dtype(a.g->dtype)) c.fail("g", "a 4-D floating-point tensor [B, T, HV, K]", describe(a.g));
+  const int64_t HV = a.g->shape[2], K = a.g->shape[3];
+  const cula_recurrence_options& o = a.opt;
+  if (o.has_lower_bound && !(std::isfinite(o.lower_bound) && o.lower_bound < 0))
+    c.fail("lower_bound", "a finite negative number", std::to_string(o.lower_bound));
+  if (o.safe_gate && !(o.has_lower_bound && o.lower_bound >= -5.0))
+    c.fail("lower_bound", "a value in [-5, 0) with safe_gate=True",
+           o.has_lower_bound ? std::to_string(o.lower_bound) : std::string("None"));
+  if (o.backend < CULA_BACKEND_AUTO || o.backend > CULA_BACKEND_CUDA)
+    c.fail("backend", "AUTO(0), ORACLE(1), CPU(2) or CUDA(3)", std::to_string(o.backend));
+  if (!a.A_log && !o.has_lower_bound) c.fail("A_log", "a tensor [HV] when lower_bound is None", "None");
+  if (a.A_log) {
+    c.float_tensor(a.A_log, "A_log");
+    c.shape(a.A_log, "A_log", {HV}, "[HV]");
+  }
+  if (a.dt_bias) {
+    c.float_tensor(a.dt_bias, "dt_bias");
+    const bool ok = (a.dt_bias->ndim == 1 && a.dt_bias->shape[0] == HV * K) ||
+                    (a.dt_bias->ndim == 2 && a.dt_bias->shape[0] == HV && a.dt_bias->shape[1] == K);
+    if (!ok)
+      c.fail("dt_bias", "shape [HV*K] = [" + std::to_string(HV * K) + "] or [HV, K]", "shape " + shape_string(*a.dt_bias));
+  }
+  c.present(a.g_out, "g_out", "an output tensor shaped like g");
+  c.basic(a.g_out, "g_out");
+  c.on_device(a.g_out, "g_out");
+  bool same_shape = a.g_out->ndim == 4;
+  for (int i = 0; same_shape && i < 4; ++i) same_shape = a.g_out->shape[i] == a.g->shape[i];
+  if (!same_shape) c.fail("g_out", "the shape of g " + shape_string(*a.g), "shape " + shape_string(*a.g_out));
+  if (a.g_out->dtype != CULA_FLOAT32 && a.g_out->dtype != CULA_BFLOAT16)
+    c.fail("g_out", "a float32 or bfloat16 tensor", describe(a.g_out));
+  c.contiguous_output(a.g_out, "g_out");
+  return {HV, K};
 }
 
 }  // namespace cula

@@ -48,7 +48,7 @@ inline float fast_exp(float x) {
   p = p * f + 0.5f;
   p = p * f + 1.0f;
   p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(r) + 127) << 23;
+  const uint32_t bits = (static_cast<uint32_t>(static_cast<int32_t>(r)) + 127u) << 23;  // unsigned: a NaN x stays defined
   float scale;
   std::memcpy(&scale, &bits, 4);
   return p * scale;

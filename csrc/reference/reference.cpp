@@ -256,7 +256,8 @@ void reference_chunk_bwd(const Recurrence& r, const cula_chunk_bwd_args& a) {
 
   // Chain rule back to the raw inputs.
   std::vector<double> raw(K), g_hat(K), dx(K);
-  std::vector<double> dA_log(HV, 0.0), ddt(r.dt_bias_per_channel ? HV * K : HV, 0.0);
+  // Sized by the gate's kind, not by dt_bias being given: the sum is formed either way.
+  std::vector<double> dA_log(HV, 0.0), ddt(r.tr.gate == GateKind::PerChannel ? HV * K : HV, 0.0);
   for (int64_t f = 0; f < BT; ++f) {
     const int64_t b = r.tb(f), t = r.tt(f);
     for (int64_t h = 0; h < H; ++h) {
@@ -298,7 +299,7 @@ void reference_chunk_bwd(const Recurrence& r, const cula_chunk_bwd_args& a) {
         double dg_raw = d;
         if (r.gate_in_kernel) {
           double xg = per_channel ? r.g.at(b, t, hv, i) : r.g.at(b, t, hv);
-          if (r.dt_bias) xg += r.dt_bias_per_channel ? r.dt_bias.at(hv * K + i) : r.dt_bias.at(hv);
+          if (r.dt_bias) xg += r.dt_bias_per_channel ? r.dt_bias.flat(hv * K + i) : r.dt_bias.at(hv);
           if (r.has_lb) {
             const double e = r.A_log ? std::exp(r.A_log.at(hv)) : 1.0;
             const double z = e * xg, sg = sigmoid(z);
