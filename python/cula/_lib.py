@@ -98,6 +98,9 @@ ChunkBwdArgs = _args_struct(
      "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "d_initial_state"],
 )
 KdaGateArgs = _args_struct("KdaGateArgs", ["g", "A_log", "dt_bias", "g_out"])
+# The fields the library writes (the non-const cula_tensor members of cula.h).
+WRITTEN = frozenset({"state_pool", "out", "final_state", "intermediate_states", "dq", "dk", "dv", "dg", "dbeta",
+                     "dA_log", "ddt_bias", "d_initial_state", "g_out"})
 
 
 def _candidates():

@@ -100,6 +100,8 @@ def _pack_tensor(buf, at, x, name) -> None:
             raise CulaError(f"argument '{name}': expected at most {_lib.MAX_DIMS} dimensions, got {n}")
         if any(s % x.itemsize for s in x.strides):
             raise CulaError(f"argument '{name}': expected strides that are multiples of the item size, got {x.strides}")
+        if not x.flags.writeable and name in _lib.WRITTEN:
+            raise CulaError(f"argument '{name}': expected a writeable array (the call writes it), got a read-only array")
         _TENSOR_RANK[n].pack_into(buf, at, x.ctypes.data, code, n, *x.shape, *(st // x.itemsize for st in x.strides),
                                   _lib.CPU, 0)
         return

@@ -91,3 +91,36 @@ def test_unsupported_device_path_is_a_clear_error():
     x = torch.randn(1, 4, 1, 8, device="cuda")  # K = 8: no CUDA kernel takes it
     with pytest.raises(cula.CulaUnsupportedError, match="K in"):
         cula.chunk_gla(x, x, torch.randn(1, 4, 1, 8, device="cuda"), -torch.rand(1, 4, 1, 8, device="cuda"))
+
+
+def test_read_only_outputs_are_refused(rng):
+    d = base(rng)
+    frozen = lambda a: np.frombuffer(a.tobytes(), a.dtype).reshape(a.shape)  # noqa: E731  read-only, like bytes
+    out = frozen(np.zeros((2, 9, 2, 4), np.float32))
+    with pytest.raises(cula.CulaError, match="argument 'out': expected a writeable array"):
+        call(d, out=out)
+    assert not out.any()
+    pool = frozen(rng.standard_normal((3, 2, 4, 8)).astype(np.float32))
+    before = pool.copy()
+    with pytest.raises(cula.CulaError, match="argument 'state_pool': expected a writeable array"):
+        cula.decode(d["q"][:, :1], d["k"][:, :1], d["v"][:, :1], pool, g=d["g"][:, :1], beta=d["beta"][:, :1])
+    assert np.array_equal(pool, before)
+    q_frozen = frozen(d["q"])  # inputs may be read-only
+    o, _ = call({**d, "q": q_frozen})
+    assert np.isfinite(o).all()
+
+
+def test_written_fields_are_the_headers_non_const_tensors():
+    """cula._lib.WRITTEN (checked for writeable arrays) lists exactly the `cula_tensor*` members
+    that cula.h does not declare const."""
+    import pathlib
+    import re
+
+    header = pathlib.Path(__file__).resolve().parents[2] / "include" / "cula" / "cula.h"
+    if not header.exists():
+        pytest.skip("cula.h is not beside this test (installed package only)")
+    text = header.read_text()
+    written = set(re.findall(r"^\s*cula_tensor\*\s+(\w+);", text, re.M))
+    read = set(re.findall(r"^\s*const cula_tensor\*\s+(\w+);", text, re.M))
+    assert written and read and not written & read
+    assert cula._lib.WRITTEN == written
