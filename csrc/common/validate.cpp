@@ -70,6 +70,10 @@ struct Checker {
     basic(t, name);
     on_device(t, name);
     if (!is_float_dtype(t->dtype)) fail(name, "a floating-point tensor (bfloat16, float16, float32 or float64)", describe(t));
+    // The CUDA kernels load bfloat16, float16 and float32; float64 arithmetic is the host reference's.
+    if (t->dtype == CULA_FLOAT64 && t->device_type == CULA_CUDA)
+      fail(name, "a bfloat16, float16 or float32 tensor on a CUDA device (float64 runs on host tensors, in the float64 reference)",
+           describe(t));
   }
 
   void shape(const cula_tensor* t, const std::string& name, std::initializer_list<int64_t> want,

@@ -262,6 +262,42 @@ TEST(Validation, BackendMustRunOnTheTensorsDevice) {
   EXPECT_TRUE(untouched(p.out));
 }
 
+// The CUDA kernels have no float64 loads: float64 device tensors are refused before any kernel
+// (the descriptions below point at host memory, which no kernel may see).
+TEST(Validation, Float64IsRefusedOnCudaDevices) {
+  for (int32_t family : {CULA_KDA, CULA_GDN, CULA_GLA, CULA_LIGHTNING}) {
+    Problem p;
+    p.family = family;
+    p.K = 8;
+    p.V = 4;
+    p.dtype = CULA_FLOAT64;
+    p.initial_state = p.final_state = false;
+    p.make(fresh_seed());
+    HostTensor out64({p.B, p.T, p.HV, p.V}, CULA_FLOAT64);
+    out64.poison();
+    for (HostTensor* t : {&p.q, &p.k, &p.v, &p.g, &p.beta, &p.decay, &out64}) t->t.device_type = CULA_CUDA;
+    cula_chunk_fwd_args a = p.fwd_args(CULA_BACKEND_AUTO);
+    a.out = out64.ptr();
+    EXPECT_EQ(cula_chunk_fwd(&a), CULA_ERROR_INVALID_ARGUMENT);
+    const std::string msg = cula_last_error();
+    EXPECT_NE(msg.find("argument 'q'"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("float64 runs on host tensors"), std::string::npos) << msg;
+    EXPECT_TRUE(untouched(out64));
+
+    // One float64 tensor among float32 ones is named too.
+    Problem f = base(family);
+    HostTensor v64({f.B, f.T, f.HV, f.V}, CULA_FLOAT64);
+    v64.fill(0.5);
+    for (HostTensor* t : {&f.q, &f.k, &v64, &f.g, &f.beta, &f.decay, &f.out}) t->t.device_type = CULA_CUDA;
+    cula_chunk_fwd_args b = f.fwd_args(CULA_BACKEND_AUTO);
+    b.v = v64.cptr();
+    b.initial_state = nullptr;
+    b.final_state = nullptr;
+    EXPECT_EQ(cula_chunk_fwd(&b), CULA_ERROR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(cula_last_error()).find("argument 'v'"), std::string::npos) << cula_last_error();
+  }
+}
+
 TEST(Validation, NoCudaBackwardYet) {
   Problem p = base();
   HostTensor cq = p.q, ck = p.k, cv = p.v, cg = p.g, cb = p.beta, d = p.out;
