@@ -124,3 +124,32 @@ def test_written_fields_are_the_headers_non_const_tensors():
     read = set(re.findall(r"^\s*const cula_tensor\*\s+(\w+);", text, re.M))
     assert written and read and not written & read
     assert cula._lib.WRITTEN == written
+
+
+def test_cuda_kernels_input_rules_are_named(rng):
+    """What the CUDA forward kernels need beyond validation (offsets and slot indices on the device,
+    contiguous parameters, no float64) is refused naming the argument, whichever row would run."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: the CUDA kernels' input rules can only be seen on a GPU machine")
+    T, H, K, V = 96, 2, 64, 64
+    t = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32)).cuda()  # noqa: E731
+    q, k, v = t(1, T, H, K).bfloat16(), (t(1, T, H, K) * K ** -0.5).bfloat16(), t(1, T, H, V).bfloat16()
+    gla_g = -torch.rand(1, T, H, K, device="cuda") * 0.1
+    cu = torch.tensor([0, 40, 96], dtype=torch.int32)
+    with pytest.raises(cula.CulaError, match="argument 'cu_seqlens'.*device of q"):
+        cula.chunk_gla(q, k, v, gla_g, cu_seqlens=cu)  # host offsets: no kernel may read them
+    spread = torch.tensor([0, 7, 40, 7, 96, 7], dtype=torch.int32, device="cuda")[::2]
+    with pytest.raises(cula.CulaError, match="argument 'cu_seqlens'.*contiguous"):
+        cula.chunk_gla(q, k, v, gla_g, cu_seqlens=spread)
+    o, _ = cula.chunk_gla(q, k, v, gla_g, cu_seqlens=cu.cuda())  # the same offsets on the device run
+    assert torch.isfinite(o.float()).all()
+    decay = torch.rand(2 * H, device="cuda")[::2]
+    with pytest.raises(cula.CulaError, match="argument 'decay'.*contiguous"):
+        cula.chunk_lightning(q, k, v, decay)
+    kda = dict(g=t(1, T, H, K), beta=t(1, T, H), use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0,
+               use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, dt_bias=t(H * K))
+    with pytest.raises(cula.CulaError, match="argument 'A_log'.*contiguous"):
+        cula.chunk_fwd("kda", q, k, v, A_log=t(2 * H)[::2], **kda)
+    with pytest.raises(cula.CulaError, match="argument 'q'.*float64 runs on host tensors"):
+        cula.chunk_fwd("kda", q.double(), k.double(), v.double(), A_log=t(H), **kda)

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 
 #include "common/problem.h"
 
@@ -57,6 +58,17 @@ __device__ __forceinline__ Seq seq_of(const FwdParams& p, int n) {
   if (!p.cu) return Seq{0, p.T, n};
   const int64_t bos = min(max(cu_at(p, n), int64_t{0}), static_cast<int64_t>(p.T));
   return Seq{bos, min(max(cu_at(p, n + 1), bos), static_cast<int64_t>(p.T)), 0};
+}
+
+// What every CUDA forward kernel needs beyond validation: offsets and slot indices on the device
+// (no host synchronisation), and the tensors it indexes without strides contiguous. The chunked
+// rows decline a call that misses these, so the recurrent row, which names the argument, refuses it.
+inline bool device_side_inputs_ready(const cula_chunk_fwd_args& a) {
+  for (const cula_tensor* t : {a.cu_seqlens, a.state_indices})
+    if (t && (t->device_type != CULA_CUDA || !is_contiguous(*t))) return false;
+  for (const cula_tensor* t : {a.A_log, a.dt_bias, a.decay, a.initial_state})
+    if (t && !is_contiguous(*t)) return false;
+  return true;
 }
 
 inline void strides4(const cula_tensor* t, int64_t (&s)[4]) {

@@ -167,7 +167,8 @@ void cuda_recurrent_fwd(const Recurrence& r, const cula_chunk_fwd_args& a) {
   if (a.state_indices && a.state_indices->device_type != CULA_CUDA)
     throw_arg(op, "state_indices", "a tensor on the device of q for the CUDA kernel", describe(a.state_indices));
   for (auto [t, name] : {std::pair<const cula_tensor*, const char*>{a.initial_state, "initial_state"},
-                         {a.state_indices, "state_indices"}, {a.cu_seqlens, "cu_seqlens"}, {a.dt_bias, "dt_bias"}})
+                         {a.state_indices, "state_indices"}, {a.cu_seqlens, "cu_seqlens"}, {a.dt_bias, "dt_bias"},
+                         {a.A_log, "A_log"}, {a.decay, "decay"}})
     if (t && !is_contiguous(*t)) throw_arg(op, name, "a contiguous tensor for the CUDA kernel", "a strided view");
   const FwdParams p = make_fwd_params(r, a);
   if (r.N == 0) return;
