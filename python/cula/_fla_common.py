@@ -22,6 +22,14 @@ def resolve_state_layout(fn_name: str, state_v_first: bool, kwargs: dict) -> boo
     return bool(state_v_first)
 
 
+def offsets_for(q, cu_seqlens, cu_seqlens_cpu):
+    """FLA takes the offsets on q's device (cu_seqlens) and, optionally, the same offsets on the host
+    (cu_seqlens_cpu). The kernels read them where q lives: the CUDA kernels take no host offsets."""
+    if cu_seqlens is None or cu_seqlens_cpu is None:
+        return cu_seqlens if cu_seqlens is not None else cu_seqlens_cpu
+    return cu_seqlens if is_torch(q) and q.is_cuda else cu_seqlens_cpu
+
+
 def per_token_head(v, value: float):
     """A float32 [B, T, HV] tensor of ``value`` shaped after v [B, T, HV, V], on v's device and of
     its kind (torch tensor or numpy array): FLA's defaults for an omitted gate or beta."""

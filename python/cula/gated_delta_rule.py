@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ._fla_common import per_token_head, recurrent_dropin, resolve_state_layout, unsupported
+from ._fla_common import offsets_for, per_token_head, recurrent_dropin, resolve_state_layout, unsupported
 from ._front import chunk, reject_unknown
 
 __all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"]
@@ -25,7 +25,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     return chunk("gdn", q, k, v, g, beta, initial_state=initial_state, scale=scale,
                  output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                  use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-                 chunk_size=chunk_size, cu_seqlens=cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens,
+                 chunk_size=chunk_size, cu_seqlens=offsets_for(q, cu_seqlens, cu_seqlens_cpu),
                  state_layout="k_last" if state_v_first else "k_first", use_gate_in_kernel=use_gate_in_kernel,
                  A_log=A_log, dt_bias=dt_bias)
 

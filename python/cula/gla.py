@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._fla_common import resolve_state_layout
+from ._fla_common import offsets_for, resolve_state_layout
 from ._front import chunk, reject_unknown
 
 __all__ = ["chunk_gla"]
@@ -15,5 +15,5 @@ def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=Fal
     chunk_size = kwargs.pop("chunk_size", 64)
     reject_unknown("chunk_gla", kwargs)
     return chunk("gla", q, k, v, g, initial_state=initial_state, scale=scale, output_final_state=output_final_state,
-                 chunk_size=chunk_size, cu_seqlens=cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens,
+                 chunk_size=chunk_size, cu_seqlens=offsets_for(q, cu_seqlens, cu_seqlens_cpu),
                  state_layout="k_last" if state_v_first else "k_first")

@@ -5,7 +5,7 @@ the same names. Arguments cula cannot honour raise an error instead of being ign
 
 from __future__ import annotations
 
-from ._fla_common import recurrent_dropin, resolve_state_layout, unsupported
+from ._fla_common import offsets_for, recurrent_dropin, resolve_state_layout, unsupported
 from ._front import chunk, reject_unknown
 
 __all__ = ["chunk_kda", "fused_recurrent_kda"]
@@ -29,7 +29,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                  use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                  allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound,
                  return_intermediate_states=return_intermediate_states, chunk_size=chunk_size,
-                 cu_seqlens=cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens,
+                 cu_seqlens=offsets_for(q, cu_seqlens, cu_seqlens_cpu),
                  state_layout="k_last" if state_v_first else "k_first")
 
 

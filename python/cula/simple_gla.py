@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._fla_common import resolve_state_layout
+from ._fla_common import offsets_for, resolve_state_layout
 from ._front import chunk, reject_unknown
 from ._tensor import is_torch
 
@@ -19,7 +19,7 @@ def chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=No
     if (g is None) == (g_gamma is None):
         raise ValueError("chunk_simple_gla: exactly one of 'g' and 'g_gamma' must be given")
     common = dict(initial_state=initial_state, scale=scale, output_final_state=output_final_state,
-                  chunk_size=chunk_size, cu_seqlens=cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens,
+                  chunk_size=chunk_size, cu_seqlens=offsets_for(q, cu_seqlens, cu_seqlens_cpu),
                   state_layout="k_last" if state_v_first else "k_first")
     if g is not None:
         return chunk("simple_gla", q, k, v, g, **common)

@@ -209,3 +209,32 @@ def test_gdn_dropin_gate_in_kernel_equals_precomputed_log_gate(rng):
     a = -np.exp(A_log.astype(np.float64)) * np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20))))
     o2, _ = chunk_gated_delta_rule(q, k, v, a.astype(np.float32), beta, use_qk_l2norm_in_kernel=True)
     assert rel(o1, o2) < 1e-5
+
+
+def test_dropins_read_the_offsets_where_q_lives(rng):
+    """FLA callers pass cu_seqlens on q's device and may add cu_seqlens_cpu: the host copy for host
+    tensors, the device copy for CUDA tensors (the CUDA kernels take no host offsets)."""
+    from cula._fla_common import offsets_for
+
+    cu, cu_cpu = np.array([0, 5, 24], np.int32), np.array([0, 5, 24], np.int64)
+    assert offsets_for(np.zeros(1), cu, cu_cpu) is cu_cpu
+    assert offsets_for(np.zeros(1), cu, None) is cu and offsets_for(np.zeros(1), None, cu_cpu) is cu_cpu
+    assert offsets_for(np.zeros(1), None, None) is None
+    q, k, v = qkv(rng, T=24)
+    g = -rng.uniform(0.01, 0.5, (1, 24, 2, 16)).astype(f32)
+    beta = rng.uniform(0.1, 0.9, (1, 24, 2)).astype(f32)
+    one = cula.kda.chunk_kda(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True)
+    both = cula.kda.chunk_kda(q, k, v, g, beta, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, output_final_state=True)
+    assert rel(one[0], both[0]) == 0 and rel(one[1], both[1]) == 0 and one[1].shape[0] == 2
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: the device offsets' pick can only be run on a GPU machine")
+    q, k, v = qkv(rng, T=24, K=64, V=64)  # head sizes the CUDA kernels take
+    g = -rng.uniform(0.01, 0.5, (1, 24, 2, 64)).astype(f32)
+    dev = dict(q=torch.from_numpy(q).cuda().bfloat16(), k=torch.from_numpy(k).cuda().bfloat16(),
+               v=torch.from_numpy(v).cuda().bfloat16(), g=torch.from_numpy(g).cuda(), beta=torch.from_numpy(beta).cuda())
+    assert offsets_for(dev["q"], torch.from_numpy(cu).cuda(), torch.from_numpy(cu_cpu)).is_cuda
+    one = cula.kda.chunk_kda(**dev, cu_seqlens=torch.from_numpy(cu).cuda(), use_qk_l2norm_in_kernel=True)
+    both = cula.kda.chunk_kda(**dev, cu_seqlens=torch.from_numpy(cu).cuda(), cu_seqlens_cpu=torch.from_numpy(cu_cpu),
+                              use_qk_l2norm_in_kernel=True)
+    assert torch.isfinite(one[0].float()).all() and torch.equal(one[0], both[0])
