@@ -218,3 +218,35 @@ def test_decode_markdown_shows_both_modes_ratios(tmp_path):
     assert rows[0].endswith("| 0.50x | 1.50x |") and rows[0].startswith("| float32 | 32 | 64 |")
     assert rows[1].endswith("| - | - | - | - | - |") and rows[1].startswith("| bfloat16 | 64 | 1 |")
     assert all(l.count("|") == lines[4].count("|") for l in rows)
+
+
+def test_numpy_views_of_any_layout_give_the_contiguous_result(rng):
+    """Reversed, transposed, sliced and broadcast numpy views travel as (pointer, strides) and give
+    the bits of the contiguous arrays, and so do Fortran-ordered and read-only inputs."""
+    B, T, H, K, V = 2, 21, 2, 8, 4
+    q, k = (rng.standard_normal((B, T, H, K)).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((B, T, H, V)).astype(np.float32)
+    g = -rng.uniform(0.01, 0.3, (B, T, H, K)).astype(np.float32)
+    beta = rng.uniform(0.1, 0.9, (B, T, H)).astype(np.float32)
+    h0 = rng.standard_normal((B, H, V, K)).astype(np.float32)
+    ref = cula.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+    def reversed_view(x):  # the same values behind negative strides
+        return np.flip(np.ascontiguousarray(np.flip(x, axis=1)), axis=1)
+
+    def padded_view(x):  # the same values inside a larger buffer, last dimension strided by 2
+        buf = np.full(x.shape[:-1] + (2 * x.shape[-1],), np.nan, x.dtype)
+        buf[..., ::2] = x
+        return buf[..., ::2]
+
+    for make in (reversed_view, padded_view, np.asfortranarray):
+        views = [make(x) for x in (q, k, v, g, beta, h0)]
+        assert any(not x.flags.c_contiguous for x in views)
+        got = cula.chunk_kda(*views[:5], initial_state=views[5], output_final_state=True, use_qk_l2norm_in_kernel=True)
+        assert np.array_equal(got[0], ref[0]) and np.array_equal(got[1], ref[1]), make.__name__
+    # A gate shared by every head as a broadcast (zero-stride, read-only) view.
+    g1 = g[:, :, :1]
+    shared = np.broadcast_to(g1, g.shape)
+    a = cula.chunk_kda(q, k, v, shared, beta, use_qk_l2norm_in_kernel=True)
+    b = cula.chunk_kda(q, k, v, np.ascontiguousarray(shared), beta, use_qk_l2norm_in_kernel=True)
+    assert np.array_equal(a[0], b[0])
