@@ -15,6 +15,7 @@
 #include <functional>
 #include <numeric>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "helpers.h"
@@ -690,4 +691,43 @@ TEST(RandomCalls, BrokenBackwardAndGateCallsAreRefusedCleanly) {
     SCOPED_TRACE("seed " + std::to_string(seed) + ", trial " + std::to_string(trial) + ": kda_gate " + what);
     expect_clean(cula_kda_gate(&ga), what, {&g_out}, nullptr, nullptr);
   }
+}
+
+// Calls from several host threads at once (each with its own arrays) give the bits of the same
+// calls made one after another: no state is shared between calls but the last error and kernel
+// name, which are per thread.
+TEST(RandomCalls, ConcurrentCallsGiveTheSequentialResult) {
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  constexpr int kThreads = 4;
+  std::vector<Problem> problems;
+  std::vector<int32_t> backends;
+  for (int i = 0; i < kThreads; ++i) {
+    problems.push_back(random_problem(rng));
+    backends.push_back(random_host_backend(rng, problems.back()));
+  }
+  std::vector<HostTensor> expected;
+  for (int i = 0; i < kThreads; ++i) {
+    auto a = problems[i].fwd_args(backends[i]);
+    ASSERT_EQ(cula_chunk_fwd(&a), CULA_OK) << cula_last_error();
+    expected.push_back(problems[i].out);
+    problems[i].out.poison();
+  }
+  std::vector<std::string> errors(kThreads);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kThreads; ++i)
+    threads.emplace_back([&, i] {
+      for (int rep = 0; rep < 3; ++rep) {
+        auto a = problems[i].fwd_args(backends[i]);
+        // A refused call on the same thread in between: its error must not leak into the next call.
+        auto bad = a;
+        bad.chunk_size = -1;
+        if (cula_chunk_fwd(&bad) != CULA_ERROR_INVALID_ARGUMENT) errors[i] = "a bad chunk_size was not refused";
+        if (cula_chunk_fwd(&a) != CULA_OK) errors[i] = cula_last_error();
+        else if (std::string(cula_last_error()) != "") errors[i] = "last error not cleared by a success";
+        if (!same_bits(problems[i].out, expected[i])) errors[i] = "out differs from the sequential call";
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < kThreads; ++i) EXPECT_EQ(errors[i], "") << "seed " << seed << ", thread " << i;
 }
