@@ -20,13 +20,16 @@ __all__ = [
 
 
 def _host_offsets(cu_seqlens):
+    """The offsets of a host cu_seqlens as ints (None for device offsets, which stay unread)."""
     if cu_seqlens is None:
         return None
+    if len(cu_seqlens.shape) != 1:
+        raise CulaError(f"argument 'cu_seqlens': expected a 1-D tensor [N+1], got shape {list(cu_seqlens.shape)}")
     if is_torch(cu_seqlens):
         if cu_seqlens.device.type != "cpu":
             return None
         return [int(x) for x in cu_seqlens.tolist()]
-    return [int(x) for x in np.asarray(cu_seqlens).reshape(-1)]
+    return [int(x) for x in cu_seqlens]
 
 
 def _given(**tensors):

@@ -30,6 +30,7 @@ RULES = [
     ("g_shape", lambda d, r: d.update(g=d["g"][..., 0].copy()), {}, ["'g'", "[B, T, HV, K]"]),
     ("beta_shape", lambda d, r: d.update(beta=d["beta"][:, :3].copy()), {}, ["'beta'", "[B, T, HV]"]),
     ("cu_batch", lambda d, r: d.update(cu_seqlens=np.array([0, 4, 9], np.int32)), {}, ["'q'", "batch size 1"]),
+    ("cu_rank", lambda d, r: d.update(cu_seqlens=np.array([[0, 4, 9]], np.int32)), {}, ["'cu_seqlens'", "1-D", "[1, 3]"]),
     ("state_shape", lambda d, r: d.update(initial_state=np.zeros((2, 2, 8, 4), np.float32)), {}, ["'initial_state'", "K-last"]),
     ("state_dtype", lambda d, r: d.update(initial_state=np.zeros((2, 2, 4, 8), np.float16)), {}, ["'initial_state'", "float16"]),
     ("lower_bound", lambda d, r: d.update(A_log=np.zeros(2, np.float32)),
@@ -153,3 +154,10 @@ def test_cuda_kernels_input_rules_are_named(rng):
         cula.chunk_fwd("kda", q, k, v, A_log=t(2 * H)[::2], **kda)
     with pytest.raises(cula.CulaError, match="argument 'q'.*float64 runs on host tensors"):
         cula.chunk_fwd("kda", q.double(), k.double(), v.double(), A_log=t(H), **kda)
+
+
+def test_torch_cu_seqlens_of_another_rank_is_named(rng):
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    d = {n: torch.from_numpy(x) for n, x in base(rng, B=1).items()}
+    with pytest.raises(cula.CulaError, match="argument 'cu_seqlens': expected a 1-D tensor"):
+        call(d, cu_seqlens=torch.tensor([[0, 4, 9]], dtype=torch.int32))
