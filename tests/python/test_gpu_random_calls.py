@@ -120,8 +120,6 @@ def test_broken_cuda_calls_are_refused_cleanly_and_leave_the_device_usable(rng):
             torch.cuda.synchronize()
             if args.get("out") is out:
                 assert torch.isnan(out.float()).all(), (what, "out written by a refused call", msg)
-        except TypeError as e:  # a Python-level signature error (a tensor where an int belongs)
-            assert "argument" in str(e) or "expected" in str(e), (what, str(e))
     # The device is still usable: a valid call matches the reference.
     c, d, cu, kw = _problem(rng)
     ref = _reference(c, d, cu, kw)
