@@ -75,6 +75,12 @@ def recurrent_dropin(fn_name, family, q, k, v, g, beta, *, A_log, dt_bias, scale
             if q.shape[1] % max(n, 1) != 0:
                 raise NotImplementedError(f"{fn_name}: in-place decode needs the same number of tokens per sequence")
             t = q.shape[1] // max(n, 1)
+            # Host offsets are checked; device offsets are taken to be the serving layout (t tokens
+            # each) without a host synchronisation.
+            offsets = ops._host_offsets(cu_seqlens)
+            if offsets is not None and offsets != [i * t for i in range(n + 1)]:
+                raise NotImplementedError(f"{fn_name}: in-place decode needs the same number of tokens per sequence, "
+                                          f"got cu_seqlens {offsets}")
             shape = lambda x: None if x is None else x.reshape(n, t, *x.shape[2:])  # noqa: E731
         else:
             shape = lambda x: x  # noqa: E731

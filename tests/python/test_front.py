@@ -238,3 +238,24 @@ def test_dropins_read_the_offsets_where_q_lives(rng):
     both = cula.kda.chunk_kda(**dev, cu_seqlens=torch.from_numpy(cu).cuda(), cu_seqlens_cpu=torch.from_numpy(cu_cpu),
                               use_qk_l2norm_in_kernel=True)
     assert torch.isfinite(one[0].float()).all() and torch.equal(one[0], both[0])
+
+
+def test_fused_recurrent_inplace_decode_checks_host_offsets(rng):
+    """fused_recurrent_kda's serving form (ssm_state_indices, in-place pool) reshapes the packed
+    tokens into equal sequences: host offsets of unequal lengths are refused, equal ones match
+    the per-sequence decode."""
+    N, t, H, K, V, P = 3, 2, 2, 8, 4, 5
+    q, k, v = qkv(rng, T=N * t, H=H, K=K, V=V)
+    g = -rng.uniform(0.01, 0.5, (1, N * t, H, K)).astype(f32)
+    beta = rng.uniform(0.1, 0.9, (1, N * t, H)).astype(f32)
+    pool = rng.standard_normal((P, H, K, V)).astype(f32)
+    idx = np.array([4, 0, 2], np.int32)
+    kw = dict(ssm_state_indices=idx, inplace_final_state=True)
+    with pytest.raises(NotImplementedError, match="same number of tokens"):
+        cula.kda.fused_recurrent_kda(q, k, v, g, beta, initial_state=pool.copy(), cu_seqlens=np.array([0, 1, 4, 6]), **kw)
+    got_pool = pool.copy()
+    o, _ = cula.kda.fused_recurrent_kda(q, k, v, g, beta, initial_state=got_pool, cu_seqlens=np.array([0, 2, 4, 6]), **kw)
+    ref_pool = pool.copy()
+    ref, _ = cula.decode(q.reshape(N, t, H, K), k.reshape(N, t, H, K), v.reshape(N, t, H, V), ref_pool, mode="kda",
+                         g=g.reshape(N, t, H, K), beta=beta.reshape(N, t, H), state_indices=idx, state_layout="k_first")
+    assert rel(o.reshape(N, t, H, V), ref) == 0 and rel(got_pool, ref_pool) == 0
