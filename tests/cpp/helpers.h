@@ -67,6 +67,12 @@ struct Problem {
   void make(uint64_t seed);
   cula_recurrence_options options(int32_t backend) const;
   cula_chunk_fwd_args fwd_args(int32_t backend);
+  // The decode entry on the problem's inputs (its batch as the N sequences); idx and acc may be null.
+  cula_decode_args decode_args(int32_t backend, HostTensor& pool, const HostTensor* idx, const HostTensor* acc,
+                               HostTensor& out) const;
+  // The backward entry on the problem's inputs; a null gradient is not asked for.
+  cula_chunk_bwd_args bwd_args(int32_t backend, const HostTensor& d_out, HostTensor* dq, HostTensor* dk, HostTensor* dv,
+                               HostTensor* dg) const;
   std::vector<int64_t> state_shape(int64_t n) const;
   int64_t total_chunks() const;
 };

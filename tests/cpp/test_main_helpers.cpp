@@ -238,4 +238,46 @@ cula_chunk_fwd_args Problem::fwd_args(int32_t backend) {
   return a;
 }
 
+cula_decode_args Problem::decode_args(int32_t backend, HostTensor& pool, const HostTensor* idx, const HostTensor* acc,
+                                      HostTensor& out_) const {
+  cula_decode_args a{};
+  a.struct_size = sizeof(a);
+  a.opt = options(backend);
+  a.q = q.cptr();
+  a.k = k.cptr();
+  a.v = v.cptr();
+  if (g.t.ndim) a.g = g.cptr();
+  if (beta.t.ndim) a.beta = beta.cptr();
+  if (decay.t.ndim) a.decay = decay.cptr();
+  if (gate_in_kernel && use_A_log) a.A_log = A_log.cptr();
+  if (gate_in_kernel && use_dt_bias) a.dt_bias = dt_bias.cptr();
+  a.state_pool = pool.ptr();
+  if (idx) a.state_indices = idx->cptr();
+  if (acc) a.num_accepted_tokens = acc->cptr();
+  a.out = out_.ptr();
+  return a;
+}
+
+cula_chunk_bwd_args Problem::bwd_args(int32_t backend, const HostTensor& d_out, HostTensor* dq, HostTensor* dk,
+                                      HostTensor* dv, HostTensor* dg) const {
+  cula_chunk_bwd_args a{};
+  a.struct_size = sizeof(a);
+  a.opt = options(backend);
+  a.q = q.cptr();
+  a.k = k.cptr();
+  a.v = v.cptr();
+  if (g.t.ndim) a.g = g.cptr();
+  if (beta.t.ndim) a.beta = beta.cptr();
+  if (gate_in_kernel && use_A_log) a.A_log = A_log.cptr();
+  if (gate_in_kernel && use_dt_bias) a.dt_bias = dt_bias.cptr();
+  if (!seqlens.empty()) a.cu_seqlens = cu.cptr();
+  if (initial_state) a.initial_state = h0.cptr();
+  a.d_out = d_out.cptr();
+  if (dq) a.dq = dq->ptr();
+  if (dk) a.dk = dk->ptr();
+  if (dv) a.dv = dv->ptr();
+  if (dg) a.dg = dg->ptr();
+  return a;
+}
+
 }  // namespace cula_test

@@ -197,21 +197,7 @@ TEST(RandomCalls, StridedDecodeInputsGiveTheContiguousResult) {
     for (int64_t n = 0; n < p.B; ++n) acc.set(n, static_cast<double>(rng() % (p.T + 1)));
     HostTensor pool0 = pool, out({p.B, p.T, p.HV, p.V}, CULA_FLOAT32);
     out.poison();
-    cula_decode_args a{};
-    a.struct_size = sizeof(a);
-    a.opt = p.options(random_host_backend(rng, p));
-    a.q = p.q.cptr();
-    a.k = p.k.cptr();
-    a.v = p.v.cptr();
-    if (p.g.t.ndim) a.g = p.g.cptr();
-    if (p.beta.t.ndim) a.beta = p.beta.cptr();
-    if (p.decay.t.ndim) a.decay = p.decay.cptr();
-    if (p.gate_in_kernel && p.use_A_log) a.A_log = p.A_log.cptr();
-    if (p.gate_in_kernel) a.dt_bias = p.dt_bias.cptr();
-    a.state_pool = pool.ptr();
-    a.state_indices = idx.cptr();
-    if (spec) a.num_accepted_tokens = acc.cptr();
-    a.out = out.ptr();
+    cula_decode_args a = p.decode_args(random_host_backend(rng, p), pool, &idx, spec ? &acc : nullptr, out);
     ASSERT_EQ(cula_decode(&a), CULA_OK) << cula_last_error();
     const HostTensor out_ref = out, pool_ref = pool;
     pool = pool0;
@@ -241,23 +227,7 @@ TEST(RandomCalls, StridedBackwardAndGateInputsGiveTheContiguousResult) {
     d_out.fill_normal(rng);
     HostTensor dq = p.q, dk = p.k, dv = p.v, dg = p.g;
     for (HostTensor* t : {&dq, &dk, &dv, &dg}) t->poison();
-    cula_chunk_bwd_args a{};
-    a.struct_size = sizeof(a);
-    a.opt = p.options(CULA_BACKEND_AUTO);
-    a.q = p.q.cptr();
-    a.k = p.k.cptr();
-    a.v = p.v.cptr();
-    a.g = p.g.cptr();
-    if (p.beta.t.ndim) a.beta = p.beta.cptr();
-    if (p.gate_in_kernel && p.use_A_log) a.A_log = p.A_log.cptr();
-    if (p.gate_in_kernel) a.dt_bias = p.dt_bias.cptr();
-    if (!p.seqlens.empty()) a.cu_seqlens = p.cu.cptr();
-    if (p.initial_state) a.initial_state = p.h0.cptr();
-    a.d_out = d_out.cptr();
-    a.dq = dq.ptr();
-    a.dk = dk.ptr();
-    a.dv = dv.ptr();
-    a.dg = dg.ptr();
+    cula_chunk_bwd_args a = p.bwd_args(CULA_BACKEND_AUTO, d_out, &dq, &dk, &dv, &dg);
     ASSERT_EQ(cula_chunk_bwd(&a), CULA_OK) << cula_last_error();
     const HostTensor dq0 = dq, dk0 = dk, dv0 = dv, dg0 = dg;
     for (HostTensor* t : {&dq, &dk, &dv, &dg}) t->poison();
@@ -319,21 +289,8 @@ TEST(RandomCalls, EquivalentDtBiasFormsGiveTheSameResult) {
       d_out.fill(0.25);
       HostTensor dq = p.q, dk = p.k, dg = p.g, dA({p.HV}, CULA_FLOAT64);
       for (HostTensor* t : {&dq, &dk, &dg, &dA}) t->poison();
-      cula_chunk_bwd_args a{};
-      a.struct_size = sizeof(a);
-      a.opt = p.options(CULA_BACKEND_AUTO);
-      a.q = p.q.cptr();
-      a.k = p.k.cptr();
-      a.v = p.v.cptr();
-      a.g = p.g.cptr();
-      a.beta = p.beta.cptr();
-      if (p.use_A_log) a.A_log = p.A_log.cptr();
+      cula_chunk_bwd_args a = p.bwd_args(CULA_BACKEND_AUTO, d_out, &dq, &dk, nullptr, &dg);
       a.dt_bias = dt_bias;
-      if (!p.seqlens.empty()) a.cu_seqlens = p.cu.cptr();
-      a.d_out = d_out.cptr();
-      a.dq = dq.ptr();
-      a.dk = dk.ptr();
-      a.dg = dg.ptr();
       if (p.use_A_log) a.dA_log = dA.ptr();
       EXPECT_EQ(cula_chunk_bwd(&a), CULA_OK) << cula_last_error();
       std::vector<unsigned char> all = dq.bytes;
@@ -579,21 +536,7 @@ TEST(RandomCalls, BrokenDecodeCallsAreRefusedCleanly) {
     acc.fill(1);
     HostTensor out({p.B, p.T, p.HV, p.V}, CULA_FLOAT32);
     out.poison();
-    cula_decode_args a{};
-    a.struct_size = sizeof(a);
-    a.opt = p.options(random_host_backend(rng, p));
-    a.q = p.q.cptr();
-    a.k = p.k.cptr();
-    a.v = p.v.cptr();
-    if (p.g.t.ndim) a.g = p.g.cptr();
-    if (p.beta.t.ndim) a.beta = p.beta.cptr();
-    if (p.decay.t.ndim) a.decay = p.decay.cptr();
-    if (p.gate_in_kernel && p.use_A_log) a.A_log = p.A_log.cptr();
-    if (p.gate_in_kernel) a.dt_bias = p.dt_bias.cptr();
-    a.state_pool = pool.ptr();
-    a.state_indices = idx.cptr();
-    if (spec) a.num_accepted_tokens = acc.cptr();
-    a.out = out.ptr();
+    cula_decode_args a = p.decode_args(random_host_backend(rng, p), pool, &idx, spec ? &acc : nullptr, out);
     std::vector<Slot> slots = {{"q", &a.q},
                                {"k", &a.k},
                                {"v", &a.v},
@@ -627,23 +570,7 @@ TEST(RandomCalls, BrokenBackwardAndGateCallsAreRefusedCleanly) {
     d_out.fill_normal(rng);
     HostTensor dq = p.q, dk = p.k, dv = p.v, dg = p.g;
     for (HostTensor* t : {&dq, &dk, &dv, &dg}) t->poison();
-    cula_chunk_bwd_args a{};
-    a.struct_size = sizeof(a);
-    a.opt = p.options(CULA_BACKEND_AUTO);
-    a.q = p.q.cptr();
-    a.k = p.k.cptr();
-    a.v = p.v.cptr();
-    a.g = p.g.cptr();
-    if (p.beta.t.ndim) a.beta = p.beta.cptr();
-    if (p.gate_in_kernel && p.use_A_log) a.A_log = p.A_log.cptr();
-    if (p.gate_in_kernel) a.dt_bias = p.dt_bias.cptr();
-    if (!p.seqlens.empty()) a.cu_seqlens = p.cu.cptr();
-    if (p.initial_state) a.initial_state = p.h0.cptr();
-    a.d_out = d_out.cptr();
-    a.dq = dq.ptr();
-    a.dk = dk.ptr();
-    a.dv = dv.ptr();
-    a.dg = dg.ptr();
+    cula_chunk_bwd_args a = p.bwd_args(CULA_BACKEND_AUTO, d_out, &dq, &dk, &dv, &dg);
     std::vector<Slot> slots = {{"q", &a.q},
                                {"k", &a.k},
                                {"v", &a.v},
