@@ -259,3 +259,20 @@ def test_fused_recurrent_inplace_decode_checks_host_offsets(rng):
     ref, _ = cula.decode(q.reshape(N, t, H, K), k.reshape(N, t, H, K), v.reshape(N, t, H, V), ref_pool, mode="kda",
                          g=g.reshape(N, t, H, K), beta=beta.reshape(N, t, H), state_indices=idx, state_layout="k_first")
     assert rel(o.reshape(N, t, H, V), ref) == 0 and rel(got_pool, ref_pool) == 0
+
+
+def test_chunk_op_passes_opcheck_on_host_tensors(rng):
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    import cula.torch_ops
+
+    B, T, H, K, V = 1, 33, 2, 16, 8
+    q, k = torch.randn(B, T, H, K), torch.randn(B, T, H, K)
+    v = torch.randn(B, T, H, V)
+    g = -torch.rand(B, T, H, K) * 0.3
+    beta = torch.rand(B, T, H)
+    args = ("kda", q, k, v, g, beta, None, None, None, None, None, None, True, False, False, False, False, None,
+            "k_last", 64)
+    torch.library.opcheck(torch.ops.cula.chunk_fwd.default, args)
+    o, s = cula.torch_ops.chunk_fwd("kda", q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+    o2, s2 = cula.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, output_final_state=True)
+    assert torch.equal(o, o2) and torch.equal(s, s2)

@@ -293,22 +293,6 @@ def test_decode_op_passes_opcheck_and_compiles_fullgraph(rng):
     assert torch.equal(got, eager) and torch.equal(p_comp, p_eager)
 
 
-def test_chunk_op_passes_opcheck_on_host_tensors(rng):
-    import cula.torch_ops
-
-    B, T, H, K, V = 1, 33, 2, 16, 8
-    q, k = torch.randn(B, T, H, K), torch.randn(B, T, H, K)
-    v = torch.randn(B, T, H, V)
-    g = -torch.rand(B, T, H, K) * 0.3
-    beta = torch.rand(B, T, H)
-    args = ("kda", q, k, v, g, beta, None, None, None, None, None, None, True, False, False, False, False, None,
-            "k_last", 64)
-    torch.library.opcheck(torch.ops.cula.chunk_fwd.default, args)
-    o, s = cula.torch_ops.chunk_fwd("kda", q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
-    o2, s2 = cula.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, output_final_state=True)
-    assert torch.equal(o, o2) and torch.equal(s, s2)
-
-
 def dropin_pair(family):
     """cula's FLA drop-in for the recurrent form of a family and FLA's own function."""
     pytest.importorskip("fla", reason="fla-core is not installed")
