@@ -30,6 +30,12 @@ def offsets_for(q, cu_seqlens, cu_seqlens_cpu):
     return cu_seqlens if is_torch(q) and q.is_cuda else cu_seqlens_cpu
 
 
+def contiguous(x):
+    """x itself when contiguous (or not a torch tensor), else a contiguous copy: FLA's input_guard,
+    for the arguments cula's CUDA kernels read without strides (parameters, decode inputs)."""
+    return x.contiguous() if x is not None and is_torch(x) else x
+
+
 def per_token_head(v, value: float):
     """A float32 [B, T, HV] tensor of ``value`` shaped after v [B, T, HV, V], on v's device and of
     its kind (torch tensor or numpy array): FLA's defaults for an omitted gate or beta."""
@@ -63,7 +69,7 @@ def recurrent_dropin(fn_name, family, q, k, v, g, beta, *, A_log, dt_bias, scale
     layout = "k_last" if state_v_first else "k_first"
     common = dict(scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
                   use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-                  lower_bound=lower_bound, A_log=A_log, dt_bias=dt_bias, state_layout=layout)
+                  lower_bound=lower_bound, A_log=contiguous(A_log), dt_bias=contiguous(dt_bias), state_layout=layout)
     if inplace or idx is not None:
         if initial_state is None:
             raise ValueError(f"{fn_name}: in-place state updates need initial_state (the state pool)")
@@ -81,15 +87,21 @@ def recurrent_dropin(fn_name, family, q, k, v, g, beta, *, A_log, dt_bias, scale
             if offsets is not None and offsets != [i * t for i in range(n + 1)]:
                 raise NotImplementedError(f"{fn_name}: in-place decode needs the same number of tokens per sequence, "
                                           f"got cu_seqlens {offsets}")
-            shape = lambda x: None if x is None else x.reshape(n, t, *x.shape[2:])  # noqa: E731
+            split = lambda x: x.reshape(n, t, *x.shape[2:])  # noqa: E731
         else:
-            shape = lambda x: x  # noqa: E731
+            split = lambda x: x  # noqa: E731
+
+        def dense(x):
+            # FLA's fused_recurrent functions make their inputs contiguous (input_guard), and the CUDA
+            # decode kernel reads them so: q, k, v out of a fused projection come as strided views.
+            return None if x is None else contiguous(split(x))
+
         if idx is not None and is_torch(idx):
             import torch
 
             idx = idx if idx.dtype == torch.int32 else idx.to(torch.int32)
-        o, _ = ops.decode(shape(q), shape(k), shape(v), initial_state, mode=family, g=shape(g), beta=shape(beta),
-                          state_indices=idx, num_accepted_tokens=acc, out=shape(out) if out is not None else None,
+        o, _ = ops.decode(dense(q), dense(k), dense(v), initial_state, mode=family, g=dense(g), beta=dense(beta),
+                          state_indices=idx, num_accepted_tokens=acc, out=split(out) if out is not None else None,
                           **common)
         return o.reshape(v.shape), initial_state
     return chunk(family, q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ._fla_common import offsets_for, per_token_head, recurrent_dropin, resolve_state_layout, unsupported
+from ._fla_common import contiguous, offsets_for, per_token_head, recurrent_dropin, resolve_state_layout, unsupported
 from ._front import chunk, reject_unknown
 
 __all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"]
@@ -27,7 +27,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                  use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
                  chunk_size=chunk_size, cu_seqlens=offsets_for(q, cu_seqlens, cu_seqlens_cpu),
                  state_layout="k_last" if state_v_first else "k_first", use_gate_in_kernel=use_gate_in_kernel,
-                 A_log=A_log, dt_bias=dt_bias)
+                 A_log=contiguous(A_log), dt_bias=contiguous(dt_bias))
 
 
 def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None, initial_state=None,

@@ -5,7 +5,7 @@ the same names. Arguments cula cannot honour raise an error instead of being ign
 
 from __future__ import annotations
 
-from ._fla_common import offsets_for, recurrent_dropin, resolve_state_layout, unsupported
+from ._fla_common import contiguous, offsets_for, recurrent_dropin, resolve_state_layout, unsupported
 from ._front import chunk, reject_unknown
 
 __all__ = ["chunk_kda", "fused_recurrent_kda"]
@@ -24,12 +24,12 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     reject_unknown("chunk_kda", kwargs)
     unsupported("chunk_kda", cp_context=cp_context, use_graph=use_graph, max_num_seqs=max_num_seqs)
     del disable_recompute  # a memory/recompute trade-off of FLA's backward: no effect on results here
-    return chunk("kda", q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state, scale=scale,
-                 output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                 use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-                 allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound,
-                 return_intermediate_states=return_intermediate_states, chunk_size=chunk_size,
-                 cu_seqlens=offsets_for(q, cu_seqlens, cu_seqlens_cpu),
+    return chunk("kda", q, k, v, g, beta, A_log=contiguous(A_log), dt_bias=contiguous(dt_bias),
+                 initial_state=initial_state, scale=scale, output_final_state=output_final_state,
+                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+                 use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                 safe_gate=safe_gate, lower_bound=lower_bound, return_intermediate_states=return_intermediate_states,
+                 chunk_size=chunk_size, cu_seqlens=offsets_for(q, cu_seqlens, cu_seqlens_cpu),
                  state_layout="k_last" if state_v_first else "k_first")
 
 

@@ -7,8 +7,6 @@ canonical layout) or ``"k_first"`` ([.., HV, K, V], FLA's default).
 
 from __future__ import annotations
 
-import numpy as np
-
 from . import _lib
 from ._lib import CulaError
 from ._tensor import as_array, call, dtype_name, empty_like_family, is_torch, stream_of

@@ -424,3 +424,34 @@ def test_dropin_fused_recurrent_kda_speculative_matches_fla(rng):
     e = (rel(o.float().cpu().numpy(), o_fla.float().cpu().numpy()), rel(p_cula.cpu().numpy(), p_fla.cpu().numpy()))
     print("KDA drop-in with draft tokens vs FLA (o, pool):", e)
     assert e[0] < 5e-3 and e[1] < 1e-4
+
+
+def test_dropin_serving_decode_takes_strided_inputs_as_fla_does(rng):
+    """q, k, v as slices of one fused projection and a strided A_log: the drop-in makes them
+    contiguous as FLA's input_guard does (the CUDA decode kernel reads them so), with the bits of
+    the contiguous call; chunk_kda likewise for a strided A_log."""
+    N, H, K, V, P = 5, 2, 128, 128, 9
+    dev, kw = dropin_inputs(rng, "kda", N, 1, H, H, K, V)
+    flat = packed(dev)
+    qkv = torch.empty(1, N, 3, H, K, device="cuda", dtype=torch.bfloat16)
+    for i, n in enumerate("qkv"):
+        qkv[:, :, i] = flat[n]
+    fused = dict(flat, q=qkv[:, :, 0], k=qkv[:, :, 1], v=qkv[:, :, 2])
+    wide = torch.zeros(2 * H, device="cuda")
+    wide[::2] = flat["A_log"]
+    fused["A_log"] = wide[::2]
+    assert not any(fused[n].is_contiguous() for n in ("q", "k", "v", "A_log"))
+    cu = torch.arange(N + 1, device="cuda", dtype=torch.int32)
+    pool = torch.from_numpy(rng.standard_normal((P, H, V, K)).astype(np.float32)).cuda() * 0.5
+    idx = torch.from_numpy(rng.permutation(P)[:N].astype(np.int32)).cuda()
+    serve = dict(cu_seqlens=cu, ssm_state_indices=idx, inplace_final_state=True, state_v_first=True, **kw)
+    p_dense, p_fused = pool.clone(), pool.clone()
+    o_dense, _ = cula.kda.fused_recurrent_kda(**flat, initial_state=p_dense, **serve)
+    o_fused, _ = cula.kda.fused_recurrent_kda(**fused, initial_state=p_fused, **serve)
+    torch.cuda.synchronize()
+    assert torch.equal(o_dense, o_fused) and torch.equal(p_dense, p_fused)
+    chunk_kw = dict(kw, safe_gate=True, output_final_state=True)
+    a = cula.kda.chunk_kda(**flat, **chunk_kw)
+    b = cula.kda.chunk_kda(**dict(flat, A_log=fused["A_log"]), **chunk_kw)
+    torch.cuda.synchronize()
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
