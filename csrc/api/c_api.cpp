@@ -146,9 +146,11 @@ cula_status cula_kda_gate(const cula_kda_gate_args* args) {
     const int32_t dev = a.g->device_type;
     // The CUDA kernel reads g, A_log and dt_bias as contiguous tensors, the parameters as float32.
     auto cuda_ready = [&](const cula_tensor* t, const char* name, bool fp32) {
-      if (t && (!is_contiguous(*t) || (fp32 && t->dtype != CULA_FLOAT32)))
+      if (!t) return;
+      const bool dense = is_contiguous(*t);
+      if (!dense || (fp32 && t->dtype != CULA_FLOAT32))
         throw_arg(op, name, fp32 ? "a contiguous float32 tensor for the CUDA kernel" : "a contiguous tensor for the CUDA kernel",
-                  describe(t) + (is_contiguous(*t) ? "" : " (a strided view)"));
+                  describe(t) + (dense ? "" : " (a strided view)"));
     };
     const int32_t backend = a.opt.backend == CULA_BACKEND_AUTO ? (dev == CULA_CUDA ? CULA_BACKEND_CUDA : CULA_BACKEND_CPU)
                                                                : a.opt.backend;

@@ -56,7 +56,7 @@ struct Checker {
       if (t->shape[i] < 0) fail(name, "non-negative sizes", "shape " + shape_string(*t));
       if (__builtin_mul_overflow(n, t->shape[i], &n)) fail(name, "sizes whose product fits in 64 bits", "shape " + shape_string(*t));
     }
-    if (!t->data && numel(*t) > 0) fail(name, "a tensor with data", "a null data pointer");
+    if (!t->data && n > 0) fail(name, "a tensor with data", "a null data pointer");
   }
 
   void on_device(const cula_tensor* t, const std::string& name) const {
@@ -83,6 +83,20 @@ struct Checker {
     if (ok)
       for (int64_t w : want) ok = ok && t->shape[i++] == w;
     if (!ok) fail(name, "shape " + symbolic + " = " + dims(want), "shape " + shape_string(*t));
+  }
+
+  void backend(int32_t b) const {
+    if (b < CULA_BACKEND_AUTO || b > CULA_BACKEND_CUDA) fail("backend", "AUTO(0), ORACLE(1), CPU(2) or CUDA(3)", std::to_string(b));
+  }
+
+  // A per-channel dt_bias: [HV*K] or [HV, K].
+  void per_channel_dt_bias(const cula_tensor* t, int64_t HV, int64_t K) const {
+    float_tensor(t, "dt_bias");
+    const bool flat = t->ndim == 1 && t->shape[0] == HV * K;
+    const bool two = t->ndim == 2 && t->shape[0] == HV && t->shape[1] == K;
+    if (!flat && !two)
+      fail("dt_bias", "shape [HV*K] = [" + std::to_string(HV * K) + "] or [HV, K] = [" + std::to_string(HV) + ", " + std::to_string(K) + "]",
+           "shape " + shape_string(*t));
   }
 
   void contiguous_output(const cula_tensor* t, const std::string& name) const {
@@ -119,8 +133,7 @@ void check_options(const Checker& c, const cula_recurrence_options& o, Recurrenc
   if (o.state_layout != CULA_STATE_K_LAST && o.state_layout != CULA_STATE_K_FIRST)
     c.fail("state_layout", "K_LAST(0) or K_FIRST(1)", std::to_string(o.state_layout));
   r.state_layout = o.state_layout;
-  if (o.backend < CULA_BACKEND_AUTO || o.backend > CULA_BACKEND_CUDA)
-    c.fail("backend", "AUTO(0), ORACLE(1), CPU(2) or CUDA(3)", std::to_string(o.backend));
+  c.backend(o.backend);
   if (!std::isnan(o.scale) && !std::isfinite(o.scale)) c.fail("scale", "a finite number (or None for K^-0.5)", std::to_string(o.scale));
   r.l2norm = o.use_qk_l2norm != 0;
   r.gate_in_kernel = o.use_gate_in_kernel != 0;
@@ -209,16 +222,12 @@ void check_inputs(Checker& c, const cula_tensor* q, const cula_tensor* k, const 
       r.A_log = View(A_log);
     }
     if (dt_bias) {
-      c.float_tensor(dt_bias, "dt_bias");
       if (r.tr.gate == GateKind::PerChannel) {
-        const bool flat = dt_bias->ndim == 1 && dt_bias->shape[0] == r.HV * r.K;
-        const bool two = dt_bias->ndim == 2 && dt_bias->shape[0] == r.HV && dt_bias->shape[1] == r.K;
-        if (!flat && !two)
-          c.fail("dt_bias", "shape [HV*K] = [" + std::to_string(r.HV * r.K) + "] or [HV, K] = [" + std::to_string(r.HV) + ", " + std::to_string(r.K) + "]",
-                 "shape " + shape_string(*dt_bias));
+        c.per_channel_dt_bias(dt_bias, r.HV, r.K);
         if (!is_contiguous(*dt_bias)) c.fail("dt_bias", "a contiguous tensor", "a strided view");
         r.dt_bias_per_channel = true;
       } else {
+        c.float_tensor(dt_bias, "dt_bias");
         c.shape(dt_bias, "dt_bias", {r.HV}, "[HV]");
       }
       r.dt_bias = View(dt_bias);
@@ -436,20 +445,13 @@ KdaGateShape validate_kda_gate(const cula_kda_gate_args& a) {
   if (o.safe_gate && !(o.has_lower_bound && o.lower_bound >= -5.0))
     c.fail("lower_bound", "a value in [-5, 0) with safe_gate=True",
            o.has_lower_bound ? std::to_string(o.lower_bound) : std::string("None"));
-  if (o.backend < CULA_BACKEND_AUTO || o.backend > CULA_BACKEND_CUDA)
-    c.fail("backend", "AUTO(0), ORACLE(1), CPU(2) or CUDA(3)", std::to_string(o.backend));
+  c.backend(o.backend);
   if (!a.A_log && !o.has_lower_bound) c.fail("A_log", "a tensor [HV] when lower_bound is None", "None");
   if (a.A_log) {
     c.float_tensor(a.A_log, "A_log");
     c.shape(a.A_log, "A_log", {HV}, "[HV]");
   }
-  if (a.dt_bias) {
-    c.float_tensor(a.dt_bias, "dt_bias");
-    const bool ok = (a.dt_bias->ndim == 1 && a.dt_bias->shape[0] == HV * K) ||
-                    (a.dt_bias->ndim == 2 && a.dt_bias->shape[0] == HV && a.dt_bias->shape[1] == K);
-    if (!ok)
-      c.fail("dt_bias", "shape [HV*K] = [" + std::to_string(HV * K) + "] or [HV, K]", "shape " + shape_string(*a.dt_bias));
-  }
+  if (a.dt_bias) c.per_channel_dt_bias(a.dt_bias, HV, K);
   c.present(a.g_out, "g_out", "an output tensor shaped like g");
   c.basic(a.g_out, "g_out");
   c.on_device(a.g_out, "g_out");

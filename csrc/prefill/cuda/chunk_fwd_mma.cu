@@ -1336,7 +1336,7 @@ bool chunk_fwd_mma_accepts(const Recurrence& r, const cula_chunk_fwd_args& a) {
   if (a.chunk_size != 0 && a.chunk_size != kBT) return false;  // intermediate states are per 64 tokens
   for (const cula_tensor* t : std::initializer_list<const cula_tensor*>{a.q, a.k, a.v, a.out})
     if (t->dtype != CULA_BFLOAT16 || !chunk::aligned16(t)) return false;
-  if (!device_side_inputs_ready(a)) return false;
+  if (first_unreadable_input(a).name) return false;
   if (cuda_device_arch(a.q->device_id) < 80) return false;  // mma.sync bf16, ldmatrix, cp.async
   // The scan's two stages must fit (at K = 128 the 32-column scans do on an A100, 163 KB per block)
   return scan_bytes(r, 32) <= cuda_smem_per_block(a.q->device_id);

@@ -4,6 +4,8 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <string>
+#include <utility>
 
 #include "common/problem.h"
 
@@ -61,14 +63,24 @@ __device__ __forceinline__ Seq seq_of(const FwdParams& p, int n) {
 }
 
 // What every CUDA forward kernel needs beyond validation: offsets and slot indices on the device
-// (no host synchronisation), and the tensors it indexes without strides contiguous. The chunked
-// rows decline a call that misses these, so the recurrent row, which names the argument, refuses it.
-inline bool device_side_inputs_ready(const cula_chunk_fwd_args& a) {
-  for (const cula_tensor* t : {a.cu_seqlens, a.state_indices})
-    if (t && (t->device_type != CULA_CUDA || !is_contiguous(*t))) return false;
-  for (const cula_tensor* t : {a.A_log, a.dt_bias, a.decay, a.initial_state})
-    if (t && !is_contiguous(*t)) return false;
-  return true;
+// (no host synchronisation), and the tensors it indexes without strides contiguous. The first
+// argument that misses this, with what was expected and given (name null when none): the chunked
+// rows decline such a call, so the recurrent row, which refuses it with this, takes it.
+struct UnreadableInput {
+  const char* name = nullptr;
+  const char* expected = nullptr;
+  std::string given;
+};
+inline UnreadableInput first_unreadable_input(const cula_chunk_fwd_args& a) {
+  using Named = std::pair<const cula_tensor*, const char*>;
+  for (auto [t, name] : {Named{a.cu_seqlens, "cu_seqlens"}, Named{a.state_indices, "state_indices"}})
+    if (t && t->device_type != CULA_CUDA)
+      return {name, "a tensor on the device of q for the CUDA kernel (no host synchronisation)", describe(t)};
+  for (auto [t, name] : {Named{a.initial_state, "initial_state"}, Named{a.state_indices, "state_indices"},
+                         Named{a.cu_seqlens, "cu_seqlens"}, Named{a.dt_bias, "dt_bias"}, Named{a.A_log, "A_log"},
+                         Named{a.decay, "decay"}})
+    if (t && !is_contiguous(*t)) return {name, "a contiguous tensor for the CUDA kernel", "a strided view"};
+  return {};
 }
 
 inline void strides4(const cula_tensor* t, int64_t (&s)[4]) {

@@ -161,15 +161,7 @@ void cuda_recurrent_fwd(const Recurrence& r, const cula_chunk_fwd_args& a) {
   if (r.K != 64 && r.K != 128 && r.K != 256)
     throw_unsupported(op, "the CUDA forward takes K in {64, 128, 256}, got K = " + std::to_string(r.K) +
                               "; use host tensors (the CPU backend) for other head sizes");
-  if (a.cu_seqlens && a.cu_seqlens->device_type != CULA_CUDA)
-    throw_arg(op, "cu_seqlens", "a tensor on the device of q for the CUDA kernel (no host synchronisation)",
-              describe(a.cu_seqlens));
-  if (a.state_indices && a.state_indices->device_type != CULA_CUDA)
-    throw_arg(op, "state_indices", "a tensor on the device of q for the CUDA kernel", describe(a.state_indices));
-  for (auto [t, name] : {std::pair<const cula_tensor*, const char*>{a.initial_state, "initial_state"},
-                         {a.state_indices, "state_indices"}, {a.cu_seqlens, "cu_seqlens"}, {a.dt_bias, "dt_bias"},
-                         {a.A_log, "A_log"}, {a.decay, "decay"}})
-    if (t && !is_contiguous(*t)) throw_arg(op, name, "a contiguous tensor for the CUDA kernel", "a strided view");
+  if (const UnreadableInput u = first_unreadable_input(a); u.name) throw_arg(op, u.name, u.expected, u.given);
   const FwdParams p = make_fwd_params(r, a);
   if (r.N == 0) return;
   check(cudaSetDevice(a.q->device_id), "cudaSetDevice");
