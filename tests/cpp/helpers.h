@@ -13,6 +13,7 @@
 namespace cula_test {
 
 uint64_t fresh_seed();  // a new seed per call (time + counter), printed by tests on failure
+size_t dtype_bytes(int32_t dtype);  // bytes per element of a cula_dtype
 
 struct HostTensor {
   std::vector<unsigned char> bytes;
@@ -41,6 +42,7 @@ struct HostTensor {
 // ||a - b|| / ||b||
 double rel_err(const HostTensor& a, const HostTensor& ref);
 bool all_finite(const HostTensor& a);
+bool all_nan(const HostTensor& a);  // still poisoned: nothing written
 
 cula_recurrence_options default_options(int32_t family, int32_t backend);
 

@@ -11,7 +11,7 @@ uint64_t fresh_seed() {
   return now * 6364136223846793005ull + (++counter) * 1442695040888963407ull;
 }
 
-static size_t dsize(int32_t dtype) { return static_cast<size_t>(dtype & 0xff) / 8; }
+size_t dtype_bytes(int32_t dtype) { return static_cast<size_t>(dtype & 0xff) / 8; }
 
 HostTensor::HostTensor(std::vector<int64_t> shape, int32_t dtype) {
   t.dtype = dtype;
@@ -22,7 +22,7 @@ HostTensor::HostTensor(std::vector<int64_t> shape, int32_t dtype) {
     t.strides[i] = n;
     n *= shape[i];
   }
-  bytes.assign(static_cast<size_t>(n) * dsize(dtype) + 16, 0);
+  bytes.assign(static_cast<size_t>(n) * dtype_bytes(dtype) + 16, 0);
   t.data = bytes.data();
   t.device_type = CULA_CPU;
   t.device_id = 0;
@@ -110,6 +110,12 @@ double rel_err(const HostTensor& a, const HostTensor& ref) {
 bool all_finite(const HostTensor& a) {
   for (int64_t i = 0; i < a.numel(); ++i)
     if (!std::isfinite(a.get(i))) return false;
+  return true;
+}
+
+bool all_nan(const HostTensor& a) {
+  for (int64_t i = 0; i < a.numel(); ++i)
+    if (!std::isnan(a.get(i))) return false;
   return true;
 }
 

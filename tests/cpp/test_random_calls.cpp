@@ -24,8 +24,6 @@ using namespace cula_test;
 
 namespace {
 
-size_t elem_size(int32_t dtype) { return static_cast<size_t>(dtype & 0xff) / 8; }
-
 // A tensor with storage of its own and any strides (negative ones included): `data` points into
 // `bytes` where element [0, .., 0] lives. The padding between elements holds NaN bits.
 struct StridedTensor {
@@ -39,7 +37,7 @@ StridedTensor strided_copy(const cula_tensor& src, std::mt19937_64& rng) {
   StridedTensor s;
   s.t = src;
   const int nd = src.ndim;
-  const size_t es = elem_size(src.dtype);
+  const size_t es = dtype_bytes(src.dtype);
   std::vector<int> order(nd);
   std::iota(order.begin(), order.end(), 0);
   std::shuffle(order.begin(), order.end(), rng);
@@ -73,12 +71,6 @@ StridedTensor strided_copy(const cula_tensor& src, std::mt19937_64& rng) {
 }
 
 bool same_bits(const HostTensor& a, const HostTensor& b) { return a.bytes == b.bytes; }
-
-bool all_nan(const HostTensor& t) {
-  for (int64_t i = 0; i < t.numel(); ++i)
-    if (!std::isnan(t.get(i))) return false;
-  return true;
-}
 
 int random_calls() {
   const char* e = std::getenv("CULA_TEST_RANDOM_CALLS");
@@ -326,7 +318,7 @@ struct Breaker {
     HostTensor& t = keep.back();
     if (dtype == CULA_INT32 || dtype == CULA_INT64) {
       for (int64_t i = 0; i < t.numel(); ++i) t.set(i, static_cast<double>(pick(T + 3)));
-    } else if (elem_size(dtype) > 0) {
+    } else if (dtype_bytes(dtype) > 0) {
       t.fill_normal(rng, 0.0, 0.5);
     }
     return t.cptr();
@@ -412,8 +404,8 @@ struct Breaker {
         keep.emplace_back();
         HostTensor& c = keep.back();
         c = HostTensor(shape_of(t), t->dtype);
-        if (elem_size(t->dtype) == 0 || c.numel() == 0) return "left " + name;
-        std::memcpy(c.bytes.data(), t->data, static_cast<size_t>(c.numel()) * elem_size(t->dtype));
+        if (dtype_bytes(t->dtype) == 0 || c.numel() == 0) return "left " + name;
+        std::memcpy(c.bytes.data(), t->data, static_cast<size_t>(c.numel()) * dtype_bytes(t->dtype));
         const int64_t vals[] = {-5, -1, T, T + 1, int64_t(1) << 40};
         c.set(pick(c.numel()), s.integer ? static_cast<double>(vals[pick(5)]) : NAN);
         *s.field = c.cptr();
