@@ -55,6 +55,7 @@ def _child(args):
     if cuda:
         import torch
     rng = np.random.default_rng(0)
+    gen = torch.Generator(device="cuda").manual_seed(0) if cuda else None
     K = V = args.kv
     results = {}
     for text in args.config:
@@ -62,8 +63,9 @@ def _child(args):
         g_shape = (B, T, H, K) if args.family in ("kda", "gla") else (B, T, H)
 
         def make(*shape, scale=1.0):
-            x = (rng.standard_normal(shape) * scale).astype(np.float32)
-            return torch.from_numpy(x).to("cuda", torch.bfloat16) if cuda else x
+            if cuda:  # drawn on the GPU: numpy takes tens of seconds for the large configurations
+                return (torch.randn(shape, device="cuda", generator=gen) * scale).to(torch.bfloat16)
+            return (rng.standard_normal(shape) * scale).astype(np.float32)
 
         sets = [dict(q=make(B, T, H, K), k=make(B, T, H, K), v=make(B, T, H, V), g=make(*g_shape),
                      beta=make(B, T, H)) for _ in range(2)]
@@ -127,6 +129,9 @@ def run_rounds(args, libs):
             kernels[name], loaded[name] = res["kernel"], res["library"]
             for c, ms in res["ms"].items():
                 times[name][c].append(ms)
+            # each round as it ends, so a run cut short still shows what it measured
+            print(f"round {r + 1} {name}: " + ", ".join(f"{c} {ms:.3f}" for c, ms in res["ms"].items()),
+                  file=sys.stderr, flush=True)
     return times, kernels, loaded
 
 
