@@ -73,6 +73,12 @@
 // VB = 32, which an A100 block holds; 212 KB at VB = 128; GLA: no W'; GDN: Kt, raw q, k in the W',
 // Qg, Kd slots).
 // Barriers per chunk: B1 stage in and S written; B2 Y written (delta rule); B3 stage free.
+// sm_90a: the products with S (Y's W' S and o's Qg S; GDN's k S and q S) are warpgroup products
+// (wgmma m64n32k16 / m64n16k16, warps 4j..4j+3 = column group j, the accumulators in the same
+// registers as the mma.sync path's): S is kept in shared memory transposed, S^T, and it and the two
+// left operands of the stage sit in the 128-byte swizzle (wgmma.cuh), so each group reads S once
+// instead of each warp reading it (a quarter of the S traffic). Each thread fences its stage and S
+// writes to the async proxy before B1, and the group waits for its products before Y is written.
 #include <cub/block/block_scan.cuh>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -89,6 +95,7 @@
 #include "cuda/device_helpers.cuh"
 #include "cuda/mbarrier.cuh"
 #include "cuda/mma.cuh"
+#include "cuda/wgmma.cuh"
 #include "prefill/cuda/chunk_fwd_mma.h"
 #include "prefill/cuda/chunk_common.cuh"
 #include "prefill/cuda/fwd_params.cuh"
@@ -177,8 +184,11 @@ struct ScanLayout {
   static constexpr int LDK = K + 8, LDV = VB + 8, LDT = kBT + 8;
   static constexpr int sW = 0, sQ = sW + (DELTA ? kBT * LDK * 2 : 0), sKd = sQ + kBT * LDK * 2, sA = sKd + kBT * LDK * 2,
                        sU = sA + a_planes(DELTA, RAWQK) * kBT * LDT * 2, sDL = sU + kBT * LDV * 2, sRF = sDL + K * 4,
-                       stage = sRF + row_factors(DELTA, RAWQK) * kBT * 4;
+                       stage = (sRF + row_factors(DELTA, RAWQK) * kBT * 4 + 1023) / 1024 * 1024;
+  // (stages on 1024-byte boundaries: sm_90a keeps the products' left operands and S^T there in the
+  // 128-byte swizzle, wgmma.cuh)
   static constexpr int oS = 2 * stage, bytes = oS + K * LDV * 2;
+  static_assert(sQ % 1024 == 0 && sKd % 1024 == 0 && VB * K * 2 <= K * LDV * 2, "swizzled tiles fit their slots");
 };
 
 // Rows of the per-channel exponent table.
@@ -1061,6 +1071,14 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
   const int h = hv / (p.HV / p.H);
   const bf16* q_in = static_cast<const bf16*>(p.q) + sq.b_row * p.q_s[0] + sq.bos * p.q_s[1] + h * p.q_s[2] + ck.c8;
   const bf16* k_in = static_cast<const bf16*>(p.k) + sq.b_row * p.k_s[0] + sq.bos * p.k_s[1] + h * p.k_s[2] + ck.c8;
+  // The left operands of the products with S (W' or raw k, and Qg or raw q): on sm_90a in the
+  // 128-byte swizzle for the warpgroup products, else padded rows for ldmatrix.
+  constexpr bool kWg = CULA_WGMMA;
+  auto left_at = [&](int r, int c8) { return kWg ? wg::sw128_offset(kBT, r, c8) : (r * LDK + c8) * 2; };
+  auto state_to_smem = [&] {
+    if constexpr (kWg) S.to_smem_t_sw128(mma::smem_addr(s_s), lane);
+    else S.to_smem(s_s, LDV);
+  };
   auto stage_in = [&](int c, int st) {
     if (c < nchunks) {
       const unsigned char* blk = work + ((cbase + c) * p.HV + hv) * Wk::bytes;
@@ -1072,8 +1090,8 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
         for (int j = 0; j < CopyK::J; ++j) {
           const int r = ck.row(j);
           mma::cp_async16(dst + Ly::sW + (r * LDK + ck.c8) * 2, blk + Wk::oW + (r * K + ck.c8) * 2);
-          unsigned char* dq = dst + Ly::sQ + (r * LDK + ck.c8) * 2;
-          unsigned char* dk = dst + Ly::sKd + (r * LDK + ck.c8) * 2;
+          unsigned char* dq = dst + Ly::sQ + left_at(r, ck.c8);
+          unsigned char* dk = dst + Ly::sKd + left_at(r, ck.c8);
           if (r < Lc) {
             const int64_t tok = static_cast<int64_t>(c) * kBT + r;
             mma::cp_async16(dq, q_in + tok * p.q_s[1]);
@@ -1089,7 +1107,8 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
           const int so = m == 0 ? Ly::sW : m == 1 ? Ly::sQ : Ly::sKd, go = m == 0 ? Wk::oW : m == 1 ? Wk::oQ : Wk::oKd;
 #pragma unroll
           for (int j = 0; j < CopyK::J; ++j)
-            mma::cp_async16(dst + so + (ck.row(j) * LDK + ck.c8) * 2, blk + go + (ck.row(j) * K + ck.c8) * 2);
+            mma::cp_async16(dst + so + (m < 2 ? left_at(ck.row(j), ck.c8) : (ck.row(j) * LDK + ck.c8) * 2),
+                            blk + go + (ck.row(j) * K + ck.c8) * 2);
         }
       }
 #pragma unroll
@@ -1111,9 +1130,10 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
     mma::cp_async_commit();
   };
 
+  if (kWg && tid == 0 && (mma::smem_addr(smem) & 1023)) __trap();  // the swizzle needs 1024-byte panels
   stage_in(0, 0);
   stage_in(1, 1);
-  if (DELTA) S.to_smem(s_s, LDV);
+  if (DELTA) state_to_smem();
   bf16* og = static_cast<bf16*>(p.out);
   for (int c = 0; c < nchunks; ++c) {
     const int st = c & 1;
@@ -1131,9 +1151,10 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
 
     // S (bf16) for the products (with the delta rule written at the end of the chunk before);
     // intermediate state (chunk start)
-    if (!DELTA) S.to_smem(s_s, LDV);
+    if (!DELTA) state_to_smem();
     if (p.inter) S.store(p, p.inter, p.inter_dt, cbase + c, hv);
     mma::cp_async_wait_pending(1);
+    if constexpr (kWg) wg::fence_proxy_async();  // the stage and S, written by this thread, to wgmma
     __syncthreads();  // B1: this chunk's stage landed; S visible
 
     // Delta rule: Y = beta v + W' S (Vnew = Minv Y; without the delta rule Vnew = v, the stage's v
@@ -1153,6 +1174,26 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
         }
         o[nt][2 * hh] = 0.0f, o[nt][2 * hh + 1] = 0.0f;
       }
+    if constexpr (kWg) {
+      // one warpgroup per column group: W' S (or k S) and Qg S (or q S) for all 64 rows, S^T read
+      // once per group; k-step kk is 32 bytes into column panel kk / 4
+      const uint32_t aw0 = mma::smem_addr(RAWQK ? kd_s : w_s), aq0 = mma::smem_addr(qg_s);
+      const uint32_t bs0 = mma::smem_addr(s_s) + hc0 * 128;
+      wg::fence_operand(vn);
+      wg::fence_operand(o);
+      wg::fence();
+#pragma unroll
+      for (int kk = 0; kk < KS; ++kk) {
+        const int ka = (kk / 4) * kBT * 128 + (kk % 4) * 32, kb = (kk / 4) * VB * 128 + (kk % 4) * 32;
+        const uint64_t db = wg::desc_sw128(bs0 + kb);
+        if (DELTA) wg::mma_bf16<NTH>(vn, wg::desc_sw128(aw0 + ka), db);
+        wg::mma_bf16<NTH>(o, wg::desc_sw128(aq0 + ka), db);
+      }
+      wg::commit();
+      wg::wait_all();
+      wg::fence_operand(vn);
+      wg::fence_operand(o);
+    } else {
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk) {
       uint32_t aw[4], aq[4];
@@ -1169,6 +1210,7 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
         mma::mma16816(o[2 * np], aq, b[0], b[1]);
         mma::mma16816(o[2 * np + 1], aq, b[2], b[3]);
       }
+    }
     }
     if constexpr (RAWQK) {  // o = qs e^{G_i} (q S); Y = beta_i v_i - beta_i ks e^{G_i} X_i
 #pragma unroll
@@ -1219,7 +1261,7 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
         }
       }
     }
-    if (DELTA) S.to_smem(s_s, LDV);
+    if (DELTA) state_to_smem();
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int row = bI + g + 8 * hh;

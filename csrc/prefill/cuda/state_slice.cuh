@@ -13,6 +13,7 @@
 
 #include "cuda/device_helpers.cuh"
 #include "cuda/mma.cuh"
+#include "cuda/wgmma.cuh"
 #include "prefill/cuda/fwd_params.cuh"
 
 namespace cula {
@@ -134,6 +135,22 @@ struct StateSlice {
         for (int hh = 0; hh < 2; ++hh)
           *reinterpret_cast<uint32_t*>(s_s + (cw + mt * 16 + g + 8 * hh) * ld + hc0 + nt * 8 + 2 * t) =
               mma::pack(s[mt][nt][2 * hh], s[mt][nt][2 * hh + 1]);
+  }
+
+  // sm_90a: the bf16 copy transposed, S^T[column - v0][channel] as a K-major 128-byte-swizzled tile
+  // of VB rows at shared address s_addr (the B operand of a warpgroup product), by stmatrix.trans:
+  // one instruction per 16 channels x 16 columns.
+  __device__ void to_smem_t_sw128(uint32_t s_addr, int lane) const {
+    const int m = lane >> 3, j = lane & 7;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int np = 0; np < NTH / 2; ++np) {
+        const int col = hc0 + (2 * np + (m >> 1)) * 8 + j, ch = cw + mt * 16 + 8 * (m & 1);
+        wg::stsm_x4_t(s_addr + wg::sw128_offset(VB, col, ch), mma::pack(s[mt][2 * np][0], s[mt][2 * np][1]),
+                      mma::pack(s[mt][2 * np][2], s[mt][2 * np][3]), mma::pack(s[mt][2 * np + 1][0], s[mt][2 * np + 1][1]),
+                      mma::pack(s[mt][2 * np + 1][2], s[mt][2 * np + 1][3]));
+      }
   }
 
   // S = d S + (diag(f) A)^T B over the 64 tokens of a chunk, A stored [token][channel] (lda), B

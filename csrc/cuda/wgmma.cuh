@@ -1,0 +1,116 @@
+// Warpgroup tensor-core products (sm_90a: wgmma.mma_async), for operands that four warps would
+// otherwise each read from shared memory on their own. CULA_WGMMA is 1 in the sm_90a device pass
+// only; every other pass (host, sm_80, sm_100a) keeps the mma.sync path, so callers branch on it
+// with `if constexpr`.
+//
+// Operands are K-major bf16 tiles in the 128-byte swizzle: a tile of R rows and C columns (C a
+// multiple of 64) is C / 64 column panels of R rows x 128 bytes, one after the other; in a panel,
+// row r's 16-byte piece j sits at piece j ^ (r % 8). Panels start on 1024-byte boundaries (the
+// swizzle repeats every 8 rows of 128 bytes). sw128_offset gives an element's byte offset; one
+// k-step of 16 columns is 32 bytes into the panel, which the descriptor's start address takes as
+// it is (the hardware applies the swizzle to the address bits).
+// Accumulators: a warpgroup's m64nN result is, per warp w of the group, rows 16w..16w+15 in the
+// mma.sync C-fragment layout of N / 8 tiles of 16 x 8 (d[j][0..3] = tile j's c0..c3), so the
+// callers' register arrays are those of the mma.sync path.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/mma.cuh"
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define CULA_WGMMA 1
+#else
+#define CULA_WGMMA 0
+#endif
+
+namespace cula {
+namespace wg {
+
+// Byte offset of element (row, col) in a K-major 128-byte-swizzled tile of `rows` rows.
+__host__ __device__ constexpr int sw128_offset(int rows, int row, int col) {
+  return (col / 64) * rows * 128 + row * 128 + ((((col % 64) / 8) ^ (row % 8)) << 4) + (col % 8) * 2;
+}
+
+// Shared-memory matrix descriptor of a K-major 128-byte-swizzled operand starting at smem address
+// addr: 8-row groups 1024 bytes apart (the stride field), the leading-dimension field unused.
+__device__ __forceinline__ uint64_t desc_sw128(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
+         (uint64_t{1} << 62);
+}
+
+__device__ __forceinline__ void fence() {
+#if CULA_WGMMA
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void commit() {
+#if CULA_WGMMA
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_all() {
+#if CULA_WGMMA
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#endif
+}
+// Generic-proxy writes to shared memory (thread stores, cp.async) made visible to the async proxy
+// that wgmma reads operands through; each writing thread runs it before the barrier.
+__device__ __forceinline__ void fence_proxy_async() {
+#if CULA_WGMMA
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// Keeps the compiler from moving accesses of an accumulator across the asynchronous product.
+template <int NT>
+__device__ __forceinline__ void fence_operand(float (&d)[NT][4]) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) asm volatile("" : "+f"(d[j][r])::"memory");
+}
+
+// d += A B^T over one k-step of 16: A 64 x 16 and B N x 16, both K-major (descriptors above).
+template <int NT>
+__device__ __forceinline__ void mma_bf16(float (&d)[NT][4], uint64_t da, uint64_t db);
+
+template <>
+__device__ __forceinline__ void mma_bf16<2>(float (&d)[2][4], uint64_t da, uint64_t db) {
+#if CULA_WGMMA
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+        "+f"(d[1][3])
+      : "l"(da), "l"(db), "n"(1));
+#endif
+}
+
+template <>
+__device__ __forceinline__ void mma_bf16<4>(float (&d)[4][4], uint64_t da, uint64_t db) {
+#if CULA_WGMMA
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+        "+f"(d[3][2]), "+f"(d[3][3])
+      : "l"(da), "l"(db), "n"(1));
+#endif
+}
+
+// Four 8x8 bf16 matrices (a warp's C fragments packed to bf16, r[i] for matrix i) stored
+// transposed; lane l gives the address of row l % 8 of matrix l / 8 as stored.
+__device__ __forceinline__ void stsm_x4_t(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+#if CULA_WGMMA
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
+#endif
+}
+
+}  // namespace wg
+}  // namespace cula
