@@ -112,5 +112,19 @@ __device__ __forceinline__ void stsm_x4_t(uint32_t addr, uint32_t r0, uint32_t r
 #endif
 }
 
+// A warp's C fragments of a 16 x 8NT block (fragment rows r0.., columns c0..) stored transposed:
+// element (r, c) at row c, column r of a K-major 128-byte-swizzled tile of `rows` rows at shared
+// address base (one stmatrix.trans per 16 x 16).
+template <int NT>
+__device__ __forceinline__ void store_t_sw128(uint32_t base, int rows, int r0, int c0, const float (&d)[NT][4],
+                                              int lane) {
+  const int m = lane >> 3, j = lane & 7;
+#pragma unroll
+  for (int np = 0; np < NT / 2; ++np)
+    stsm_x4_t(base + sw128_offset(rows, c0 + (2 * np + (m >> 1)) * 8 + j, r0 + 8 * (m & 1)),
+              mma::pack(d[2 * np][0], d[2 * np][1]), mma::pack(d[2 * np][2], d[2 * np][3]),
+              mma::pack(d[2 * np + 1][0], d[2 * np + 1][1]), mma::pack(d[2 * np + 1][2], d[2 * np + 1][3]));
+}
+
 }  // namespace wg
 }  // namespace cula

@@ -17,7 +17,8 @@
 //    Vnew = U + W S with U = Minv (beta v), W = -Minv (beta k e^G) is Minv Y, Y = beta v + W' S,
 //    W' = -beta k e^G; so the prep never forms U or W (nor reads v): o's intra-chunk part
 //    tril(A_qk) Vnew = AM Y with AM = tril(A_qk) Minv, and the update Kd^T Vnew = Kt^T Y with
-//    Kt = Minv^T Kd. It writes per chunk: W', Qg = q e^G, Kt (Kd = k e^{G_last - G}), AM as bf16
+//    Kt = Minv^T Kd. It writes per chunk: W', Qg = q e^G, Kt^T (Kd = k e^{G_last - G}; stored
+//    [channel][token], the update's left operand K-major), AM as bf16
 //    hi + lo (it scales whole rows of o, so it keeps ~16 bits; the product from fp32 tril(A_qk)),
 //    beta and e^{G_last} (fp32): 64.5 KB for K = 128.
 //    GDN (scalar gate): no W', Qg (their factors are per row): the scan reads q and k from the
@@ -79,6 +80,12 @@
 // left operands of the stage sit in the 128-byte swizzle (wgmma.cuh), so each group reads S once
 // instead of each warp reading it (a quarter of the S traffic). Each thread fences its stage and S
 // writes to the async proxy before B1, and the group waits for its products before Y is written.
+// With the delta rule the state update is one too: S sits in the registers of the warpgroup row
+// layout (StateSlice kWgRows: warp w holds channels 64 mt + 16 (w%4)..), Y goes transposed into
+// the S^T buffer (S^T is consumed by then; B2 orders it), the update S = e^{G_last} S + Kt^T Y runs
+// asynchronously behind o's AM Y products (which read Y^T by ldmatrix), and S^T is written back
+// after B3. The Kt^T slot of the stage is swizzled on every path (the sm_80 update reads it with
+// ldmatrix at swizzled addresses).
 #include <cub/block/block_scan.cuh>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -136,8 +143,9 @@ struct Work {
   static constexpr int QK = RAWQK ? 0 : kBT * K * 2;
   static constexpr int kAPlanes = a_planes(DELTA, RAWQK);
   static constexpr int kRowFactors = row_factors(DELTA, RAWQK);
-  // Delta rule: the A slot holds tril(A_qk) Minv and Kt = Minv^T Kd the Kd slot (KDA) or the W
-  // slot (GDN, whose W slot is otherwise unused); KDA's W slot holds W' = -beta k e^G (no Minv)
+  // Delta rule: the A slot holds tril(A_qk) Minv and Kt^T = (Minv^T Kd)^T ([K][64]) the Kd slot
+  // (KDA) or the W slot (GDN, whose W slot is otherwise unused); KDA's W slot holds W' = -beta k
+  // e^G (no Minv)
   static constexpr int oW = 0, oQ = oW + (DELTA ? kBT * K * 2 : 0), oKd = oQ + QK, oA = oKd + QK,
                        oDL = oA + kAPlanes * kBT * kBT * 2, oRF = oDL + K * 4, bytes = oRF + kRowFactors * kBT * 4;
   static constexpr int oKt = RAWQK ? oW : oKd;
@@ -177,8 +185,8 @@ struct PrepLayout {
 // instead (exact for any decay).
 constexpr float kSteepSpan = 64.0f;
 
-// sU holds the v slice read from the input, replaced in place by Y with the delta rule. RAWQK: sW
-// holds Kt, sQ and sKd the raw q and k.
+// sU holds the v slice read from the input, replaced in place by Y with the delta rule (sm_80; on
+// sm_90a Y^T takes the S^T buffer). RAWQK: sW holds Kt^T, sQ and sKd the raw q and k.
 template <int K, int VB, bool DELTA, bool RAWQK>
 struct ScanLayout {
   static constexpr int LDK = K + 8, LDV = VB + 8, LDT = kBT + 8;
@@ -188,6 +196,8 @@ struct ScanLayout {
   // (stages on 1024-byte boundaries: sm_90a keeps the products' left operands and S^T there in the
   // 128-byte swizzle, wgmma.cuh)
   static constexpr int oS = 2 * stage, bytes = oS + K * LDV * 2;
+  static constexpr int sKt = RAWQK ? sW : sKd;  // Kt^T [K][64] (delta rule), in the 128-byte swizzle
+  static_assert(sKt % 1024 == 0 && K * kBT * 2 <= kBT * LDK * 2, "Kt^T fits its slot");
   static_assert(sQ % 1024 == 0 && sKd % 1024 == 0 && VB * K * 2 <= K * LDV * 2, "swizzled tiles fit their slots");
 };
 
@@ -947,32 +957,34 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
       *reinterpret_cast<float2*>(af_s + gi * MS + gj) = make_float2(aqk[q][nt][2 * hh], aqk[q][nt][2 * hh + 1]);
     });
   }
-  // Kt = Minv^T Kd (Kd in the k tile): row block Jb = sum_{Ib >= Jb} (Minv_{Ib,Jb})^T Kd_Ib; each
-  // warp its 16-column tiles for all rows, the transposed Minv blocks as A fragments
+  // Kt = Minv^T Kd (Kd in the k tile), written transposed: Kt^T = Kd^T Minv, [channel][token], the
+  // A operand of the scan's state update as it reads it (K-major). Each warp its 16-channel tiles:
+  // token block Jb of Kt^T = sum_{Ib >= Jb} (Kd_Ib)^T Minv_{Ib,Jb}, Kd^T as A fragments (ldmatrix
+  // .trans of the k tile), the ten Minv blocks as B fragments loaded once.
   // (KDA: before B_h, since it reads neither tril(A_qk) nor anything written after B_g, so the warps
   // reach B_h with this work done instead of waiting there for the tril(A_qk) writes: -1..-1.5%;
   // GDN's 4-warp prep measured 2% slower in that order, so it stays after AM)
   auto kt_pass = [&] {
     if (16 * NW <= K || 16 * warp < K) {  // (8 warps at K = 64: four idle)
-      constexpr int KT = cmax(1, K / (16 * NW));  // 16-column tiles per warp
-      uint32_t tt[4][4][4];
+      constexpr int KT = cmax(1, K / (16 * NW));  // 16-channel tiles per warp
+      uint32_t mb[4][4][4];  // Minv block (Ib, Jb), Jb <= Ib, as the B operand [token i][token j]
 #pragma unroll
       for (int Ib = 0; Ib < 4; ++Ib)
 #pragma unroll
         for (int Jb = 0; Jb <= Ib; ++Jb)
-          mma::ldsm_x4_t(tt[Jb][Ib], t_s + (16 * Ib + mma::at_row(lane)) * LDT + 16 * Jb + mma::at_col(lane));
+          mma::ldsm_x4_t(mb[Ib][Jb], t_s + (16 * Ib + mma::bk_row(lane)) * LDT + 16 * Jb + mma::bk_col(lane));
       bf16* kto = reinterpret_cast<bf16*>(blk + Wk::oKt);
 #pragma unroll 1
       for (int c0 = 16 * KT * warp, c1 = c0 + 16 * KT; c0 < c1; c0 += 16) {
         float acc[4][2][4] = {};
 #pragma unroll
         for (int Ib = 0; Ib < 4; ++Ib) {
-          uint32_t b[4];
-          mma::ldsm_x4_t(b, ck_s + (16 * Ib + mma::bk_row(lane)) * LDK + c0 + mma::bk_col(lane));
+          uint32_t a[4];
+          mma::ldsm_x4_t(a, ck_s + (16 * Ib + mma::at_row(lane)) * LDK + c0 + mma::at_col(lane));
 #pragma unroll
           for (int Jb = 0; Jb <= Ib; ++Jb) {
-            mma::mma16816(acc[Jb][0], tt[Jb][Ib], b[0], b[1]);
-            mma::mma16816(acc[Jb][1], tt[Jb][Ib], b[2], b[3]);
+            mma::mma16816(acc[Jb][0], a, mb[Ib][Jb][0], mb[Ib][Jb][1]);
+            mma::mma16816(acc[Jb][1], a, mb[Ib][Jb][2], mb[Ib][Jb][3]);
           }
         }
 #pragma unroll
@@ -981,7 +993,7 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
           for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh)
-              u32at(kto + (16 * Jb + g + 8 * hh) * K + c0 + 8 * nt + 2 * t) = pack(acc[Jb][nt][2 * hh], acc[Jb][nt][2 * hh + 1]);
+              u32at(kto + (c0 + g + 8 * hh) * kBT + 16 * Jb + 8 * nt + 2 * t) = pack(acc[Jb][nt][2 * hh], acc[Jb][nt][2 * hh + 1]);
       }
     }
   };
@@ -1054,8 +1066,12 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
   const Seq sq = tk.sq;
   const int64_t cbase = tk.cbase;
 
-  StateSlice<K, VB, NW> S(warp, lane, v0);
-  const int64_t slot = StateSlice<K, VB, NW>::pool_slot(p, n);
+  // sm_90a: the products with S as warpgroup products (design note above); with the delta rule the
+  // state update too, which takes S in the warpgroup row layout and Y transposed in the S^T buffer
+  constexpr bool kWg = CULA_WGMMA, kWgUpdate = kWg && DELTA;
+  using Slice = StateSlice<K, VB, NW, kWgUpdate>;
+  Slice S(warp, lane, v0);
+  const int64_t slot = Slice::pool_slot(p, n);
   S.load(p, n, hv, slot);
 
   // One chunk's workspace slice (and v slice without the delta rule) into stage st (an empty
@@ -1064,6 +1080,8 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
   using CopyK = chunk::TileCopy<kBT, K, NTHR>;                   // W, Qg, Kd
   using CopyA = chunk::TileCopy<Wk::kAPlanes * kBT, kBT, NTHR>;  // A_qk (hi and lo planes)
   using CopyV = chunk::TileCopy<kBT, VB, NTHR>;                  // U or v slice
+  using CopyKt = chunk::TileCopy<K, kBT, NTHR>;                  // Kt^T (delta rule)
+  const CopyKt ckt(tid);
   const CopyK ck(tid);
   const CopyA ca(tid);
   const CopyV cv(tid);
@@ -1073,7 +1091,6 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
   const bf16* k_in = static_cast<const bf16*>(p.k) + sq.b_row * p.k_s[0] + sq.bos * p.k_s[1] + h * p.k_s[2] + ck.c8;
   // The left operands of the products with S (W' or raw k, and Qg or raw q): on sm_90a in the
   // 128-byte swizzle for the warpgroup products, else padded rows for ldmatrix.
-  constexpr bool kWg = CULA_WGMMA;
   auto left_at = [&](int r, int c8) { return kWg ? wg::sw128_offset(kBT, r, c8) : (r * LDK + c8) * 2; };
   auto state_to_smem = [&] {
     if constexpr (kWg) S.to_smem_t_sw128(mma::smem_addr(s_s), lane);
@@ -1084,12 +1101,17 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
       const unsigned char* blk = work + ((cbase + c) * p.HV + hv) * Wk::bytes;
       unsigned char* dst = smem + st * Ly::stage;
       const int Lc = static_cast<int>(min(int64_t{kBT}, sq.eos - sq.bos - static_cast<int64_t>(c) * kBT));
+      if constexpr (DELTA) {  // Kt^T [channel][token] from the workspace, in the 128-byte swizzle
+#pragma unroll
+        for (int j = 0; j < CopyKt::J; ++j)
+          mma::cp_async16(dst + Ly::sKt + wg::sw128_offset(K, ckt.row(j), ckt.c8),
+                          blk + Wk::oKt + (ckt.row(j) * kBT + ckt.c8) * 2);
+      }
       if constexpr (RAWQK) {
-        // W from the workspace; q and k raw from the input (rows past the sequence zeros); row factors
+        // Kt^T (above), q and k raw from the input (rows past the sequence zeros); row factors
 #pragma unroll
         for (int j = 0; j < CopyK::J; ++j) {
           const int r = ck.row(j);
-          mma::cp_async16(dst + Ly::sW + (r * LDK + ck.c8) * 2, blk + Wk::oW + (r * K + ck.c8) * 2);
           unsigned char* dq = dst + Ly::sQ + left_at(r, ck.c8);
           unsigned char* dk = dst + Ly::sKd + left_at(r, ck.c8);
           if (r < Lc) {
@@ -1103,7 +1125,7 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
         }
       } else {
 #pragma unroll
-        for (int m = 3 - kMats; m < 3; ++m) {
+        for (int m = 3 - kMats; m < (DELTA ? 2 : 3); ++m) {  // (Kt^T above)
           const int so = m == 0 ? Ly::sW : m == 1 ? Ly::sQ : Ly::sKd, go = m == 0 ? Wk::oW : m == 1 ? Wk::oQ : Wk::oKd;
 #pragma unroll
           for (int j = 0; j < CopyK::J; ++j)
@@ -1226,12 +1248,20 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
         }
       }
     }
+    // sm_90a: Y transposed into the S^T buffer (S^T is read, the products waited for), the B
+    // operand of the warpgroup update; it goes back to S^T after B3
+    const uint32_t yt = mma::smem_addr(s_s);
+    if constexpr (kWgUpdate) {
+      wg::store_t_sw128<NTH>(yt, VB, bI, hc0, vn, lane);
+      wg::fence_proxy_async();
+    }
     if (DELTA) {
+      if constexpr (!kWgUpdate)
 #pragma unroll
-      for (int nt = 0; nt < NTH; ++nt)
+        for (int nt = 0; nt < NTH; ++nt)
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh)
-          u32at(vin_s + (bI + g + 8 * hh) * LDV + hc0 + nt * 8 + 2 * t) = pack(vn[nt][2 * hh], vn[nt][2 * hh + 1]);
+          for (int hh = 0; hh < 2; ++hh)
+            u32at(vin_s + (bI + g + 8 * hh) * LDV + hc0 + nt * 8 + 2 * t) = pack(vn[nt][2 * hh], vn[nt][2 * hh + 1]);
       __syncthreads();  // B2: Y visible
     }
 
@@ -1239,7 +1269,11 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
     // Kd^T v), issued first so that its mma latency hides behind o's products; with the delta rule
     // its bf16 copy for the next chunk goes out after them (every warp read this chunk's copy
     // before B2)
-    S.update(RAWQK ? w_s : kd_s, LDK, vin_s, LDV, [&](int ch) { return dl_s[ch]; }, lane);
+    // (Kt^T from the swizzled slot; sm_90a: as warpgroup products, waited for after o's)
+    auto decay = [&](int ch) { return dl_s[ch]; };
+    if constexpr (kWgUpdate) S.update_wg(mma::smem_addr(base + Ly::sKt), yt, decay);
+    else if constexpr (DELTA) S.update_kt_sw128(mma::smem_addr(base + Ly::sKt), vin_s, LDV, decay, lane);
+    else S.update(kd_s, LDK, vin_s, LDV, decay, lane);
 
     // o += AM Y (delta rule; without it tril(A_qk) v); store
 #pragma unroll
@@ -1252,7 +1286,10 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
 #pragma unroll
       for (int np = 0; np < NTH / 2; ++np) {
         uint32_t b[4];
-        mma::ldsm_x4_t(b, vin_s + (16 * Jb + mma::bk_row(lane)) * LDV + hc0 + 16 * np + mma::bk_col(lane));
+        if constexpr (kWgUpdate)  // Y^T [column][token]: B stored [n][k]
+          mma::ldsm_x4(b, yt + wg::sw128_offset(VB, hc0 + 16 * np + mma::bn_row(lane), 16 * Jb + mma::bn_col(lane)));
+        else
+          mma::ldsm_x4_t(b, vin_s + (16 * Jb + mma::bk_row(lane)) * LDV + hc0 + 16 * np + mma::bk_col(lane));
         mma::mma16816(o[2 * np], a, b[0], b[1]);
         mma::mma16816(o[2 * np + 1], a, b[2], b[3]);
         if constexpr (Wk::kAPlanes == 2) {
@@ -1261,7 +1298,8 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
         }
       }
     }
-    if (DELTA) state_to_smem();
+    if constexpr (kWgUpdate) S.wait_wg();
+    else if (DELTA) state_to_smem();
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int row = bI + g + 8 * hh;
@@ -1270,8 +1308,9 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
 #pragma unroll
       for (int nt = 0; nt < NTH; ++nt) u32at(dst + nt * 8) = pack(o[nt][2 * hh], o[nt][2 * hh + 1]);
     }
-    __syncthreads();  // B3: stage st (and S without the delta rule) no longer read
+    __syncthreads();  // B3: stage st (and S without the delta rule, Y^T on sm_90a) no longer read
     stage_in(c + 2, st);
+    if constexpr (kWgUpdate) state_to_smem();
   }
 
   if (p.ht) S.store(p, p.ht, p.ht_dt, n, hv);

@@ -18,19 +18,24 @@
 
 namespace cula {
 
-template <int K, int VB, int kWarps = 8>
+// kWgRows (the sm_90a scan of the delta-rule families): channel tile mt of warp w is channels
+// 64 mt + 16 (w % 4).., the rows a warpgroup product m64 gives warp w of the group, so the state
+// update can be one (update_wg).
+template <int K, int VB, int kWarps = 8, bool kWgRows = false>
 struct StateSlice {
   static_assert(kWarps == 4 || kWarps == 8 || kWarps == 16, "4 warps over the channels, times 1, 2 or 4 column groups");
   static constexpr int WH = kWarps / 4;       // column groups
   static constexpr int MT = K / 64;           // 16-channel tiles per warp
   static constexpr int NTH = VB / (8 * WH);   // 8-column tiles per warp
+  static constexpr int kTileStride = kWgRows ? 64 : 16;  // channels from tile mt to mt + 1
   float s[MT][NTH][4];
   int cw, hc0, v0, g, t;
 
   __device__ StateSlice(int warp, int lane, int v0_)
-      : cw((warp & 3) * (K / 4)), hc0((warp >> 2) * (VB / WH)), v0(v0_), g(lane >> 2), t(lane & 3) {}
+      : cw((warp & 3) * (kWgRows ? 16 : K / 4)), hc0((warp >> 2) * (VB / WH)), v0(v0_), g(lane >> 2), t(lane & 3) {}
 
-  __device__ int channel(int mt, int r) const { return cw + mt * 16 + g + 8 * (r >> 1); }
+  __device__ int cbase(int mt) const { return cw + mt * kTileStride; }
+  __device__ int channel(int mt, int r) const { return cbase(mt) + g + 8 * (r >> 1); }
   __device__ int column(int nt, int r) const { return v0 + hc0 + nt * 8 + 2 * t + (r & 1); }
 
   // The pool slot of sequence n, or -1 (no pool, a padding index, or one past the pool).
@@ -85,6 +90,7 @@ struct StateSlice {
   // Where a slice saved by StateSlice<K, VB, W> keeps channel c, column v0 + j (a float index).
   template <int W>
   static __device__ int saved_pos(int c, int j) {
+    static_assert(!kWgRows, "split states are saved in the mma.sync layout");
     using From = StateSlice<K, VB, W>;
     const int w = c / (K / 4) + 4 * (j / (VB / From::WH)), cc = c % (K / 4), jj = j % (VB / From::WH);
     const int lane = 4 * (cc % 8) + (jj % 8) / 2, r = 2 * ((cc % 16) / 8) + (jj % 2);
@@ -133,24 +139,15 @@ struct StateSlice {
       for (int nt = 0; nt < NTH; ++nt)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
-          *reinterpret_cast<uint32_t*>(s_s + (cw + mt * 16 + g + 8 * hh) * ld + hc0 + nt * 8 + 2 * t) =
+          *reinterpret_cast<uint32_t*>(s_s + (cbase(mt) + g + 8 * hh) * ld + hc0 + nt * 8 + 2 * t) =
               mma::pack(s[mt][nt][2 * hh], s[mt][nt][2 * hh + 1]);
   }
 
   // sm_90a: the bf16 copy transposed, S^T[column - v0][channel] as a K-major 128-byte-swizzled tile
-  // of VB rows at shared address s_addr (the B operand of a warpgroup product), by stmatrix.trans:
-  // one instruction per 16 channels x 16 columns.
+  // of VB rows at shared address s_addr (the B operand of a warpgroup product), by stmatrix.trans.
   __device__ void to_smem_t_sw128(uint32_t s_addr, int lane) const {
-    const int m = lane >> 3, j = lane & 7;
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int np = 0; np < NTH / 2; ++np) {
-        const int col = hc0 + (2 * np + (m >> 1)) * 8 + j, ch = cw + mt * 16 + 8 * (m & 1);
-        wg::stsm_x4_t(s_addr + wg::sw128_offset(VB, col, ch), mma::pack(s[mt][2 * np][0], s[mt][2 * np][1]),
-                      mma::pack(s[mt][2 * np][2], s[mt][2 * np][3]), mma::pack(s[mt][2 * np + 1][0], s[mt][2 * np + 1][1]),
-                      mma::pack(s[mt][2 * np + 1][2], s[mt][2 * np + 1][3]));
-      }
+    for (int mt = 0; mt < MT; ++mt) wg::store_t_sw128<NTH>(s_addr, VB, cbase(mt), hc0, s[mt], lane);
   }
 
   // S = d S + (diag(f) A)^T B over the 64 tokens of a chunk, A stored [token][channel] (lda), B
@@ -172,7 +169,7 @@ struct StateSlice {
       uint32_t a[MT][4];
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        mma::ldsm_x4_t(a[mt], a_s + (16 * kj + mma::at_row(lane)) * lda + cw + mt * 16 + mma::at_col(lane));
+        mma::ldsm_x4_t(a[mt], a_s + (16 * kj + mma::at_row(lane)) * lda + cbase(mt) + mma::at_col(lane));
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
           const float2 x = mma::unpack(a[mt][r]);
@@ -200,7 +197,7 @@ struct StateSlice {
   __device__ void update(const __nv_bfloat16* a_s, int lda, const __nv_bfloat16* b_s, int ldb, Decay decay, int lane) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-      const int cb = cw + mt * 16;
+      const int cb = cbase(mt);
       const float d0 = decay(cb + g), d1 = decay(cb + g + 8);
 #pragma unroll
       for (int nt = 0; nt < NTH; ++nt) {
@@ -220,6 +217,65 @@ struct StateSlice {
         }
       }
     }
+  }
+
+  // Channel decay, then the update with A = Kt^T stored [channel][token] as a K-major
+  // 128-byte-swizzled tile of K rows at shared address kt (the prep writes Kt transposed), B as
+  // for update: S = diag(decay) S + (Kt^T) Y.
+  template <typename Decay>
+  __device__ void update_kt_sw128(uint32_t kt, const __nv_bfloat16* b_s, int ldb, Decay decay, int lane) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const int cb = cbase(mt);
+      const float d0 = decay(cb + g), d1 = decay(cb + g + 8);
+#pragma unroll
+      for (int nt = 0; nt < NTH; ++nt) {
+        s[mt][nt][0] *= d0, s[mt][nt][1] *= d0;
+        s[mt][nt][2] *= d1, s[mt][nt][3] *= d1;
+      }
+#pragma unroll
+      for (int kj = 0; kj < 4; ++kj) {
+        uint32_t a[4];
+        mma::ldsm_x4(a, kt + wg::sw128_offset(K, cb + mma::a_row(lane), 16 * kj + mma::a_col(lane)));
+#pragma unroll
+        for (int np = 0; np < NTH / 2; ++np) {
+          uint32_t b[4];
+          mma::ldsm_x4_t(b, b_s + (16 * kj + mma::bk_row(lane)) * ldb + hc0 + 16 * np + mma::bk_col(lane));
+          mma::mma16816(s[mt][2 * np], a, b[0], b[1]);
+          mma::mma16816(s[mt][2 * np + 1], a, b[2], b[3]);
+        }
+      }
+    }
+  }
+
+  // sm_90a (kWgRows): the same update as warpgroup products, issued and committed but not waited
+  // for (wait_wg): A = Kt^T as above, B = Y^T [column - v0][token] as a K-major 128-byte-swizzled
+  // tile of VB rows at shared address yt; this warp's group takes columns hc0.. of it.
+  template <typename Decay>
+  __device__ void update_wg(uint32_t kt, uint32_t yt, Decay decay) {
+    static_assert(kWgRows, "the warpgroup update needs the warpgroup row layout");
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const float d0 = decay(cbase(mt) + g), d1 = decay(cbase(mt) + g + 8);
+#pragma unroll
+      for (int nt = 0; nt < NTH; ++nt) {
+        s[mt][nt][0] *= d0, s[mt][nt][1] *= d0;
+        s[mt][nt][2] *= d1, s[mt][nt][3] *= d1;
+      }
+      wg::fence_operand(s[mt]);
+    }
+    wg::fence();
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int kj = 0; kj < 4; ++kj)
+        wg::mma_bf16<NTH>(s[mt], wg::desc_sw128(kt + mt * 64 * 128 + kj * 32), wg::desc_sw128(yt + hc0 * 128 + kj * 32));
+    wg::commit();
+  }
+  __device__ void wait_wg() {
+    wg::wait_all();
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) wg::fence_operand(s[mt]);
   }
 };
 
