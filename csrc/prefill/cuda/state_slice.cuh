@@ -190,24 +190,29 @@ struct StateSlice {
     }
   }
 
-  // S = diag(decay) S + A^T B over the 64 tokens of a chunk: A stored [token][channel] (k side,
-  // leading dimension lda), B stored [token][column - v0] (v side, ldb); decay(c) is channel c's
-  // factor.
+  // Channel tile mt's rows times their decay.
   template <typename Decay>
-  __device__ void update(const __nv_bfloat16* a_s, int lda, const __nv_bfloat16* b_s, int ldb, Decay decay, int lane) {
+  __device__ void decay_rows(int mt, Decay decay) {
+    const int cb = cbase(mt);
+    const float d0 = decay(cb + g), d1 = decay(cb + g + 8);
+#pragma unroll
+    for (int nt = 0; nt < NTH; ++nt) {
+      s[mt][nt][0] *= d0, s[mt][nt][1] *= d0;
+      s[mt][nt][2] *= d1, s[mt][nt][3] *= d1;
+    }
+  }
+  // S = diag(decay) S + A^T B with load_a(cb, kj, a) giving the A fragment of channels cb.. (tile
+  // mt) and tokens 16 kj.. (A^T: channels x tokens), B stored [token][column - v0] (ldb).
+  template <typename LoadA, typename Decay>
+  __device__ void update_from(LoadA load_a, const __nv_bfloat16* b_s, int ldb, Decay decay, int lane) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       const int cb = cbase(mt);
-      const float d0 = decay(cb + g), d1 = decay(cb + g + 8);
-#pragma unroll
-      for (int nt = 0; nt < NTH; ++nt) {
-        s[mt][nt][0] *= d0, s[mt][nt][1] *= d0;
-        s[mt][nt][2] *= d1, s[mt][nt][3] *= d1;
-      }
+      decay_rows(mt, decay);
 #pragma unroll
       for (int kj = 0; kj < 4; ++kj) {
         uint32_t a[4];
-        mma::ldsm_x4_t(a, a_s + (16 * kj + mma::at_row(lane)) * lda + cb + mma::at_col(lane));
+        load_a(cb, kj, a);
 #pragma unroll
         for (int np = 0; np < NTH / 2; ++np) {
           uint32_t b[4];
@@ -219,33 +224,27 @@ struct StateSlice {
     }
   }
 
-  // Channel decay, then the update with A = Kt^T stored [channel][token] as a K-major
-  // 128-byte-swizzled tile of K rows at shared address kt (the prep writes Kt transposed), B as
-  // for update: S = diag(decay) S + (Kt^T) Y.
+  // S = diag(decay) S + A^T B over the 64 tokens of a chunk: A stored [token][channel] (k side,
+  // leading dimension lda), B stored [token][column - v0] (v side, ldb); decay(c) is channel c's
+  // factor.
+  template <typename Decay>
+  __device__ void update(const __nv_bfloat16* a_s, int lda, const __nv_bfloat16* b_s, int ldb, Decay decay, int lane) {
+    update_from(
+        [&](int cb, int kj, uint32_t (&a)[4]) {
+          mma::ldsm_x4_t(a, a_s + (16 * kj + mma::at_row(lane)) * lda + cb + mma::at_col(lane));
+        },
+        b_s, ldb, decay, lane);
+  }
+
+  // The same with A = Kt^T stored [channel][token] as a K-major 128-byte-swizzled tile of K rows at
+  // shared address kt (the prep writes Kt transposed): S = diag(decay) S + (Kt^T) Y.
   template <typename Decay>
   __device__ void update_kt_sw128(uint32_t kt, const __nv_bfloat16* b_s, int ldb, Decay decay, int lane) {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      const int cb = cbase(mt);
-      const float d0 = decay(cb + g), d1 = decay(cb + g + 8);
-#pragma unroll
-      for (int nt = 0; nt < NTH; ++nt) {
-        s[mt][nt][0] *= d0, s[mt][nt][1] *= d0;
-        s[mt][nt][2] *= d1, s[mt][nt][3] *= d1;
-      }
-#pragma unroll
-      for (int kj = 0; kj < 4; ++kj) {
-        uint32_t a[4];
-        mma::ldsm_x4(a, kt + wg::sw128_offset(K, cb + mma::a_row(lane), 16 * kj + mma::a_col(lane)));
-#pragma unroll
-        for (int np = 0; np < NTH / 2; ++np) {
-          uint32_t b[4];
-          mma::ldsm_x4_t(b, b_s + (16 * kj + mma::bk_row(lane)) * ldb + hc0 + 16 * np + mma::bk_col(lane));
-          mma::mma16816(s[mt][2 * np], a, b[0], b[1]);
-          mma::mma16816(s[mt][2 * np + 1], a, b[2], b[3]);
-        }
-      }
-    }
+    update_from(
+        [&](int cb, int kj, uint32_t (&a)[4]) {
+          mma::ldsm_x4(a, kt + wg::sw128_offset(K, cb + mma::a_row(lane), 16 * kj + mma::a_col(lane)));
+        },
+        b_s, ldb, decay, lane);
   }
 
   // sm_90a (kWgRows): the same update as warpgroup products, issued and committed but not waited
@@ -256,12 +255,7 @@ struct StateSlice {
     static_assert(kWgRows, "the warpgroup update needs the warpgroup row layout");
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-      const float d0 = decay(cbase(mt) + g), d1 = decay(cbase(mt) + g + 8);
-#pragma unroll
-      for (int nt = 0; nt < NTH; ++nt) {
-        s[mt][nt][0] *= d0, s[mt][nt][1] *= d0;
-        s[mt][nt][2] *= d1, s[mt][nt][3] *= d1;
-      }
+      decay_rows(mt, decay);
       wg::fence_operand(s[mt]);
     }
     wg::fence();
