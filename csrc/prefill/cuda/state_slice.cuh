@@ -5,6 +5,8 @@
 // scan) four quarters, 4 (the state warps of the warp-specialized fused kernel) all VB. Element
 // (mt, nt, r) is channel cw + mt*16 + g + 8(r>>1), column v0 + hc0 + nt*8 + 2t + (r&1): the
 // C-fragment layout of the state update's mma, so the slice never leaves registers between chunks.
+// With kWgRows (the sm_90a scan with the delta rule) warp w owns channels 64 mt + 16 (w%4).. instead
+// (channel tile mt is then 64 channels apart, cbase): the rows a warpgroup's m64 product gives it.
 #pragma once
 
 #include <cuda_bf16.h>
