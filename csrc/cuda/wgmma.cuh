@@ -39,6 +39,13 @@ __device__ __forceinline__ uint64_t desc_sw128(uint32_t addr) {
          (uint64_t{1} << 62);
 }
 
+// Descriptor of k-step kk (16 columns) of such a tile of `rows` rows at shared address tile, from
+// row row0 (a multiple of 8, so the swizzle phase is the tile's): the step is 32 bytes into column
+// panel kk / 4 (sw128_offset(rows, row0, 16 kk), written without its XOR, which is 0 there).
+__device__ __forceinline__ uint64_t desc_kstep(uint32_t tile, int rows, int row0, int kk) {
+  return desc_sw128(tile + (kk / 4) * rows * 128 + row0 * 128 + (kk % 4) * 32);
+}
+
 __device__ __forceinline__ void fence() {
 #if CULA_WGMMA
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");

@@ -1197,19 +1197,17 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
         o[nt][2 * hh] = 0.0f, o[nt][2 * hh + 1] = 0.0f;
       }
     if constexpr (kWg) {
-      // one warpgroup per column group: W' S (or k S) and Qg S (or q S) for all 64 rows, S^T read
-      // once per group; k-step kk is 32 bytes into column panel kk / 4
-      const uint32_t aw0 = mma::smem_addr(RAWQK ? kd_s : w_s), aq0 = mma::smem_addr(qg_s);
-      const uint32_t bs0 = mma::smem_addr(s_s) + hc0 * 128;
+      // one warpgroup per column group: W' S (or k S) and Qg S (or q S) for all 64 rows, S^T (its
+      // rows hc0..) read once per group
+      const uint32_t aw0 = mma::smem_addr(RAWQK ? kd_s : w_s), aq0 = mma::smem_addr(qg_s), bs0 = mma::smem_addr(s_s);
       wg::fence_operand(vn);
       wg::fence_operand(o);
       wg::fence();
 #pragma unroll
       for (int kk = 0; kk < KS; ++kk) {
-        const int ka = (kk / 4) * kBT * 128 + (kk % 4) * 32, kb = (kk / 4) * VB * 128 + (kk % 4) * 32;
-        const uint64_t db = wg::desc_sw128(bs0 + kb);
-        if (DELTA) wg::mma_bf16<NTH>(vn, wg::desc_sw128(aw0 + ka), db);
-        wg::mma_bf16<NTH>(o, wg::desc_sw128(aq0 + ka), db);
+        const uint64_t db = wg::desc_kstep(bs0, VB, hc0, kk);
+        if (DELTA) wg::mma_bf16<NTH>(vn, wg::desc_kstep(aw0, kBT, 0, kk), db);
+        wg::mma_bf16<NTH>(o, wg::desc_kstep(aq0, kBT, 0, kk), db);
       }
       wg::commit();
       wg::wait_all();

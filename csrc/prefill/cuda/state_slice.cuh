@@ -265,7 +265,7 @@ struct StateSlice {
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int kj = 0; kj < 4; ++kj)
-        wg::mma_bf16<NTH>(s[mt], wg::desc_sw128(kt + mt * 64 * 128 + kj * 32), wg::desc_sw128(yt + hc0 * 128 + kj * 32));
+        wg::mma_bf16<NTH>(s[mt], wg::desc_kstep(kt, K, 64 * mt, kj), wg::desc_kstep(yt, VB, hc0, kj));
     wg::commit();
   }
   __device__ void wait_wg() {
