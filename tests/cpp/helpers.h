@@ -45,6 +45,8 @@ bool all_finite(const HostTensor& a);
 bool all_nan(const HostTensor& a);  // still poisoned: nothing written
 
 cula_recurrence_options default_options(int32_t family, int32_t backend);
+// A KDA gate call on g into g_out with the KDA defaults (A_log may be null; no dt_bias).
+cula_kda_gate_args kda_gate_args(const HostTensor& g, const HostTensor* A_log, HostTensor& g_out, int32_t backend);
 
 // A random problem for one family with the options a test sets before calling make().
 struct Problem {

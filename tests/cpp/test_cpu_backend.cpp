@@ -154,20 +154,7 @@ TEST(CpuBackend, DecodeMatchesReferenceWithPaddingAndSpeculativeSlots) {
       HostTensor acc({p.B}, CULA_INT32);
       for (int64_t n = 0; n < p.B; ++n) acc.set(n, static_cast<double>(n % (p.T + 1)));  // includes 0
       auto args = [&](HostTensor& pl, HostTensor& out, int32_t backend) {
-        cula_decode_args a{};
-        a.struct_size = sizeof(a);
-        a.opt = p.options(backend);
-        a.q = p.q.cptr();
-        a.k = p.k.cptr();
-        a.v = p.v.cptr();
-        if (p.g.t.ndim) a.g = p.g.cptr();
-        if (p.beta.t.ndim) a.beta = p.beta.cptr();
-        if (p.decay.t.ndim) a.decay = p.decay.cptr();
-        a.state_pool = pl.ptr();
-        a.state_indices = idx.cptr();
-        if (spec) a.num_accepted_tokens = acc.cptr();
-        a.out = out.ptr();
-        return a;
+        return p.decode_args(backend, pl, &idx, spec ? &acc : nullptr, out);
       };
       HostTensor pool_ref = pool, pool_cpu = pool;
       HostTensor out_ref({p.B, p.T, p.HV, p.V}, CULA_FLOAT32), out_cpu = out_ref;

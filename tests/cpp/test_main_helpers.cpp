@@ -113,6 +113,16 @@ bool all_finite(const HostTensor& a) {
   return true;
 }
 
+cula_kda_gate_args kda_gate_args(const HostTensor& g, const HostTensor* A_log, HostTensor& g_out, int32_t backend) {
+  cula_kda_gate_args a{};
+  a.struct_size = sizeof(a);
+  a.opt = default_options(CULA_KDA, backend);
+  a.g = g.cptr();
+  if (A_log) a.A_log = A_log->cptr();
+  a.g_out = g_out.ptr();
+  return a;
+}
+
 bool all_nan(const HostTensor& a) {
   for (int64_t i = 0; i < a.numel(); ++i)
     if (!std::isnan(a.get(i))) return false;
@@ -223,18 +233,25 @@ cula_recurrence_options Problem::options(int32_t backend) const {
   return o;
 }
 
+// The members that the forward, decode and backward argument structs share, from problem p (the
+// forward's and decode's decay is set by their builders: the backward has none).
+template <typename Args>
+static void fill_inputs(const Problem& p, Args& a, int32_t backend) {
+  a.struct_size = sizeof(a);
+  a.opt = p.options(backend);
+  a.q = p.q.cptr();
+  a.k = p.k.cptr();
+  a.v = p.v.cptr();
+  if (p.g.t.ndim) a.g = p.g.cptr();
+  if (p.beta.t.ndim) a.beta = p.beta.cptr();
+  if (p.gate_in_kernel && p.use_A_log) a.A_log = p.A_log.cptr();
+  if (p.gate_in_kernel && p.use_dt_bias) a.dt_bias = p.dt_bias.cptr();
+}
+
 cula_chunk_fwd_args Problem::fwd_args(int32_t backend) {
   cula_chunk_fwd_args a{};
-  a.struct_size = sizeof(a);
-  a.opt = options(backend);
-  a.q = q.cptr();
-  a.k = k.cptr();
-  a.v = v.cptr();
-  if (g.t.ndim) a.g = g.cptr();
-  if (beta.t.ndim) a.beta = beta.cptr();
+  fill_inputs(*this, a, backend);
   if (decay.t.ndim) a.decay = decay.cptr();
-  if (gate_in_kernel && use_A_log) a.A_log = A_log.cptr();
-  if (gate_in_kernel && use_dt_bias) a.dt_bias = dt_bias.cptr();
   if (!seqlens.empty()) a.cu_seqlens = cu.cptr();
   if (initial_state) a.initial_state = h0.cptr();
   a.out = out.ptr();
@@ -247,16 +264,8 @@ cula_chunk_fwd_args Problem::fwd_args(int32_t backend) {
 cula_decode_args Problem::decode_args(int32_t backend, HostTensor& pool, const HostTensor* idx, const HostTensor* acc,
                                       HostTensor& out_) const {
   cula_decode_args a{};
-  a.struct_size = sizeof(a);
-  a.opt = options(backend);
-  a.q = q.cptr();
-  a.k = k.cptr();
-  a.v = v.cptr();
-  if (g.t.ndim) a.g = g.cptr();
-  if (beta.t.ndim) a.beta = beta.cptr();
+  fill_inputs(*this, a, backend);
   if (decay.t.ndim) a.decay = decay.cptr();
-  if (gate_in_kernel && use_A_log) a.A_log = A_log.cptr();
-  if (gate_in_kernel && use_dt_bias) a.dt_bias = dt_bias.cptr();
   a.state_pool = pool.ptr();
   if (idx) a.state_indices = idx->cptr();
   if (acc) a.num_accepted_tokens = acc->cptr();
@@ -267,15 +276,7 @@ cula_decode_args Problem::decode_args(int32_t backend, HostTensor& pool, const H
 cula_chunk_bwd_args Problem::bwd_args(int32_t backend, const HostTensor& d_out, HostTensor* dq, HostTensor* dk,
                                       HostTensor* dv, HostTensor* dg) const {
   cula_chunk_bwd_args a{};
-  a.struct_size = sizeof(a);
-  a.opt = options(backend);
-  a.q = q.cptr();
-  a.k = k.cptr();
-  a.v = v.cptr();
-  if (g.t.ndim) a.g = g.cptr();
-  if (beta.t.ndim) a.beta = beta.cptr();
-  if (gate_in_kernel && use_A_log) a.A_log = A_log.cptr();
-  if (gate_in_kernel && use_dt_bias) a.dt_bias = dt_bias.cptr();
+  fill_inputs(*this, a, backend);
   if (!seqlens.empty()) a.cu_seqlens = cu.cptr();
   if (initial_state) a.initial_state = h0.cptr();
   a.d_out = d_out.cptr();

@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <deque>
 #include <functional>
+#include <initializer_list>
 #include <numeric>
 #include <string>
 #include <thread>
@@ -83,6 +84,17 @@ struct Slot {
   const cula_tensor** field;  // the argument struct's member
   bool integer = false;       // offsets or slot indices
 };
+
+// The slots of the inputs that the forward, decode and backward argument structs share, followed
+// by `more` (each entry's own members).
+template <typename Args>
+std::vector<Slot> input_slots(Args& a, std::initializer_list<Slot> more) {
+  std::vector<Slot> slots = {{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, {"g", &a.g}, {"beta", &a.beta}, {"A_log", &a.A_log}};
+  slots.insert(slots.end(), more);
+  return slots;
+}
+// An output member as a slot (the structs' outputs are not const).
+inline const cula_tensor** out_field(cula_tensor** f) { return const_cast<const cula_tensor**>(f); }
 
 // A random valid problem of small size for any family, on a host backend.
 Problem random_problem(std::mt19937_64& rng, bool for_backward = false) {
@@ -157,9 +169,8 @@ TEST(RandomCalls, StridedInputsGiveTheContiguousResult) {
     if (p.intermediate) p.inter.poison();
 
     std::deque<StridedTensor> keep;
-    std::vector<Slot> inputs = {{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, {"g", &a.g}, {"beta", &a.beta},
-                                {"decay", &a.decay}, {"A_log", &a.A_log}, {"cu_seqlens", &a.cu_seqlens},
-                                {"initial_state", &a.initial_state}};
+    std::vector<Slot> inputs =
+        input_slots(a, {{"decay", &a.decay}, {"cu_seqlens", &a.cu_seqlens}, {"initial_state", &a.initial_state}});
     if (p.family == CULA_GDN) inputs.push_back({"dt_bias", &a.dt_bias});  // KDA's must be contiguous
     stride_inputs(inputs, keep, rng);
     ASSERT_EQ(cula_chunk_fwd(&a), CULA_OK) << cula_last_error();
@@ -197,10 +208,8 @@ TEST(RandomCalls, StridedDecodeInputsGiveTheContiguousResult) {
     out.poison();
 
     std::deque<StridedTensor> keep;
-    std::vector<Slot> inputs = {{"q", &a.q},         {"k", &a.k},       {"v", &a.v},
-                                {"g", &a.g},         {"beta", &a.beta}, {"decay", &a.decay},
-                                {"A_log", &a.A_log}, {"state_indices", &a.state_indices},
-                                {"num_accepted_tokens", &a.num_accepted_tokens}};
+    std::vector<Slot> inputs = input_slots(
+        a, {{"decay", &a.decay}, {"state_indices", &a.state_indices}, {"num_accepted_tokens", &a.num_accepted_tokens}});
     if (p.family == CULA_GDN) inputs.push_back({"dt_bias", &a.dt_bias});  // KDA's must be contiguous
     stride_inputs(inputs, keep, rng);
     ASSERT_EQ(cula_decode(&a), CULA_OK) << cula_last_error();
@@ -224,9 +233,8 @@ TEST(RandomCalls, StridedBackwardAndGateInputsGiveTheContiguousResult) {
     const HostTensor dq0 = dq, dk0 = dk, dv0 = dv, dg0 = dg;
     for (HostTensor* t : {&dq, &dk, &dv, &dg}) t->poison();
     std::deque<StridedTensor> keep;
-    std::vector<Slot> inputs = {{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, {"g", &a.g}, {"beta", &a.beta},
-                                {"A_log", &a.A_log}, {"cu_seqlens", &a.cu_seqlens},
-                                {"initial_state", &a.initial_state}, {"d_out", &a.d_out}};
+    std::vector<Slot> inputs =
+        input_slots(a, {{"cu_seqlens", &a.cu_seqlens}, {"initial_state", &a.initial_state}, {"d_out", &a.d_out}});
     if (p.family == CULA_GDN) inputs.push_back({"dt_bias", &a.dt_bias});  // KDA's must be contiguous
     stride_inputs(inputs, keep, rng);
     ASSERT_EQ(cula_chunk_bwd(&a), CULA_OK) << cula_last_error();
@@ -239,12 +247,7 @@ TEST(RandomCalls, StridedBackwardAndGateInputsGiveTheContiguousResult) {
     HostTensor A_log({p.HV}, CULA_FLOAT32), g_out({p.B, p.T, p.HV, p.K}, CULA_FLOAT32);
     A_log.fill_uniform(rng, -1.0, 0.5);
     g_out.poison();
-    cula_kda_gate_args ga{};
-    ga.struct_size = sizeof(ga);
-    ga.opt = default_options(CULA_KDA, CULA_BACKEND_AUTO);
-    ga.g = g.cptr();
-    ga.A_log = A_log.cptr();
-    ga.g_out = g_out.ptr();
+    cula_kda_gate_args ga = kda_gate_args(g, &A_log, g_out, CULA_BACKEND_AUTO);
     ASSERT_EQ(cula_kda_gate(&ga), CULA_OK) << cula_last_error();
     const HostTensor g_out0 = g_out;
     g_out.poison();
@@ -434,6 +437,12 @@ struct Breaker {
         return "chunk_size";
     }
   }
+
+  // One random break of a call: an option (one time in four) or one of its tensors.
+  std::string any(std::vector<Slot>& slots, cula_recurrence_options& o, size_t* struct_size, int32_t* chunk_size) {
+    return pick(4) == 0 ? "option " + option(o, struct_size, chunk_size)
+                        : tensor(slots[pick(static_cast<int64_t>(slots.size()))]);
+  }
 };
 
 // Runs one broken call and checks the refusal rules; `outputs` are poisoned (NaN) before it.
@@ -477,23 +486,16 @@ TEST(RandomCalls, BrokenForwardCallsAreRefusedCleanly) {
       a.state_pool = pool.ptr();
       a.state_indices = idx.cptr();
     }
-    std::vector<Slot> slots = {{"q", &a.q},
-                               {"k", &a.k},
-                               {"v", &a.v},
-                               {"g", &a.g},
-                               {"beta", &a.beta},
-                               {"decay", &a.decay},
-                               {"A_log", &a.A_log},
-                               {"dt_bias", &a.dt_bias},
-                               {"cu_seqlens", &a.cu_seqlens, true},
-                               {"initial_state", &a.initial_state},
-                               {"state_pool", const_cast<const cula_tensor**>(&a.state_pool)},
-                               {"state_indices", &a.state_indices, true},
-                               {"out", const_cast<const cula_tensor**>(&a.out)},
-                               {"final_state", const_cast<const cula_tensor**>(&a.final_state)},
-                               {"intermediate_states", const_cast<const cula_tensor**>(&a.intermediate_states)}};
-    std::string what = br.pick(4) == 0 ? "option " + br.option(a.opt, &a.struct_size, &a.chunk_size)
-                                       : br.tensor(slots[br.pick(static_cast<int64_t>(slots.size()))]);
+    std::vector<Slot> slots = input_slots(a, {{"decay", &a.decay},
+                                              {"dt_bias", &a.dt_bias},
+                                              {"cu_seqlens", &a.cu_seqlens, true},
+                                              {"initial_state", &a.initial_state},
+                                              {"state_pool", out_field(&a.state_pool)},
+                                              {"state_indices", &a.state_indices, true},
+                                              {"out", out_field(&a.out)},
+                                              {"final_state", out_field(&a.final_state)},
+                                              {"intermediate_states", out_field(&a.intermediate_states)}});
+    std::string what = br.any(slots, a.opt, &a.struct_size, &a.chunk_size);
     SCOPED_TRACE("seed " + std::to_string(seed) + ", trial " + std::to_string(trial) + ": " + what);
     // Outputs that a broken call may have swapped for another tensor are not the ones checked.
     std::vector<const HostTensor*> outputs = {&p.out};
@@ -529,20 +531,13 @@ TEST(RandomCalls, BrokenDecodeCallsAreRefusedCleanly) {
     HostTensor out({p.B, p.T, p.HV, p.V}, CULA_FLOAT32);
     out.poison();
     cula_decode_args a = p.decode_args(random_host_backend(rng, p), pool, &idx, spec ? &acc : nullptr, out);
-    std::vector<Slot> slots = {{"q", &a.q},
-                               {"k", &a.k},
-                               {"v", &a.v},
-                               {"g", &a.g},
-                               {"beta", &a.beta},
-                               {"decay", &a.decay},
-                               {"A_log", &a.A_log},
-                               {"dt_bias", &a.dt_bias},
-                               {"state_pool", const_cast<const cula_tensor**>(&a.state_pool)},
-                               {"state_indices", &a.state_indices, true},
-                               {"num_accepted_tokens", &a.num_accepted_tokens, true},
-                               {"out", const_cast<const cula_tensor**>(&a.out)}};
-    std::string what = br.pick(4) == 0 ? "option " + br.option(a.opt, &a.struct_size, nullptr)
-                                       : br.tensor(slots[br.pick(static_cast<int64_t>(slots.size()))]);
+    std::vector<Slot> slots = input_slots(a, {{"decay", &a.decay},
+                                              {"dt_bias", &a.dt_bias},
+                                              {"state_pool", out_field(&a.state_pool)},
+                                              {"state_indices", &a.state_indices, true},
+                                              {"num_accepted_tokens", &a.num_accepted_tokens, true},
+                                              {"out", out_field(&a.out)}});
+    std::string what = br.any(slots, a.opt, &a.struct_size, nullptr);
     SCOPED_TRACE("seed " + std::to_string(seed) + ", trial " + std::to_string(trial) + ": " + what);
     const cula_status st = cula_decode(&a);
     expect_clean(st, what, {&out}, a.state_pool == pool.ptr() ? &pool : nullptr, &pool_before);
@@ -563,23 +558,16 @@ TEST(RandomCalls, BrokenBackwardAndGateCallsAreRefusedCleanly) {
     HostTensor dq = p.q, dk = p.k, dv = p.v, dg = p.g;
     for (HostTensor* t : {&dq, &dk, &dv, &dg}) t->poison();
     cula_chunk_bwd_args a = p.bwd_args(CULA_BACKEND_AUTO, d_out, &dq, &dk, &dv, &dg);
-    std::vector<Slot> slots = {{"q", &a.q},
-                               {"k", &a.k},
-                               {"v", &a.v},
-                               {"g", &a.g},
-                               {"beta", &a.beta},
-                               {"A_log", &a.A_log},
-                               {"dt_bias", &a.dt_bias},
-                               {"cu_seqlens", &a.cu_seqlens, true},
-                               {"initial_state", &a.initial_state},
-                               {"d_out", &a.d_out},
-                               {"d_final_state", &a.d_final_state},
-                               {"dq", const_cast<const cula_tensor**>(&a.dq)},
-                               {"dk", const_cast<const cula_tensor**>(&a.dk)},
-                               {"dv", const_cast<const cula_tensor**>(&a.dv)},
-                               {"dg", const_cast<const cula_tensor**>(&a.dg)}};
-    std::string what = br.pick(4) == 0 ? "option " + br.option(a.opt, &a.struct_size, nullptr)
-                                       : br.tensor(slots[br.pick(static_cast<int64_t>(slots.size()))]);
+    std::vector<Slot> slots = input_slots(a, {{"dt_bias", &a.dt_bias},
+                                              {"cu_seqlens", &a.cu_seqlens, true},
+                                              {"initial_state", &a.initial_state},
+                                              {"d_out", &a.d_out},
+                                              {"d_final_state", &a.d_final_state},
+                                              {"dq", out_field(&a.dq)},
+                                              {"dk", out_field(&a.dk)},
+                                              {"dv", out_field(&a.dv)},
+                                              {"dg", out_field(&a.dg)}});
+    std::string what = br.any(slots, a.opt, &a.struct_size, nullptr);
     {
       SCOPED_TRACE("seed " + std::to_string(seed) + ", trial " + std::to_string(trial) + ": chunk_bwd " + what);
       expect_clean(cula_chunk_bwd(&a), what, {&dq, &dk, &dv, &dg}, nullptr, nullptr);
@@ -592,21 +580,16 @@ TEST(RandomCalls, BrokenBackwardAndGateCallsAreRefusedCleanly) {
     dt_bias.fill_normal(rng, 0.0, 0.5);
     HostTensor g_out({p.B, p.T, p.HV, p.K}, rng() % 2 ? CULA_FLOAT32 : CULA_BFLOAT16);
     g_out.poison();
-    cula_kda_gate_args ga{};
-    ga.struct_size = sizeof(ga);
-    ga.opt = default_options(CULA_KDA, random_host_backend(rng, p));
+    cula_kda_gate_args ga = kda_gate_args(g, nullptr, g_out, random_host_backend(rng, p));
     ga.opt.has_lower_bound = rng() % 2;
     ga.opt.lower_bound = -3.0;
-    ga.g = g.cptr();
     if (!ga.opt.has_lower_bound || rng() % 2) ga.A_log = A_log.cptr();
     if (rng() % 2) ga.dt_bias = dt_bias.cptr();
-    ga.g_out = g_out.ptr();
     std::vector<Slot> gate_slots = {{"g", &ga.g},
                                     {"A_log", &ga.A_log},
                                     {"dt_bias", &ga.dt_bias},
-                                    {"g_out", const_cast<const cula_tensor**>(&ga.g_out)}};
-    what = br.pick(4) == 0 ? "option " + br.option(ga.opt, &ga.struct_size, nullptr)
-                           : br.tensor(gate_slots[br.pick(static_cast<int64_t>(gate_slots.size()))]);
+                                    {"g_out", out_field(&ga.g_out)}};
+    what = br.any(gate_slots, ga.opt, &ga.struct_size, nullptr);
     SCOPED_TRACE("seed " + std::to_string(seed) + ", trial " + std::to_string(trial) + ": kda_gate " + what);
     expect_clean(cula_kda_gate(&ga), what, {&g_out}, nullptr, nullptr);
   }

@@ -108,17 +108,7 @@ TEST(Reference, DecodeEqualsChunkForward) {
     ASSERT_EQ(cula_chunk_fwd(&a), CULA_OK) << cula_last_error();
     HostTensor pool = p.h0, out({p.B, p.T, p.HV, p.V}, CULA_FLOAT32);
     out.poison();
-    cula_decode_args d{};
-    d.struct_size = sizeof(d);
-    d.opt = p.options(CULA_BACKEND_ORACLE);
-    d.q = p.q.cptr();
-    d.k = p.k.cptr();
-    d.v = p.v.cptr();
-    if (p.g.t.ndim) d.g = p.g.cptr();
-    if (p.beta.t.ndim) d.beta = p.beta.cptr();
-    if (p.decay.t.ndim) d.decay = p.decay.cptr();
-    d.state_pool = pool.ptr();
-    d.out = out.ptr();
+    cula_decode_args d = p.decode_args(CULA_BACKEND_ORACLE, pool, nullptr, nullptr, out);
     ASSERT_EQ(cula_decode(&d), CULA_OK) << cula_last_error();
     EXPECT_LT(rel_err(out, p.out), 1e-14);
     EXPECT_LT(rel_err(pool, p.ht), 1e-14);

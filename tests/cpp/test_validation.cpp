@@ -307,26 +307,14 @@ TEST(Validation, NoCudaBackwardYet) {
 TEST(Validation, DecodeSpeculativeIndicesNeedTwoDimensions) {
   Problem p = base();
   HostTensor pool(p.state_shape(4), CULA_FLOAT32), idx({p.B}, CULA_INT32), acc({p.B}, CULA_INT32);
-  cula_decode_args d{};
-  d.struct_size = sizeof(d);
-  d.opt = p.options(CULA_BACKEND_AUTO);
-  d.q = p.q.cptr(); d.k = p.k.cptr(); d.v = p.v.cptr(); d.g = p.g.cptr(); d.beta = p.beta.cptr();
-  d.state_pool = pool.ptr();
-  d.state_indices = idx.cptr();
-  d.num_accepted_tokens = acc.cptr();
-  d.out = p.out.ptr();
+  cula_decode_args d = p.decode_args(CULA_BACKEND_AUTO, pool, &idx, &acc, p.out);
   EXPECT_EQ(cula_decode(&d), CULA_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(cula_last_error()).find("argument 'num_accepted_tokens'"), std::string::npos) << cula_last_error();
 }
 
 TEST(Validation, KdaGateChecksItsArguments) {
   HostTensor g({1, 4, 2, 8}, CULA_FLOAT32), out({1, 4, 2, 8}, CULA_FLOAT32), A({3}, CULA_FLOAT32);
-  cula_kda_gate_args a{};
-  a.struct_size = sizeof(a);
-  a.opt = default_options(CULA_KDA, CULA_BACKEND_AUTO);
-  a.g = g.cptr();
-  a.A_log = A.cptr();
-  a.g_out = out.ptr();
+  cula_kda_gate_args a = kda_gate_args(g, &A, out, CULA_BACKEND_AUTO);
   EXPECT_EQ(cula_kda_gate(&a), CULA_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(cula_last_error()).find("argument 'A_log'"), std::string::npos) << cula_last_error();
 }
