@@ -21,6 +21,20 @@ __device__ __forceinline__ float ld(const void* p, int dtype, int64_t i) {
   }
 }
 
+// ld split in two: the raw bits now, the value later (ld_bits then from_bits), so that a load can
+// go out early without its conversion stalling the warp right behind it.
+__device__ __forceinline__ uint32_t ld_bits(const void* p, int dtype, int64_t i) {
+  return dtype == CULA_BFLOAT16 || dtype == CULA_FLOAT16 ? static_cast<const unsigned short*>(p)[i]
+                                                         : static_cast<const uint32_t*>(p)[i];
+}
+__device__ __forceinline__ float from_bits(uint32_t b, int dtype) {
+  switch (dtype) {
+    case CULA_BFLOAT16: return __uint_as_float(b << 16);
+    case CULA_FLOAT16: return __half2float(__ushort_as_half(static_cast<unsigned short>(b)));
+    default: return __uint_as_float(b);
+  }
+}
+
 __device__ __forceinline__ void st(void* p, int dtype, int64_t i, float x) {
   switch (dtype) {
     case CULA_BFLOAT16: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(x); break;

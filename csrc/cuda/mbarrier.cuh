@@ -16,6 +16,22 @@ __device__ __forceinline__ void init(uint64_t* bar, uint32_t count) {
   asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" ::"r"(mma::smem_addr(bar)), "r"(count) : "memory");
 }
 
+// Makes the inits before it visible to the copy engine (bulk copies completing on the barriers).
+__device__ __forceinline__ void fence_init() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+
+// One arrival that also expects `bytes` more transaction bytes (bulk copies) before the phase can
+// complete (sm_90+).
+__device__ __forceinline__ void arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(mma::smem_addr(bar)), "r"(bytes)
+               : "memory");
+#endif
+}
+
 // One arrival (release: this thread's earlier shared-memory accesses happen before the phase
 // completes). One lane per warp after __syncwarp() arrives for the whole warp.
 __device__ __forceinline__ void arrive(uint64_t* bar) {

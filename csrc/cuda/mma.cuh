@@ -69,6 +69,22 @@ __device__ __forceinline__ void cp_async16(uint32_t smem, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem), "l"(gmem));
 }
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) { cp_async16(smem_addr(smem), gmem); }
+// Bulk copies (sm_90+): `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to
+// shared memory by the copy engine, completing as transaction bytes on the mbarrier at `bar`
+// (mbarrier::complete_tx), so one instruction moves a whole row.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define CULA_BULK_COPY 1
+#else
+#define CULA_BULK_COPY 0
+#endif
+__device__ __forceinline__ void bulk_copy(void* smem, const void* gmem, uint32_t bytes, uint64_t* bar) {
+#if CULA_BULK_COPY
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   smem_addr(smem)),
+               "l"(gmem), "r"(bytes), "r"(smem_addr(bar))
+               : "memory");
+#endif
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 

@@ -63,6 +63,8 @@
 // KDA's bf16 gate tile until the block sums are out; TB Minv (or the exact path's scratch, row
 // factors and steep flags); TAB per-channel exponent rows; BT block sums and
 // dt_bias; per-row beta, scalar gate and fp32 q.k; KDA's row scales qs, ks.
+// Tile loads: on sm_90+ one bulk copy per row of q, k (and KDA's gate tile), completing on an
+// mbarrier (no per-thread 16-byte copies and their address arithmetic); cp.async on sm_80.
 // Barriers: B_a0 tiles in; B_a1 row scales (KDA); B_b block sums; B_c Kr and table; B_c2 pair
 // products done (GLA stops after writing A_qk); B_e M; B_f diagonal inverses (KDA: barrier 1, warps
 // 4-7 only arrive); B_g Minv (KDA: also W', Kd out and Kr free); B_h tril(A_qk) in fp32 (KDA: in the
@@ -171,8 +173,11 @@ struct PrepLayout {
   static constexpr int oQK = oGS + kBT * 4;  // q.k of each row, fp32 (the diagonal of A_qk)
   // KDA: the row scales qs, ks of the gate pass
   static constexpr int oNRM = oQK + kBT * 4;
-  static constexpr int bytes = SCALAR ? oTAB : oNRM + (DELTA ? 2 * kBT * 4 : 0);
+  // the mbarrier on which the tiles' bulk copies complete (sm_90+)
+  static constexpr int oMBAR = SCALAR ? oTAB : oNRM + (DELTA ? 2 * kBT * 4 : 0);
+  static constexpr int bytes = oMBAR + 16;
   static_assert(!SCALAR || oQK + kBT * 4 <= oTAB, "per-row values fit TB");
+  static_assert(oMBAR % 16 == 0, "aligned mbarrier slot");
   // Without the delta rule TB (no Minv) holds the exact path of steep diagonal blocks: per warp the
   // local gate (16 x 16 fp32) and raw q, k (16 x 16 bf16) of one k-step; then the row factors of
   // q and k and a steep flag per block.
@@ -268,7 +273,7 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
   const int h = hv / (p.HV / p.H);
   unsigned char* blk = work + (static_cast<int64_t>(cidx) * p.HV + hv) * Wk::bytes;
 
-  float eA = 1.0f;  // e^{A_log}, taken once the tile copies are issued (its load would hold them back)
+  float eA = 1.0f;  // e^{A_log}, taken once the tiles are in (see below)
   const float head_bias = (p.gate_in_kernel && p.dt_bias && !p.dt_bias_per_channel) ? dev::ld(p.dt_bias, p.bias_dt, hv) : 0.0f;
   const float const_decay =
       p.gate_kind == 2 ? -dev::ld(p.decay, p.decay_dt, p.decay_heads == p.HV ? hv : (hv / (p.HV / p.H))) : 0.0f;
@@ -276,20 +281,60 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
   // KDA with a bf16 gate: the chunk's gate tile streams into shared memory with q and k (TB and TAB
   // are free until Minv and the exponent table), so the rolled k-step loop reads it without a
   // global-memory latency per step (the register prefetch one step ahead converted bf16 to fp32
-  // right after the load, so it waited at once: ~20% of the prep's warp time). Unpadded rows,
-  // 16-byte pieces swizzled by row (piece ^ row % 8): the A-fragment reads of eight rows hit eight
-  // different bank groups.
+  // right after the load, so it waited at once: ~20% of the prep's warp time). Unpadded rows (the
+  // gate pass reads a row's consecutive channel pairs across the lanes: no bank conflicts).
   constexpr bool kGateTileFits = DELTA && !SCALAR && Ly::oBT - Ly::oTB >= kBT * K * 2;
   const bool gate_tile = kGateTileFits && p.g_dt == CULA_BFLOAT16;
   bf16* gt_s = reinterpret_cast<bf16*>(smem + Ly::oTB);
-  auto gate_at = [&](int row, int col) { return gt_s + row * K + (((col >> 3) ^ (row & 7)) << 3) + (col & 7); };
+  auto gate_at = [&](int row, int col) { return gt_s + row * K + col; };
   // log-decay of one element from its raw gate
   auto activate = [&](float x) {
     if (p.gate_in_kernel && p.gate_kind != 2) x = dev::activate_gate(x, eA, p.has_lb, p.lb);
     return dev::chunk_log_decay(x);
   };
 
-  // ---- q, k (and per-channel gate) tiles; rows past the sequence are zeros
+  // ---- q, k (and per-channel gate) tiles; rows past the sequence are zeros. The small loads (A_log,
+  // beta, the scalar gate, a per-channel dt_bias) go out first as raw bits and are converted once
+  // the tiles are in: a conversion right behind its load held every warp there (~3% of the prep's
+  // stall samples), and issued after the copies the loads added their latency to the tiles'.
+  const int64_t row_at = t0 + min(tid, kBT - 1);  // (tid >= kBT reads nothing per row)
+  const bool row_loads = tid < kBT && tid < Lc;
+  const uint32_t alog_bits = p.gate_in_kernel && p.A_log ? dev::ld_bits(p.A_log, p.A_dt, hv) : 0u;
+  const uint32_t beta_bits =
+      DELTA && row_loads ? dev::ld_bits(p.beta, p.beta_dt, b_row * p.beta_s[0] + row_at * p.beta_s[1] + hv * p.beta_s[2]) : 0u;
+  const uint32_t gs_bits =
+      SCALAR && p.gate_kind == 1 && row_loads ? dev::ld_bits(p.g, p.g_dt, b_row * p.g_s[0] + row_at * p.g_s[1] + hv * p.g_s[2]) : 0u;
+  const bool bias_per_channel = !SCALAR && tid < K && p.gate_in_kernel && p.dt_bias && p.dt_bias_per_channel;
+  const uint32_t bias_bits = bias_per_channel ? dev::ld_bits(p.dt_bias, p.bias_dt, hv * K + tid) : 0u;
+#if CULA_BULK_COPY
+  // sm_90+: one bulk copy per tile row (thread tid: row tid % 64 of q, k or the gate tile), all
+  // completing on one mbarrier; thread 0 arrives with the bytes to expect. Rows past the sequence
+  // are zeros (q, k) or never read (the gate).
+  uint64_t* tiles_in = reinterpret_cast<uint64_t*>(smem + Ly::oMBAR);
+  if (tid == 0) {
+    mbar::init(tiles_in, 1);
+    mbar::fence_init();
+  }
+  __syncthreads();  // the mbarrier initialised
+  {
+    static_assert(2 * kBT <= NT && (!kGateTileFits || 3 * kBT <= NT), "a thread per tile row");
+    const int tiles = gate_tile ? 3 : 2, r = tid % kBT, which = tid / kBT;
+    if (which < tiles) {
+      const int64_t tok = t0 + r;
+      const bf16* src = which == 0   ? static_cast<const bf16*>(p.q) + b_row * p.q_s[0] + tok * p.q_s[1] + h * p.q_s[2]
+                        : which == 1 ? static_cast<const bf16*>(p.k) + b_row * p.k_s[0] + tok * p.k_s[1] + h * p.k_s[2]
+                                     : static_cast<const bf16*>(p.g) + b_row * p.g_s[0] + tok * p.g_s[1] + hv * p.g_s[2];
+      bf16* dst = which == 0 ? q_s + r * LDK : which == 1 ? k_s + r * LDK : gt_s + r * K;
+      if (r < Lc) {
+        mma::bulk_copy(dst, src, K * 2, tiles_in);
+      } else if (which < 2) {
+#pragma unroll
+        for (int c8 = 0; c8 < K; c8 += 8) *reinterpret_cast<uint4*>(dst + c8) = zero4;
+      }
+    }
+    if (tid == 0) mbar::arrive_expect_tx(tiles_in, static_cast<uint32_t>(tiles * Lc * K * 2));
+  }
+#else
   {
     using CopyK = chunk::TileCopy<kBT, K, NT>;
     const CopyK ck(tid);
@@ -316,24 +361,8 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
       }
     }
     mma::cp_async_commit();
-    if (p.gate_in_kernel && p.A_log) eA = __expf(dev::ld(p.A_log, p.A_dt, hv));
-    if (tid < kBT) {
-      float b = 0.0f, gsr = 0.0f;
-      if (tid < Lc) {
-        const int64_t tok = t0 + tid;
-        if (DELTA) {
-          b = dev::ld(p.beta, p.beta_dt, b_row * p.beta_s[0] + tok * p.beta_s[1] + hv * p.beta_s[2]);
-          if (p.beta_sigmoid) b = __fdividef(p.beta_mult, 1.0f + __expf(-b));
-        }
-        if (p.gate_kind == 1) gsr = dev::ld(p.g, p.g_dt, b_row * p.g_s[0] + tok * p.g_s[1] + hv * p.g_s[2]);
-      }
-      beta_s[tid] = b;
-      gs_s[tid] = gsr;
-    }
   }
-  if (!SCALAR && tid < K)
-    bias_s[tid] = (p.gate_in_kernel && p.dt_bias && p.dt_bias_per_channel) ? dev::ld(p.dt_bias, p.bias_dt, hv * K + tid)
-                                                                            : head_bias;
+#endif
   // Raw per-channel gate of channels col, col + 1 at chunk row `row` (the tile or global memory);
   // zeros past the sequence
   auto raw_gate = [&](int row, int col) {
@@ -382,7 +411,22 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
         x -= first[cs][hc], y -= first[cs][hc];
       }
   };
+#if CULA_BULK_COPY
+  mbar::wait(tiles_in, 0);
+#else
   mma::cp_async_wait_all();
+#endif
+  if (p.gate_in_kernel && p.A_log) eA = __expf(dev::from_bits(alog_bits, p.A_dt));
+  if (tid < kBT) {
+    float b = 0.0f;
+    if (DELTA && row_loads) {
+      b = dev::from_bits(beta_bits, p.beta_dt);
+      if (p.beta_sigmoid) b = __fdividef(p.beta_mult, 1.0f + __expf(-b));
+    }
+    beta_s[tid] = b;
+    gs_s[tid] = SCALAR && p.gate_kind == 1 && row_loads ? dev::from_bits(gs_bits, p.g_dt) : 0.0f;
+  }
+  if (!SCALAR && tid < K) bias_s[tid] = bias_per_channel ? dev::from_bits(bias_bits, p.bias_dt) : head_bias;
   __syncthreads();  // B_a0: tiles landed
 
   if constexpr (DELTA && !SCALAR) {
@@ -430,46 +474,55 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
     // log-decay, its running sum d_i = G_i - G_bI (<= 0) with no shuffles; Kr = k ks e^{-d} (KR)
     // and in place Kl = k ks e^d, Ql = q qs e^d; the block's first gate and total per channel.
     // Rows go four at a time (a rolled loop keeps the code small), their raw gates loaded a step
-    // ahead.
-    for (int cp = 32 * kh + lane; cp < K / 2; cp += 64) {
-      const int c0 = 2 * cp;
-      auto load_rows = [&](int i0, float (&x)[8]) {
+    // ahead. The pass is compiled once per gate source (from_tile: std::bool_constant): with the
+    // source chosen per load, the tile reads carried the global path's 64-bit offsets and dtype
+    // branches (~2.8 K of a chunk's ~32 K warp instructions).
+    auto gate_pass = [&](auto from_tile) {
+      for (int cp = 32 * kh + lane; cp < K / 2; cp += 64) {
+        const int c0 = 2 * cp;
+        auto load_rows = [&](int i0, float (&x)[8]) {
 #pragma unroll
-        for (int ii = 0; ii < 4; ++ii) {
-          const float2 v = raw_gate(bI + i0 + ii, c0);
-          x[2 * ii] = v.x, x[2 * ii + 1] = v.y;
-        }
-      };
-      const float bias0 = bias_s[c0], bias1 = bias_s[c0 + 1];
-      float run0 = 0.0f, run1 = 0.0f, first0 = 0.0f, first1 = 0.0f, xn[8];
-      load_rows(0, xn);
+          for (int ii = 0; ii < 4; ++ii) {
+            const int row = bI + i0 + ii;
+            float2 v;
+            if constexpr (decltype(from_tile)::value) v = row < Lc ? bf2(gate_at(row, c0)) : make_float2(0.0f, 0.0f);
+            else v = raw_gate(row, c0);
+            x[2 * ii] = v.x, x[2 * ii + 1] = v.y;
+          }
+        };
+        const float bias0 = bias_s[c0], bias1 = bias_s[c0 + 1];
+        float run0 = 0.0f, run1 = 0.0f, first0 = 0.0f, first1 = 0.0f, xn[8];
+        load_rows(0, xn);
 #pragma unroll 1
-      for (int i0 = 0; i0 < 16; i0 += 4) {
-        float x[8];
+        for (int i0 = 0; i0 < 16; i0 += 4) {
+          float x[8];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) x[e] = xn[e] + ((e & 1) ? bias1 : bias0);
-        if (i0 + 4 < 16) load_rows(i0 + 4, xn);
-        if (p.gate_in_kernel && p.gate_kind != 2) dev::activate_gates(x, eA, p.has_lb, p.lb);
+          for (int e = 0; e < 8; ++e) x[e] = xn[e] + ((e & 1) ? bias1 : bias0);
+          if (i0 + 4 < 16) load_rows(i0 + 4, xn);
+          if (p.gate_in_kernel && p.gate_kind != 2) dev::activate_gates(x, eA, p.has_lb, p.lb);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) x[e] = bI + i0 + (e >> 1) < Lc ? dev::chunk_log_decay(x[e]) : 0.0f;
-        if (i0 == 0) first0 = x[0], first1 = x[1];
+          for (int e = 0; e < 8; ++e) x[e] = bI + i0 + (e >> 1) < Lc ? dev::chunk_log_decay(x[e]) : 0.0f;
+          if (i0 == 0) first0 = x[0], first1 = x[1];
 #pragma unroll
-        for (int ii = 0; ii < 4; ++ii) {
-          const int row = bI + i0 + ii;
-          run0 += x[2 * ii], run1 += x[2 * ii + 1];
-          const float d0 = run0 - first0, d1 = run1 - first1;
-          // |d| <= 15 |lower_bound| <= 75: every factor a normal float
-          const float e0 = dev::exp_ftz(d0), e1 = dev::exp_ftz(d1), r0 = dev::exp_ftz(-d0), r1 = dev::exp_ftz(-d1);
-          const float qsr = rs_s[row], ksr = rs_s[kBT + row];
-          const float2 kv = bf2(k_s + row * LDK + c0), qv = bf2(q_s + row * LDK + c0);
-          u32at(kr_s + row * LDK + c0) = pack(kv.x * ksr * r0, kv.y * ksr * r1);
-          u32at(k_s + row * LDK + c0) = pack(kv.x * ksr * e0, kv.y * ksr * e1);
-          u32at(q_s + row * LDK + c0) = pack(qv.x * qsr * e0, qv.y * qsr * e1);
+          for (int ii = 0; ii < 4; ++ii) {
+            const int row = bI + i0 + ii;
+            run0 += x[2 * ii], run1 += x[2 * ii + 1];
+            const float d0 = run0 - first0, d1 = run1 - first1;
+            // |d| <= 15 |lower_bound| <= 75: every factor a normal float
+            const float e0 = dev::exp_ftz(d0), e1 = dev::exp_ftz(d1), r0 = dev::exp_ftz(-d0), r1 = dev::exp_ftz(-d1);
+            const float qsr = rs_s[row], ksr = rs_s[kBT + row];
+            const float2 kv = bf2(k_s + row * LDK + c0), qv = bf2(q_s + row * LDK + c0);
+            u32at(kr_s + row * LDK + c0) = pack(kv.x * ksr * r0, kv.y * ksr * r1);
+            u32at(k_s + row * LDK + c0) = pack(kv.x * ksr * e0, kv.y * ksr * e1);
+            u32at(q_s + row * LDK + c0) = pack(qv.x * qsr * e0, qv.y * qsr * e1);
+          }
         }
+        bsum_s[I * K + c0] = run0, bsum_s[I * K + c0 + 1] = run1;
+        bfirst_s[I * K + c0] = first0, bfirst_s[I * K + c0 + 1] = first1;
       }
-      bsum_s[I * K + c0] = run0, bsum_s[I * K + c0 + 1] = run1;
-      bfirst_s[I * K + c0] = first0, bfirst_s[I * K + c0 + 1] = first1;
-    }
+    };
+    if (gate_tile) gate_pass(std::true_type{});
+    else gate_pass(std::false_type{});
     __syncthreads();  // B_b: block sums visible
   } else {
     // ---- row norms of this warp's rows (before the tiles are scaled in place)
@@ -691,14 +744,23 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
   constexpr int kPairUnroll = DELTA && !SCALAR ? 2 : 1;
 #pragma unroll kPairUnroll
   for (int kk = 0; kk < KS; ++kk) {
-    if (!SCALAR && (kk & (KH - 1)) == kh)
+    if (!SCALAR && (kk & (KH - 1)) == kh) {
+      // Qg of the k-step's 16 channels, 16 bytes per lane: row lane % 16, channels 8 (lane / 16)..
+      // (the quarter warps' shared-memory reads hit distinct banks; each row's 32 bytes go out
+      // whole from one instruction)
+      const int row = bI + (lane & 15), col = 16 * kk + 8 * (lane >> 4);
+      const float4 ea = *reinterpret_cast<const float4*>(tab + (kTabEb + I) * K + col);
+      const float4 eb = *reinterpret_cast<const float4*>(tab + (kTabEb + I) * K + col + 4);
+      uint4 qv = *reinterpret_cast<const uint4*>(q_s + row * LDK + col);
+      uint32_t* w = reinterpret_cast<uint32_t*>(&qv);
+      const float e[8] = {ea.x, ea.y, ea.z, ea.w, eb.x, eb.y, eb.z, eb.w};
 #pragma unroll
-      for (int rr = 0; rr < 4; ++rr) {
-        const int row = bI + g + 8 * (rr & 1), col = 16 * kk + 2 * t + 8 * (rr >> 1);
-        const float2 eb = *reinterpret_cast<const float2*>(tab + (kTabEb + I) * K + col);
-        const float2 qv = bf2(q_s + row * LDK + col);
-        u32at(qgo + row * K + col) = pack(qv.x * eb.x, qv.y * eb.y);
+      for (int j = 0; j < 4; ++j) {
+        const float2 x = unpack(w[j]);
+        w[j] = pack(x.x * e[2 * j], x.y * e[2 * j + 1]);
       }
+      *reinterpret_cast<uint4*>(qgo + row * K + col) = qv;
+    }
 #pragma unroll
     for (int q = 0; q < QP; ++q) {
       if (pi[q] < 0) continue;
