@@ -17,11 +17,23 @@ fi
 export PYTHONPATH=$PWD/python:${PYTHONPATH:-}
 export CULA_LIBRARY=$PWD/build/libcula.so
 export FLA_FLASH_KDA=0 PYTHONUNBUFFERED=1
+# FLA's Triton kernels compile and autotune on first use (minutes on a fresh machine). Their cache
+# travels between machines as tar parts: unpacked from TRITON_CACHE_PARTS (default .triton_cache/,
+# git-ignored) when it holds some, packed into $LOG/triton_cache/ at the end, parts under 16 MB.
+# CULA_PYTEST_TIMEOUT (seconds) bounds the pytest run, so that a cold run still packs what it
+# compiled for the next one.
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/cula_triton_cache}
+mkdir -p "$TRITON_CACHE_DIR"
+PARTS=${TRITON_CACHE_PARTS:-.triton_cache}
+if ls "$PARTS"/triton_cache.tgz.part* >/dev/null 2>&1; then
+  cat "$PARTS"/triton_cache.tgz.part* | tar xzf - -C "$TRITON_CACHE_DIR"
+fi
 status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$LOG/summary.txt"
 python3 -m cula info | tee -a "$LOG/summary.txt" || status=1
 build/cula_tests --gtest_brief=1 2>&1 | tee "$LOG/ctest.txt" | tail -3 || status=1
-python3 -m pytest -q -rs -s -p no:cacheprovider tests/python 2>&1 | tee "$LOG/pytest.txt" | tail -25 || status=1
+timeout "${CULA_PYTEST_TIMEOUT:-0}" python3 -m pytest -q -rs -s -p no:cacheprovider tests/python 2>&1 | tee "$LOG/pytest.txt" | tail -25
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 # racecheck models __syncthreads, not mbarrier hand-offs nor a named barrier split into arrive and
 # sync (it reports hazards on correct ones), so it runs with the fused kernels' 8-warp path and the
 # chunk prep's block-barrier mode; synccheck checks the warp-specialized kernel's named barriers
@@ -44,6 +56,10 @@ if [ "${2:-}" = "bench" ] || [ "${2:-}" = "bench-fwd" ]; then
   for fam in gdn gla simple_gla lightning; do
     python3 -m cula bench "$fam" --out "$LOG/results" 2>&1 | tee "$LOG/bench_$fam.txt" | tail -12 || status=1
   done
+fi
+if [ -n "$(ls -A "$TRITON_CACHE_DIR")" ]; then
+  mkdir -p "$LOG/triton_cache"
+  tar czf - -C "$TRITON_CACHE_DIR" . | split -b 15m - "$LOG/triton_cache/triton_cache.tgz.part"
 fi
 echo "gpu_check status: $status" | tee -a "$LOG/summary.txt"
 exit $status
