@@ -221,6 +221,21 @@ __device__ __forceinline__ void pair_of(int m, int& I, int& J) {
 
 __device__ __forceinline__ uint32_t& u32at(bf16* p) { return *reinterpret_cast<uint32_t*>(p); }
 __device__ __forceinline__ float2 bf2(const bf16* p) { return unpack(*reinterpret_cast<const uint32_t*>(p)); }
+// Eight consecutive per-channel factors (two 16-byte loads from shared memory).
+__device__ __forceinline__ void load8(const float* p, float (&f)[8]) {
+  *reinterpret_cast<float4*>(f) = *reinterpret_cast<const float4*>(p);
+  *reinterpret_cast<float4*>(f + 4) = *reinterpret_cast<const float4*>(p + 4);
+}
+// Eight bf16 values (16 bytes) times their channels' factors, each rounded once.
+__device__ __forceinline__ uint4 scale8(uint4 v, const float (&f)[8]) {
+  uint32_t* w = reinterpret_cast<uint32_t*>(&v);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 x = unpack(w[j]);
+    w[j] = pack(x.x * f[2 * j], x.y * f[2 * j + 1]);
+  }
+  return v;
+}
 
 template <int K, int V, bool SCALAR, bool DELTA>
 __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCALAR ? 3 : SCALAR ? 5 : 4)
@@ -749,17 +764,9 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
       // (the quarter warps' shared-memory reads hit distinct banks; each row's 32 bytes go out
       // whole from one instruction)
       const int row = bI + (lane & 15), col = 16 * kk + 8 * (lane >> 4);
-      const float4 ea = *reinterpret_cast<const float4*>(tab + (kTabEb + I) * K + col);
-      const float4 eb = *reinterpret_cast<const float4*>(tab + (kTabEb + I) * K + col + 4);
-      uint4 qv = *reinterpret_cast<const uint4*>(q_s + row * LDK + col);
-      uint32_t* w = reinterpret_cast<uint32_t*>(&qv);
-      const float e[8] = {ea.x, ea.y, ea.z, ea.w, eb.x, eb.y, eb.z, eb.w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 x = unpack(w[j]);
-        w[j] = pack(x.x * e[2 * j], x.y * e[2 * j + 1]);
-      }
-      *reinterpret_cast<uint4*>(qgo + row * K + col) = qv;
+      float e[8];
+      load8(tab + (kTabEb + I) * K + col, e);
+      *reinterpret_cast<uint4*>(qgo + row * K + col) = scale8(*reinterpret_cast<const uint4*>(q_s + row * LDK + col), e);
     }
 #pragma unroll
     for (int q = 0; q < QP; ++q) {
@@ -846,19 +853,10 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
     bf16* kdo = reinterpret_cast<bf16*>(blk + Wk::oKd);
     const int c8 = lane % (K / 8) * 8;  // the same channels in every row (as for KDA above)
     float ed[8];
-#pragma unroll
-    for (int j = 0; j < 8; j += 4)
-      *reinterpret_cast<float4*>(ed + j) = *reinterpret_cast<const float4*>(tab + (kTabEd + I) * K + c8 + j);
+    load8(tab + (kTabEd + I) * K + c8, ed);
     for (int idx = lane; idx < 16 * (K / 8); idx += 32) {
       const int row = bI + idx / (K / 8);
-      uint4 kv = *reinterpret_cast<const uint4*>(k_s + row * LDK + c8);
-      uint32_t* w = reinterpret_cast<uint32_t*>(&kv);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 x = unpack(w[j]);
-        w[j] = pack(x.x * ed[2 * j], x.y * ed[2 * j + 1]);
-      }
-      *reinterpret_cast<uint4*>(kdo + row * K + c8) = kv;
+      *reinterpret_cast<uint4*>(kdo + row * K + c8) = scale8(*reinterpret_cast<const uint4*>(k_s + row * LDK + c8), ed);
     }
     if (tid < K) reinterpret_cast<float*>(blk + Wk::oDL)[tid] = tab[kTabLast * K + tid];
   }
@@ -916,27 +914,21 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
     bf16* wo = reinterpret_cast<bf16*>(blk + Wk::oW);
     const int c8 = lane % (K / 8) * 8;
     float eb[8], ed[8];
-#pragma unroll
-    for (int j = 0; j < 8; j += 4) {
-      *reinterpret_cast<float4*>(eb + j) = *reinterpret_cast<const float4*>(tab + (kTabEb + I) * K + c8 + j);
-      *reinterpret_cast<float4*>(ed + j) = *reinterpret_cast<const float4*>(tab + (kTabEd + I) * K + c8 + j);
-    }
+    load8(tab + (kTabEb + I) * K + c8, eb);
+    load8(tab + (kTabEd + I) * K + c8, ed);
     static_assert(32 % (K / 8) == 0, "a lane's channels are the same in every row");
     for (int idx = lane; idx < 16 * (K / 8); idx += 32) {
       const int row = bI + idx / (K / 8);
       uint4 kv = *reinterpret_cast<const uint4*>(k_s + row * LDK + c8);
-      uint4 kd = *reinterpret_cast<const uint4*>(kr_s + row * LDK + c8);
       const float b = -beta_s[row];
       uint32_t* w = reinterpret_cast<uint32_t*>(&kv);
-      uint32_t* d = reinterpret_cast<uint32_t*>(&kd);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 x = unpack(w[j]), y = unpack(d[j]);
+      for (int j = 0; j < 4; ++j) {  // (x e^{G_bI}) (-beta): not scale8, whose factor would round e^{G_bI} (-beta) first
+        const float2 x = unpack(w[j]);
         w[j] = pack(x.x * eb[2 * j] * b, x.y * eb[2 * j + 1] * b);
-        d[j] = pack(y.x * ed[2 * j], y.y * ed[2 * j + 1]);
       }
       *reinterpret_cast<uint4*>(wo + row * K + c8) = kv;
-      *reinterpret_cast<uint4*>(ck_s + row * LDK + c8) = kd;
+      *reinterpret_cast<uint4*>(ck_s + row * LDK + c8) = scale8(*reinterpret_cast<const uint4*>(kr_s + row * LDK + c8), ed);
     }
     if (lane < 16) reinterpret_cast<float*>(blk + Wk::oRF)[bI + lane] = beta_s[bI + lane];
     if (tid - 128 < K) reinterpret_cast<float*>(blk + Wk::oDL)[tid - 128] = tab[kTabLast * K + tid - 128];
