@@ -367,7 +367,7 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
         *reinterpret_cast<uint4*>(dk) = zero4;
       }
     }
-    if (gate_tile) {  // rows past the sequence are never read (load_gate)
+    if (gate_tile) {  // rows past the sequence are never read (the gate pass)
       const bf16* g_in = static_cast<const bf16*>(p.g) + b_row * p.g_s[0] + t0 * p.g_s[1] + hv * p.g_s[2] + ck.c8;
 #pragma unroll
       for (int j = 0; j < CopyK::J; ++j) {
@@ -378,15 +378,14 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
     mma::cp_async_commit();
   }
 #endif
-  // Raw per-channel gate of channels col, col + 1 at chunk row `row` (the tile or global memory);
-  // zeros past the sequence
+  // Raw per-channel gate of channels col, col + 1 at chunk row `row` from global memory (KDA's gate
+  // tile is read by the gate pass itself); zeros past the sequence
   auto raw_gate = [&](int row, int col) {
     float2 v = make_float2(0.0f, 0.0f);
     if (!SCALAR && row < Lc) {
       const int64_t off = b_row * p.g_s[0] + (t0 + row) * p.g_s[1] + hv * p.g_s[2] + col;
-      v = gate_tile                  ? bf2(gate_at(row, col))
-          : p.g_dt == CULA_FLOAT32 ? *reinterpret_cast<const float2*>(static_cast<const float*>(p.g) + off)
-                                   : bf2(static_cast<const bf16*>(p.g) + off);
+      v = p.g_dt == CULA_FLOAT32 ? *reinterpret_cast<const float2*>(static_cast<const float*>(p.g) + off)
+                                 : bf2(static_cast<const bf16*>(p.g) + off);
     }
     return v;
   };
