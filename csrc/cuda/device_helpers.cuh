@@ -67,6 +67,13 @@ __device__ __forceinline__ float exp_ftz(float x) {
   return e;
 }
 
+// 2^x by ex2.approx.ftz, one instruction: for arguments already in log2 units.
+__device__ __forceinline__ float ex2_ftz(float x) {
+  float e;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x));
+  return e;
+}
+
 // -eA softplus(x), the gate without a lower bound: log1p(e^x), or x itself above 20 (where the two
 // agree in fp32). Selected, not branched: a branch per element made each exponential a divergent
 // region of its own. The argument is clamped so that the unselected exponential cannot overflow.

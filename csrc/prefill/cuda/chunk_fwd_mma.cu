@@ -491,7 +491,15 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
     // ahead. The pass is compiled once per gate source (from_tile: std::bool_constant): with the
     // source chosen per load, the tile reads carried the global path's 64-bit offsets and dtype
     // branches (~2.8 K of a chunk's ~32 K warp instructions).
+    // The dispatch takes KDA here only with the gate in the kernel and a lower bound lb >= -5
+    // (chunk_fwd_mma_accepts), so the log-decay is lb sigmoid(eA (x + dt_bias)), in [lb, 0]: the
+    // chunk_log_decay clamp at -64 never acts and is left out. The pass works in log2 units (every
+    // exponential an ex2 of its argument as it is): the sigmoid's exponent is one FMA of the raw
+    // gate (eA log2 e and its product with dt_bias per channel, once), and the sums go back to
+    // natural units once per channel at the end.
     auto gate_pass = [&](auto from_tile) {
+      constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+      const float neg_ea2 = -eA * kLog2e, lb2 = p.lb * kLog2e;
       for (int cp = 32 * kh + lane; cp < K / 2; cp += 64) {
         const int c0 = 2 * cp;
         auto load_rows = [&](int i0, float (&x)[8]) {
@@ -504,26 +512,26 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
             x[2 * ii] = v.x, x[2 * ii + 1] = v.y;
           }
         };
-        const float bias0 = bias_s[c0], bias1 = bias_s[c0 + 1];
+        // -eA log2(e) (x + dt_bias) = neg_ea2 x + nb
+        const float nb0 = neg_ea2 * bias_s[c0], nb1 = neg_ea2 * bias_s[c0 + 1];
         float run0 = 0.0f, run1 = 0.0f, first0 = 0.0f, first1 = 0.0f, xn[8];
         load_rows(0, xn);
 #pragma unroll 1
         for (int i0 = 0; i0 < 16; i0 += 4) {
           float x[8];
 #pragma unroll
-          for (int e = 0; e < 8; ++e) x[e] = xn[e] + ((e & 1) ? bias1 : bias0);
+          for (int e = 0; e < 8; ++e) x[e] = dev::ex2_ftz(fmaf(neg_ea2, xn[e], (e & 1) ? nb1 : nb0));
           if (i0 + 4 < 16) load_rows(i0 + 4, xn);
-          if (p.gate_in_kernel && p.gate_kind != 2) dev::activate_gates(x, eA, p.has_lb, p.lb);
 #pragma unroll
-          for (int e = 0; e < 8; ++e) x[e] = bI + i0 + (e >> 1) < Lc ? dev::chunk_log_decay(x[e]) : 0.0f;
+          for (int e = 0; e < 8; ++e) x[e] = bI + i0 + (e >> 1) < Lc ? __fdividef(lb2, 1.0f + x[e]) : 0.0f;
           if (i0 == 0) first0 = x[0], first1 = x[1];
 #pragma unroll
           for (int ii = 0; ii < 4; ++ii) {
             const int row = bI + i0 + ii;
             run0 += x[2 * ii], run1 += x[2 * ii + 1];
-            const float d0 = run0 - first0, d1 = run1 - first1;
-            // |d| <= 15 |lower_bound| <= 75: every factor a normal float
-            const float e0 = dev::exp_ftz(d0), e1 = dev::exp_ftz(d1), r0 = dev::exp_ftz(-d0), r1 = dev::exp_ftz(-d1);
+            // |d| <= 15 |lower_bound| log2 e <= 109: every factor a normal float
+            const float e0 = dev::ex2_ftz(run0 - first0), e1 = dev::ex2_ftz(run1 - first1);
+            const float r0 = dev::ex2_ftz(first0 - run0), r1 = dev::ex2_ftz(first1 - run1);
             const float qsr = rs_s[row], ksr = rs_s[kBT + row];
             const float2 kv = bf2(k_s + row * LDK + c0), qv = bf2(q_s + row * LDK + c0);
             u32at(kr_s + row * LDK + c0) = pack(kv.x * ksr * r0, kv.y * ksr * r1);
@@ -531,8 +539,8 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
             u32at(q_s + row * LDK + c0) = pack(qv.x * qsr * e0, qv.y * qsr * e1);
           }
         }
-        bsum_s[I * K + c0] = run0, bsum_s[I * K + c0 + 1] = run1;
-        bfirst_s[I * K + c0] = first0, bfirst_s[I * K + c0 + 1] = first1;
+        bsum_s[I * K + c0] = run0 * kLn2, bsum_s[I * K + c0 + 1] = run1 * kLn2;
+        bfirst_s[I * K + c0] = first0 * kLn2, bfirst_s[I * K + c0 + 1] = first1 * kLn2;
       }
     };
     if (gate_tile) gate_pass(std::true_type{});
