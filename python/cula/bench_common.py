@@ -33,6 +33,48 @@ def time_interleaved(torch, impls, reps=REPS, warmup=3):
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def time_queued(torch, impls, reps=REPS, warmup=3, flush_bytes=256 << 20):
+    """Median ms of ``reps`` calls of each implementation in ``impls`` ([(name, fn)]) enqueued with no
+    synchronization between them, the method of triton.testing.do_bench: before every call a 256 MB
+    buffer is zeroed (L2 keeps nothing of the inputs), and each call sits between two CUDA events.
+    The host runs ahead of the GPU, so each time is the GPU's time for the call, the host's time
+    hidden unless the host falls behind (or the implementation synchronizes). The implementations
+    take turns call by call on alternating input sets, as in time_interleaved."""
+    flush = torch.empty(flush_bytes, dtype=torch.int8, device="cuda")
+    k = 0
+    for _ in range(warmup):
+        for _, fn in impls:
+            fn(k)
+            k += 1
+    torch.cuda.synchronize()
+    marks = {name: [] for name, _ in impls}
+    for _ in range(reps):
+        for name, fn in impls:
+            flush.zero_()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn(k)
+            b.record()
+            marks[name].append((a, b))
+            k += 1
+    torch.cuda.synchronize()
+    return {name: statistics.median(a.elapsed_time(b) for a, b in m) for name, m in marks.items()}
+
+
+QUEUED_METHOD = (f"median of {REPS} calls enqueued back to back with no synchronization between them (the method "
+                 "of triton.testing.do_bench: a 256 MB buffer zeroed before every call, each call between two CUDA "
+                 "events, so the host's time per call is hidden while the host keeps ahead of the GPU), the "
+                 "implementations taking turns, torch SDPA in a block of its own")
+
+
+def time_peers_and_baseline_queued(torch, impls, baseline, reps=REPS):
+    """time_peers_and_baseline with time_queued: the GPU's time per call."""
+    res = time_queued(torch, impls, reps)
+    name, fn = baseline
+    res[name] = time_queued(torch, [(name, fn)], reps)[name]
+    return res
+
+
 # How time_peers_and_baseline times (the start of each results file's "method"; bench kda --resume
 # keeps only rows whose file states the same method).
 PEERS_AND_BASELINE_METHOD = (
@@ -140,16 +182,12 @@ def replot(out_dir):
     return 0
 
 
-def write_report(out_dir, op, title, meta, rows, records, peers, quiet=False):
-    """rows: (config name, {impl: ms}, floor ms, cula kernel, {"rel_vs_fla": x}). Appends the
-    geometric-mean records (to a copy of records), writes <op>.json, <op>.md and <op>.png; returns the
-    Markdown lines (printed unless quiet)."""
-    records = list(records)
-    lines = [f"# {title} ({meta['gpu']})", "", f"{meta['method']}. Copy bandwidth {meta['copy_gb_per_s']:.0f} GB/s. "
-             "Times in ms; ratios are peer time / cula time (> 1: cula faster).", "",
-             "| config | floor | cula | " + " | ".join(peers) + " | " + " | ".join(f"{p}/cula" for p in peers) +
-             " | cula kernel | rel. diff vs FLA |",
-             "|---" * (4 + 2 * len(peers) + 1) + "|"]
+def _table(op, rows, peers, records, suffix, with_checks):
+    """Markdown lines of one timing method's table and geometric means; appends the geometric-mean
+    records (impl geomean_<peer>_over_cula<suffix>) to records."""
+    lines = ["| config | floor | cula | " + " | ".join(peers) + " | " + " | ".join(f"{p}/cula" for p in peers) +
+             (" | cula kernel | rel. diff vs FLA |" if with_checks else " |"),
+             "|---" * (3 + 2 * len(peers) + (2 if with_checks else 0)) + "|"]
     geo = {p: [] for p in peers}
     for name, res, floor, kernel, check in rows:
         cells = [f"{res[p]:.3f}" if p in res else "-" for p in peers]
@@ -161,14 +199,29 @@ def write_report(out_dir, op, title, meta, rows, records, peers, quiet=False):
             else:
                 ratios.append("-")
         lines.append(f"| {name} | {floor:.3f} | {res['cula']:.3f} | " + " | ".join(cells) + " | " + " | ".join(ratios) +
-                     f" | {kernel} | {check.get('rel_vs_fla', float('nan')):.1e} |")
+                     (f" | {kernel} | {check.get('rel_vs_fla', float('nan')):.1e} |" if with_checks else " |"))
     lines.append("")
     for p in peers:
         if geo[p]:
             gm = geomean(geo[p])
             lines.append(f"- geometric mean {p}/cula: {gm:.2f}x (worst {min(geo[p]):.2f}x)")
-            records.append(dict(op=op, config="grid", impl=f"geomean_{p}_over_cula", ratio=round(gm, 3),
+            records.append(dict(op=op, config="grid", impl=f"geomean_{p}_over_cula{suffix}", ratio=round(gm, 3),
                                 worst=round(min(geo[p]), 3)))
+    return lines
+
+
+def write_report(out_dir, op, title, meta, rows, records, peers, quiet=False, queued_rows=None):
+    """rows: (config name, {impl: ms}, floor ms, cula kernel, {"rel_vs_fla": x}); queued_rows, when
+    given: the same for the queued timing (meta["queued_method"] says how). Appends the
+    geometric-mean records (to a copy of records), writes <op>.json, <op>.md and <op>.png; returns the
+    Markdown lines (printed unless quiet)."""
+    records = list(records)
+    lines = [f"# {title} ({meta['gpu']})", "", f"Single calls: {meta['method']}. Copy bandwidth "
+             f"{meta['copy_gb_per_s']:.0f} GB/s. Times in ms; ratios are peer time / cula time (> 1: cula faster).", ""]
+    lines += _table(op, rows, peers, records, "", True)
+    if queued_rows:
+        lines += ["", "## Queued calls (the GPU's time per call)", "", f"{meta['queued_method']}.", ""]
+        lines += _table(op, queued_rows, peers, records, "_queued", False)
     os.makedirs(out_dir, exist_ok=True)
     meta = dict(meta, title=title)
     with open(os.path.join(out_dir, f"{op}.json"), "w") as f:

@@ -9,6 +9,7 @@ scalar log-sigmoid gate; Lightning: layer 3 of 8 (FLA's per-head decay rates). E
 implementation's single calls are timed with CUDA events (median of 30 after warm-up), the
 linear-attention implementations taking turns call by call on alternating input sets, and torch
 SDPA after them in a block of its own (its full-power calls would slow whichever call came next).
+A second pass times queued calls (triton.testing.do_bench's method), the GPU's time per call.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import itertools
 import os
 import time
 
-from .bench_common import PEERS_AND_BASELINE_METHOD, REPS, causal_sdpa, time_peers_and_baseline, write_report
+from .bench_common import (PEERS_AND_BASELINE_METHOD, QUEUED_METHOD, REPS, causal_sdpa, time_peers_and_baseline,
+                           time_peers_and_baseline_queued, write_report)
 from .bench_decode import _version, cuda_device
 from . import _lib
 from .demo import Progress
@@ -84,7 +86,7 @@ def bench_fwd(family: str, out_dir: str, gpu_name: str | None = None, configs=No
     op = f"{family}_fwd"
     dev, props, bw = cuda_device(torch)
     configs = configs or CONFIGS
-    records, rows = [], []
+    records, rows, queued_rows = [], [], []
     prog = Progress(len(configs), f"bench {family}")
     for name, B, T, H, seqlens in configs:
         if seqlens:
@@ -111,8 +113,10 @@ def bench_fwd(family: str, out_dir: str, gpu_name: str | None = None, configs=No
         check = {}
         with torch.inference_mode():
             res = time_peers_and_baseline(torch, impls, ("torch_sdpa", run_sdpa))
+            resq = time_peers_and_baseline_queued(torch, impls, ("torch_sdpa", run_sdpa))
             for impl in res:
-                records.append(dict(op=op, config=config, impl=impl, median_ms=round(res[impl], 4), reps=REPS))
+                records.append(dict(op=op, config=config, impl=impl, median_ms=round(res[impl], 4),
+                                    median_ms_queued=round(resq[impl], 4), reps=REPS))
             o_cula = run_cula(0)[0]
             kernel = ops.last_kernel()
             if fla_fn:  # same inputs through FLA: agreement of the outputs
@@ -131,13 +135,14 @@ def bench_fwd(family: str, out_dir: str, gpu_name: str | None = None, configs=No
                                     ratio=round(res[peer] / res["cula"], 3)))
         records.append(dict(op=op, config=config, impl="cula_kernel", name=kernel, **check))
         rows.append((name, res, floor, kernel, check))
-        prog.step(f"{name}: cula {res['cula']:.3f} ms")
+        queued_rows.append((name, resq, floor, kernel, {}))
+        prog.step(f"{name}: cula {res['cula']:.3f} ms (queued {resq['cula']:.3f})")
         del sets
         torch.cuda.empty_cache()
     meta = dict(gpu=gpu_name or props.name, copy_gb_per_s=round(bw, 1), torch=torch.__version__,
                 fla=_version("fla-core"), date=time.strftime("%Y-%m-%d"), binding=_lib.binding(),
                 method=PEERS_AND_BASELINE_METHOD + "; cula's FLA drop-in and FLA called with the same arguments, "
-                "under torch.inference_mode")
+                "under torch.inference_mode", queued_method=QUEUED_METHOD)
     peers = [p for p in ("fla_triton", "torch_sdpa") if any(p in r[1] for r in rows)]
-    write_report(out_dir, op, title, meta, rows, records, peers)
+    write_report(out_dir, op, title, meta, rows, records, peers, queued_rows=queued_rows)
     return 0

@@ -6,7 +6,9 @@ bandwidth).
 bf16 q/k/v, bf16 raw gate with the gate computed in kernel (A_log, dt_bias, lower bound -5),
 q/k L2 norm, beta sigmoid, K = V = 128, no initial state. Each implementation's single calls are
 timed with CUDA events (median of 30 after warm-up), cula, FLA and FlashKDA taking turns call by
-call on alternating input sets, and torch SDPA after them in a block of its own.
+call on alternating input sets, and torch SDPA after them in a block of its own. A second pass times
+queued calls (triton.testing.do_bench's method: L2 flushed before each call, no synchronization
+between calls), which is the GPU's time per call with the host's time hidden.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import json
 import os
 import time
 
-from .bench_common import PEERS_AND_BASELINE_METHOD, REPS, causal_sdpa, time_peers_and_baseline, write_report
+from .bench_common import (PEERS_AND_BASELINE_METHOD, QUEUED_METHOD, REPS, causal_sdpa, time_peers_and_baseline,
+                           time_peers_and_baseline_queued, write_report)
 from .bench_decode import _version, cuda_device
 from . import _lib
 from .demo import Progress
@@ -74,26 +77,29 @@ def _flashkda_version():
 
 
 def _done_rows(out_dir, gpu, method):
-    """Records and table rows of the configurations already in out_dir/kda_fwd.json (same GPU and
-    timing method), for a resumed run; the report puts them in grid order and recomputes the
-    geometric means."""
+    """Records, table rows and queued-timing rows of the configurations already in
+    out_dir/kda_fwd.json (same GPU and timing method), for a resumed run; the report puts them in
+    grid order and recomputes the geometric means."""
     path = os.path.join(out_dir, "kda_fwd.json")
     if not os.path.exists(path):
-        return [], []
+        return [], [], []
     with open(path) as f:
         data = json.load(f)
     meta = data.get("meta", {})
     if meta.get("gpu") != gpu or meta.get("method") != method:  # rows of one file share one method
-        return [], []
+        return [], [], []
     records = [r for r in data["records"] if isinstance(r.get("config"), dict)]
-    rows = []
+    rows, queued_rows = [], []
     for name in dict.fromkeys(r["config"]["name"] for r in records):
         mine = [r for r in records if r["config"]["name"] == name]
         res = {r["impl"]: r["median_ms"] for r in mine if "median_ms" in r and r["impl"] != "floor"}
         floor = next(r["median_ms"] for r in mine if r["impl"] == "floor")
         kern = next(r for r in mine if r["impl"] == "cula_kernel")
         rows.append((name, res, floor, kern["name"], {k: v for k, v in kern.items() if k == "rel_vs_fla"}))
-    return records, rows
+        resq = {r["impl"]: r["median_ms_queued"] for r in mine if "median_ms_queued" in r}
+        if "cula" in resq:
+            queued_rows.append((name, resq, floor, kern["name"], {}))
+    return records, rows, queued_rows
 
 
 def bench_kda(out_dir: str, gpu_name: str | None = None, configs=None, resume=False) -> int:
@@ -108,12 +114,12 @@ def bench_kda(out_dir: str, gpu_name: str | None = None, configs=None, resume=Fa
     configs = configs or CONFIGS
     gpu = gpu_name or props.name
     method = PEERS_AND_BASELINE_METHOD + "; FLA with FLA_FLASH_KDA=0, under torch.inference_mode"
-    records, rows = _done_rows(out_dir, gpu, method) if resume else ([], [])
+    records, rows, queued_rows = _done_rows(out_dir, gpu, method) if resume else ([], [], [])
     done = {r[0] for r in rows}
     configs = [c for c in configs if c[0] not in done]
     meta = dict(gpu=gpu, copy_gb_per_s=round(bw, 1), torch=torch.__version__,
                 fla=_version("fla-core"), flashkda=_flashkda_version() if flash_fn else None,
-                date=time.strftime("%Y-%m-%d"), binding=_lib.binding(), method=method)
+                date=time.strftime("%Y-%m-%d"), binding=_lib.binding(), method=method, queued_method=QUEUED_METHOD)
     prog = Progress(len(configs), "bench kda")
     for name, B, T, H, seqlens in configs:
         if seqlens:
@@ -161,8 +167,10 @@ def bench_kda(out_dir: str, gpu_name: str | None = None, configs=None, resume=Fa
                       safe_gate=True, lower_bound=LOWER_BOUND, l2norm=True, beta_sigmoid=True)
         with torch.inference_mode():
             res = time_peers_and_baseline(torch, impls, ("torch_sdpa", run_sdpa))
+            resq = time_peers_and_baseline_queued(torch, impls, ("torch_sdpa", run_sdpa))
             for impl in res:
-                records.append(dict(op="kda_fwd", config=config, impl=impl, median_ms=round(res[impl], 4), reps=REPS))
+                records.append(dict(op="kda_fwd", config=config, impl=impl, median_ms=round(res[impl], 4),
+                                    median_ms_queued=round(resq[impl], 4), reps=REPS))
             run_cula(0)
             kernel = ops.last_kernel()
             check = {}
@@ -181,11 +189,12 @@ def bench_kda(out_dir: str, gpu_name: str | None = None, configs=None, resume=Fa
                                     ratio=round(res[peer] / res["cula"], 3)))
         records.append(dict(op="kda_fwd", config=config, impl="cula_kernel", name=kernel, **check))
         rows.append((name, res, floor, kernel, check))
-        prog.step(f"{name}: cula {res['cula']:.3f} ms")
+        queued_rows.append((name, resq, floor, kernel, {}))
+        prog.step(f"{name}: cula {res['cula']:.3f} ms (queued {resq['cula']:.3f})")
         del sets
         torch.cuda.empty_cache()
-        _report(out_dir, meta, rows, records, quiet=True)  # a run cut short keeps what it measured
-    _report(out_dir, meta, rows, records)
+        _report(out_dir, meta, rows, records, queued_rows, quiet=True)  # a run cut short keeps what it measured
+    _report(out_dir, meta, rows, records, queued_rows)
     return 0
 
 
@@ -195,9 +204,10 @@ def _grid_rank(name):
     return names.index(name) if name in names else len(names)
 
 
-def _report(out_dir, meta, rows, records, quiet=False):
+def _report(out_dir, meta, rows, records, queued_rows, quiet=False):
     rows = sorted(rows, key=lambda r: _grid_rank(r[0]))
+    queued_rows = sorted(queued_rows, key=lambda r: _grid_rank(r[0]))
     records = sorted(records, key=lambda r: _grid_rank(r["config"]["name"]))
     peers = [p for p in ("fla_triton", "flashkda", "torch_sdpa") if any(p in r[1] for r in rows)]
     write_report(out_dir, "kda_fwd", f"KDA chunked forward, bf16, K=V=128, gate in kernel (lb {LOWER_BOUND}), l2norm, "
-                 "beta sigmoid", meta, rows, records, peers, quiet=quiet)
+                 "beta sigmoid", meta, rows, records, peers, quiet=quiet, queued_rows=queued_rows)

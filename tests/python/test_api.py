@@ -161,7 +161,8 @@ def test_bench_results_series_follow_the_json_records(tmp_path):
 
 def test_kda_bench_resume_keeps_measured_rows_and_recomputes_the_means(tmp_path):
     """A KDA benchmark run cut short keeps what it wrote; --resume reads those rows back (same GPU
-    and timing method only), and the report puts every row in grid order with geometric means over all of them."""
+    and timing method only), with their queued timings, and the report puts every row in grid order
+    with geometric means over all of them, for the single calls and for the queued calls."""
     import json
 
     from cula import bench_kda
@@ -171,27 +172,38 @@ def test_kda_bench_resume_keeps_measured_rows_and_recomputes_the_means(tmp_path)
     def row(name, cula_ms, fla_ms):
         return (name, {"cula": cula_ms, "fla_triton": fla_ms}, 0.1, "cuda_mma", {"rel_vs_fla": 1e-3})
 
+    def queued(r):  # the queued timings of a row: the host's share gone
+        name, res, floor, kernel, _ = r
+        return (name, {i: ms - 0.05 for i, ms in res.items()}, floor, kernel, {})
+
     def records_of(r):
         name, res, floor, kernel, check = r
+        resq = queued(r)[1]
         cfg = dict(name=name, B=1, T=64, H=1)
-        return ([dict(op="kda_fwd", config=cfg, impl=i, median_ms=ms) for i, ms in res.items()] +
+        return ([dict(op="kda_fwd", config=cfg, impl=i, median_ms=ms, median_ms_queued=resq[i]) for i, ms in res.items()] +
                 [dict(op="kda_fwd", config=cfg, impl="floor", median_ms=floor),
                  dict(op="kda_fwd", config=cfg, impl="cula_kernel", name=kernel, **check)])
 
     late, early = row(names[2], 2.0, 3.0), row(names[0], 1.0, 4.0)  # measured out of grid order
-    meta = dict(gpu="gpu0", copy_gb_per_s=1.0, method="m")
-    bench_kda._report(str(tmp_path), meta, [late], records_of(late), quiet=True)
-    records, rows = bench_kda._done_rows(str(tmp_path), "gpu0", "m")
+    meta = dict(gpu="gpu0", copy_gb_per_s=1.0, method="m", queued_method="q")
+    bench_kda._report(str(tmp_path), meta, [late], records_of(late), [queued(late)], quiet=True)
+    records, rows, qrows = bench_kda._done_rows(str(tmp_path), "gpu0", "m")
     assert [r[0] for r in rows] == [names[2]] and rows[0][1] == late[1] and rows[0][4] == late[4]
-    assert bench_kda._done_rows(str(tmp_path), "another gpu", "m") == ([], [])
-    assert bench_kda._done_rows(str(tmp_path), "gpu0", "another method") == ([], [])
-    bench_kda._report(str(tmp_path), meta, rows + [early], records + records_of(early), quiet=True)
+    assert qrows == [queued(late)]
+    assert bench_kda._done_rows(str(tmp_path), "another gpu", "m") == ([], [], [])
+    assert bench_kda._done_rows(str(tmp_path), "gpu0", "another method") == ([], [], [])
+    bench_kda._report(str(tmp_path), meta, rows + [early], records + records_of(early), qrows + [queued(early)],
+                      quiet=True)
     data = json.loads((tmp_path / "kda_fwd.json").read_text())
     assert [r[0] for r in bench_kda._done_rows(str(tmp_path), "gpu0", "m")[1]] == [names[0], names[2]]
     gm = [r for r in data["records"] if r["impl"] == "geomean_fla_triton_over_cula"]
     assert len(gm) == 1 and abs(gm[0]["ratio"] - (4.0 * 1.5) ** 0.5) < 1e-3 and gm[0]["worst"] == 1.5
+    gq = [r for r in data["records"] if r["impl"] == "geomean_fla_triton_over_cula_queued"]
+    assert len(gq) == 1 and abs(gq[0]["ratio"] - (3.95 / 0.95 * 2.95 / 1.95) ** 0.5) < 1e-3
     md = (tmp_path / "kda_fwd.md").read_text()
     assert md.index(f"| {names[0]} |") < md.index(f"| {names[2]} |")
+    queued_part = md[md.index("## Queued calls"):]
+    assert "q." in queued_part and f"| {names[0]} | 0.100 | 0.950 | 3.950 |" in queued_part
 
 
 def test_decode_markdown_shows_both_modes_ratios(tmp_path):
