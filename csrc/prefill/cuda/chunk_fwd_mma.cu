@@ -135,7 +135,10 @@ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 // input and applies the row factors. The A slot holds tril(A_qk) (no delta rule) or AM =
 // tril(A_qk) Minv, as bf16 hi + lo planes for KDA and one bf16 plane for GDN and GLA (as FLA
 // keeps A); both lower triangular in 16 x 16 blocks, whose six zero blocks the prep does not
-// write and the scan does not copy (6 of KDA's 64.5 KB per chunk and head).
+// write and the scan does not copy (6 of KDA's 64.5 KB per chunk and head). KDA's lo plane is
+// written and read on the four diagonal blocks only: those carry q_i.k_i, most of o for short
+// sequences, whose digits bf16 alone loses for nearly orthogonal rows; the blocks below the
+// diagonal are one bf16 plane as A is in FLA (3 KB less written and read per chunk and head).
 constexpr int a_planes(bool delta, bool rawqk) { return delta && !rawqk ? 2 : 1; }
 // per-row factors: KDA beta_i; GDN qs e^{G_i}, beta_i and -beta_i ks e^{G_i}
 constexpr int row_factors(bool delta, bool rawqk) { return rawqk ? 3 : delta ? 1 : 0; }
@@ -1099,7 +1102,7 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
         const int at = (16 * Ib + g + 8 * hh) * kBT + 16 * Cb + nt * 8 + 2 * t;
         const uint32_t hi = pack(acc[nt][2 * hh], acc[nt][2 * hh + 1]);
         u32at(amo + at) = hi;
-        if constexpr (Wk::kAPlanes == 2) {
+        if (Wk::kAPlanes == 2 && Ib == Cb) {
           const float2 h2 = unpack(hi);
           u32at(amo + kBT * kBT + at) = pack(acc[nt][2 * hh] - h2.x, acc[nt][2 * hh + 1] - h2.y);
         }
@@ -1195,9 +1198,11 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
         }
       }
 #pragma unroll
-      for (int j = 0; j < CopyA::J; ++j)  // rows 64..127: the lo plane (KDA); only blocks on or below the diagonal
-        if (ca.c8 < 16 * ((ca.row(j) % kBT) / 16 + 1))
-          mma::cp_async16(dst + Ly::sA + (ca.row(j) * LDT + ca.c8) * 2, blk + Wk::oA + (ca.row(j) * kBT + ca.c8) * 2);
+      for (int j = 0; j < CopyA::J; ++j) {  // rows 64..127: the lo plane (KDA), its diagonal blocks only
+        const int r = ca.row(j), rb = (r % kBT) / 16;  // blocks on or below the diagonal
+        if (ca.c8 < 16 * (rb + 1) && (r < kBT || ca.c8 >= 16 * rb))
+          mma::cp_async16(dst + Ly::sA + (r * LDT + ca.c8) * 2, blk + Wk::oA + (r * kBT + ca.c8) * 2);
+      }
 #pragma unroll
       for (int j = 0; j < CopyV::J; ++j) {
         const int r = cv.row(j);
@@ -1334,13 +1339,13 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
     else if constexpr (DELTA) S.update_kt_sw128(mma::smem_addr(base + Ly::sKt), vin_s, LDV, decay, lane);
     else S.update(kd_s, LDK, vin_s, LDV, decay, lane);
 
-    // o += AM Y (delta rule; without it tril(A_qk) v); store
-#pragma unroll
-    for (int Jb = 0; Jb < 4; ++Jb) {
-      if (Jb > I) continue;
+    // o += AM Y (delta rule; without it tril(A_qk) v); store. Blocks below the diagonal first, then
+    // the diagonal block, which adds KDA's lo plane (compiled apart: a per-block flag cost the
+    // 16-warp scan a register spill).
+    auto am_block = [&](int Jb, auto with_lo) {
       uint32_t a[4], alo[4];
       mma::ldsm_x4(a, a_s + (bI + mma::a_row(lane)) * LDT + 16 * Jb + mma::a_col(lane));
-      if constexpr (Wk::kAPlanes == 2)
+      if constexpr (decltype(with_lo)::value)
         mma::ldsm_x4(alo, a_s + (kBT + bI + mma::a_row(lane)) * LDT + 16 * Jb + mma::a_col(lane));
 #pragma unroll
       for (int np = 0; np < NTH / 2; ++np) {
@@ -1351,12 +1356,16 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
           mma::ldsm_x4_t(b, vin_s + (16 * Jb + mma::bk_row(lane)) * LDV + hc0 + 16 * np + mma::bk_col(lane));
         mma::mma16816(o[2 * np], a, b[0], b[1]);
         mma::mma16816(o[2 * np + 1], a, b[2], b[3]);
-        if constexpr (Wk::kAPlanes == 2) {
+        if constexpr (decltype(with_lo)::value) {
           mma::mma16816(o[2 * np], alo, b[0], b[1]);
           mma::mma16816(o[2 * np + 1], alo, b[2], b[3]);
         }
       }
-    }
+    };
+#pragma unroll
+    for (int Jb = 0; Jb < 3; ++Jb)
+      if (Jb < I) am_block(Jb, std::false_type{});
+    am_block(I, std::bool_constant<Wk::kAPlanes == 2>{});
     if constexpr (kWgUpdate) S.wait_wg();
     else if (DELTA) state_to_smem();
 #pragma unroll
