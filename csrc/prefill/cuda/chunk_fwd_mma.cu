@@ -18,9 +18,9 @@
 //    W' = -beta k e^G; so the prep never forms U or W (nor reads v): o's intra-chunk part
 //    tril(A_qk) Vnew = AM Y with AM = tril(A_qk) Minv, and the update Kd^T Vnew = Kt^T Y with
 //    Kt = Minv^T Kd. It writes per chunk: W', Qg = q e^G, Kt^T (Kd = k e^{G_last - G}; stored
-//    [channel][token], the update's left operand K-major), AM as bf16
-//    hi + lo (it scales whole rows of o, so it keeps ~16 bits; the product from fp32 tril(A_qk)),
-//    beta and e^{G_last} (fp32): 64.5 KB for K = 128.
+//    [channel][token], the update's left operand K-major), AM in bf16 (the product from fp32
+//    tril(A_qk); its diagonal blocks, which carry q_i.k_i, as hi + lo for ~16 bits), beta and
+//    e^{G_last} (fp32): 55.5 KB written for K = 128 (the zero blocks above the diagonal are not).
 //    GDN (scalar gate): no W', Qg (their factors are per row): the scan reads q and k from the
 //    input and applies the row factors qs e^{G_i} (to q S) and -beta ks e^{G_i} (to k S); Kt =
 //    Minv^T diag(ks e^{G_last - G}) k in the W slot, AM in one bf16 plane (as FLA keeps A), 25 KB.
@@ -1070,7 +1070,7 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
   // products here and no v tile.
   // AM = tril(A_qk) Minv, block (Ib, Cb) = sum_{Jb=Cb..Ib} A_{Ib,Jb} Minv_{Jb,Cb}; the ten lower
   // block pairs dealt as for the pair products (4-6 k-steps per warp); A from fp32 as bf16 hi + lo;
-  // out as one bf16 plane (GDN) or hi + lo (KDA).
+  // out as one bf16 plane (GDN; KDA below the diagonal) or hi + lo (KDA's diagonal blocks).
   // (8 warps: the pairs dealt by cost, Ib - Cb + 1 steps: (3,0); (2,0); (3,1); (1,0); (2,1) and
   // (1,1); (3,2) and (2,2); (3,3); (0,0), as pair numbers in two nibble tables)
   bf16* amo = reinterpret_cast<bf16*>(blk + Wk::oA);
