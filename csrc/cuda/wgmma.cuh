@@ -56,6 +56,13 @@ __device__ __forceinline__ void commit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 #endif
 }
+// Waits until at most N of this warpgroup's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void wait_pending() {
+#if CULA_WGMMA
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
 __device__ __forceinline__ void wait_all() {
 #if CULA_WGMMA
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");

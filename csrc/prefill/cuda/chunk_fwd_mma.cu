@@ -194,7 +194,9 @@ struct PrepLayout {
 constexpr float kSteepSpan = 64.0f;
 
 // sU holds the v slice read from the input, replaced in place by Y with the delta rule (sm_80; on
-// sm_90a Y^T takes the S^T buffer). RAWQK: sW holds Kt^T, sQ and sKd the raw q and k.
+// sm_90a Y^T takes a buffer of its own, oYT, for KDA at VB >= 64, so that Qg S, which reads S^T,
+// can still run while Y^T is written; else the S^T buffer). RAWQK: sW holds Kt^T, sQ and sKd the
+// raw q and k.
 template <int K, int VB, bool DELTA, bool RAWQK>
 struct ScanLayout {
   static constexpr int LDK = K + 8, LDV = VB + 8, LDT = kBT + 8;
@@ -203,7 +205,10 @@ struct ScanLayout {
                        stage = (sRF + row_factors(DELTA, RAWQK) * kBT * 4 + 1023) / 1024 * 1024;
   // (stages on 1024-byte boundaries: sm_90a keeps the products' left operands and S^T there in the
   // 128-byte swizzle, wgmma.cuh)
-  static constexpr int oS = 2 * stage, bytes = oS + K * LDV * 2;
+  // (VB = 32 keeps Y^T in S^T: its A100 KDA scan at K = 128 has no 4 KB to spare)
+  static constexpr bool kYtOwn = DELTA && !RAWQK && VB >= 64;
+  static constexpr int oS = 2 * stage, oYT = oS + K * LDV * 2, bytes = oYT + (kYtOwn ? VB * kBT * 2 : 0);
+  static_assert(oYT % 1024 == 0, "Y^T on a 1024-byte boundary (128-byte swizzle)");
   static constexpr int sKt = RAWQK ? sW : sKd;  // Kt^T [K][64] (delta rule), in the 128-byte swizzle
   static_assert(sKt % 1024 == 0 && K * kBT * 2 <= kBT * LDK * 2, "Kt^T fits its slot");
   static_assert(sQ % 1024 == 0 && sKd % 1024 == 0 && VB * K * 2 <= K * LDV * 2, "swizzled tiles fit their slots");
@@ -1132,7 +1137,7 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
 
   // sm_90a: the products with S as warpgroup products (design note above); with the delta rule the
   // state update too, which takes S in the warpgroup row layout and Y transposed in the S^T buffer
-  constexpr bool kWg = CULA_WGMMA, kWgUpdate = kWg && DELTA;
+  constexpr bool kWg = CULA_WGMMA, kWgUpdate = kWg && DELTA, kYtOwn = kWg && Ly::kYtOwn;
   using Slice = StateSlice<K, VB, NW, kWgUpdate>;
   Slice S(warp, lane, v0);
   const int64_t slot = Slice::pool_slot(p, n);
@@ -1269,16 +1274,31 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
       wg::fence_operand(vn);
       wg::fence_operand(o);
       wg::fence();
+      if constexpr (kYtOwn) {
+        // W' S and Qg S as two groups: Y waits for the first only; Qg S runs on through Y^T's
+        // store, B2 and the update's issue, and is waited for before AM Y adds to o
 #pragma unroll
-      for (int kk = 0; kk < KS; ++kk) {
-        const uint64_t db = wg::desc_kstep(bs0, VB, hc0, kk);
-        if (DELTA) wg::mma_bf16<NTH>(vn, wg::desc_kstep(aw0, kBT, 0, kk), db);
-        wg::mma_bf16<NTH>(o, wg::desc_kstep(aq0, kBT, 0, kk), db);
+        for (int kk = 0; kk < KS; ++kk)
+          wg::mma_bf16<NTH>(vn, wg::desc_kstep(aw0, kBT, 0, kk), wg::desc_kstep(bs0, VB, hc0, kk));
+        wg::commit();
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk)
+          wg::mma_bf16<NTH>(o, wg::desc_kstep(aq0, kBT, 0, kk), wg::desc_kstep(bs0, VB, hc0, kk));
+        wg::commit();
+        wg::wait_pending<1>();
+        wg::fence_operand(vn);
+      } else {
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk) {
+          const uint64_t db = wg::desc_kstep(bs0, VB, hc0, kk);
+          if (DELTA) wg::mma_bf16<NTH>(vn, wg::desc_kstep(aw0, kBT, 0, kk), db);
+          wg::mma_bf16<NTH>(o, wg::desc_kstep(aq0, kBT, 0, kk), db);
+        }
+        wg::commit();
+        wg::wait_all();
+        wg::fence_operand(vn);
+        wg::fence_operand(o);
       }
-      wg::commit();
-      wg::wait_all();
-      wg::fence_operand(vn);
-      wg::fence_operand(o);
     } else {
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk) {
@@ -1314,7 +1334,7 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
     }
     // sm_90a: Y transposed into the S^T buffer (S^T is read, the products waited for), the B
     // operand of the warpgroup update; it goes back to S^T after B3
-    const uint32_t yt = mma::smem_addr(s_s);
+    const uint32_t yt = mma::smem_addr(kYtOwn ? smem + Ly::oYT : smem + Ly::oS);
     if constexpr (kWgUpdate) {
       wg::store_t_sw128<NTH>(yt, VB, bI, hc0, vn, lane);
       wg::fence_proxy_async();
@@ -1338,6 +1358,10 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
     if constexpr (kWgUpdate) S.update_wg(mma::smem_addr(base + Ly::sKt), yt, decay);
     else if constexpr (DELTA) S.update_kt_sw128(mma::smem_addr(base + Ly::sKt), vin_s, LDV, decay, lane);
     else S.update(kd_s, LDK, vin_s, LDV, decay, lane);
+    if constexpr (kYtOwn) {  // Qg S done (the update, committed last, may still run)
+      wg::wait_pending<1>();
+      wg::fence_operand(o);
+    }
 
     // o += AM Y (delta rule; without it tril(A_qk) v); store. Blocks below the diagonal first, then
     // the diagonal block, which adds KDA's lo plane (compiled apart: a per-block flag cost the
