@@ -1136,7 +1136,8 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
   const int64_t cbase = tk.cbase;
 
   // sm_90a: the products with S as warpgroup products (design note above); with the delta rule the
-  // state update too, which takes S in the warpgroup row layout and Y transposed in the S^T buffer
+  // state update too, which takes S in the warpgroup row layout and Y transposed (kYtOwn: in a
+  // buffer of its own, else in the S^T buffer)
   constexpr bool kWg = CULA_WGMMA, kWgUpdate = kWg && DELTA, kYtOwn = kWg && Ly::kYtOwn;
   using Slice = StateSlice<K, VB, NW, kWgUpdate>;
   Slice S(warp, lane, v0);
@@ -1332,8 +1333,9 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
         }
       }
     }
-    // sm_90a: Y transposed into the S^T buffer (S^T is read, the products waited for), the B
-    // operand of the warpgroup update; it goes back to S^T after B3
+    // sm_90a: Y transposed, the B operand of the warpgroup update, into its own buffer (KDA at
+    // VB >= 64) or else into the S^T buffer (S^T is read by then, the products waited for), which
+    // goes back to S^T after B3
     const uint32_t yt = mma::smem_addr(kYtOwn ? smem + Ly::oYT : smem + Ly::oS);
     if constexpr (kWgUpdate) {
       wg::store_t_sw128<NTH>(yt, VB, bI, hc0, vn, lane);
