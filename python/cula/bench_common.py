@@ -9,38 +9,18 @@ import statistics
 REPS = 30
 
 
-def time_interleaved(torch, impls, reps=REPS, warmup=3):
-    """Median ms of ``reps`` single calls (CUDA events, synchronized) of each implementation in
-    ``impls`` ([(name, fn)]). The implementations take turns call by call, so a drift of the host
-    or the GPU during the run reaches all of them alike. fn(i) gets the running call count, whose
-    parity picks the input set: consecutive calls never read the same inputs."""
-    k = 0
-    for _ in range(warmup):
-        for _, fn in impls:
-            fn(k)
-            k += 1
-    torch.cuda.synchronize()
-    times = {name: [] for name, _ in impls}
-    for _ in range(reps):
-        for name, fn in impls:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn(k)
-            b.record()
-            b.synchronize()
-            times[name].append(a.elapsed_time(b))
-            k += 1
-    return {name: statistics.median(t) for name, t in times.items()}
+def time_interleaved(torch, impls, reps=REPS, warmup=3, queued=False, flush_bytes=256 << 20):
+    """Median ms of ``reps`` calls of each implementation in ``impls`` ([(name, fn)]), each between
+    two CUDA events. The implementations take turns call by call, so a drift of the host or the GPU
+    during the run reaches all of them alike. fn(i) gets the running call count, whose parity picks
+    the input set: consecutive calls never read the same inputs.
 
-
-def time_queued(torch, impls, reps=REPS, warmup=3, flush_bytes=256 << 20):
-    """Median ms of ``reps`` calls of each implementation in ``impls`` ([(name, fn)]) enqueued with no
-    synchronization between them, the method of triton.testing.do_bench: before every call a 256 MB
-    buffer is zeroed (L2 keeps nothing of the inputs), and each call sits between two CUDA events.
-    The host runs ahead of the GPU, so each time is the GPU's time for the call, the host's time
-    hidden unless the host falls behind (or the implementation synchronizes). The implementations
-    take turns call by call on alternating input sets, as in time_interleaved."""
-    flush = torch.empty(flush_bytes, dtype=torch.int8, device="cuda")
+    Single calls (default): each call is synchronized, so its time includes the host's.
+    queued: the method of triton.testing.do_bench. Before every call a 256 MB buffer is zeroed (L2
+    keeps nothing of the inputs) and there is no synchronization between calls; the host runs ahead
+    of the GPU, so each time is the GPU's time for the call, the host's time hidden unless the host
+    falls behind (or the implementation synchronizes)."""
+    flush = torch.empty(flush_bytes, dtype=torch.int8, device="cuda") if queued else None
     k = 0
     for _ in range(warmup):
         for _, fn in impls:
@@ -50,11 +30,14 @@ def time_queued(torch, impls, reps=REPS, warmup=3, flush_bytes=256 << 20):
     marks = {name: [] for name, _ in impls}
     for _ in range(reps):
         for name, fn in impls:
-            flush.zero_()
+            if queued:
+                flush.zero_()
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             fn(k)
             b.record()
+            if not queued:
+                b.synchronize()
             marks[name].append((a, b))
             k += 1
     torch.cuda.synchronize()
@@ -67,14 +50,6 @@ QUEUED_METHOD = (f"median of {REPS} calls enqueued back to back with no synchron
                  "implementations taking turns, torch SDPA in a block of its own")
 
 
-def time_peers_and_baseline_queued(torch, impls, baseline, reps=REPS):
-    """time_peers_and_baseline with time_queued: the GPU's time per call."""
-    res = time_queued(torch, impls, reps)
-    name, fn = baseline
-    res[name] = time_queued(torch, [(name, fn)], reps)[name]
-    return res
-
-
 # How time_peers_and_baseline times (the start of each results file's "method"; bench kda --resume
 # keeps only rows whose file states the same method).
 PEERS_AND_BASELINE_METHOD = (
@@ -83,15 +58,15 @@ PEERS_AND_BASELINE_METHOD = (
     "calls on different input sets")
 
 
-def time_peers_and_baseline(torch, impls, baseline, reps=REPS):
-    """time_interleaved over the linear-attention implementations ``impls``, then the softmax
-    baseline ``baseline`` (name, fn) in a block of its own. The baseline stays out of the turns:
-    a call of it loads the GPU for up to ~14 ms at full tensor-core power, and whichever
+def time_peers_and_baseline(torch, impls, baseline, reps=REPS, queued=False):
+    """time_interleaved (single or queued calls) over the linear-attention implementations ``impls``,
+    then the softmax baseline ``baseline`` (name, fn) in a block of its own. The baseline stays out
+    of the turns: a call of it loads the GPU for up to ~14 ms at full tensor-core power, and whichever
     implementation came next in the turn ran on a GPU whose clocks had dropped (cula's single
     call at 1x32768 H32 0.80 -> 1.05 ms when it followed SDPA, FLA's 1.28 -> 1.71 ms)."""
-    res = time_interleaved(torch, impls, reps)
+    res = time_interleaved(torch, impls, reps, queued=queued)
     name, fn = baseline
-    res[name] = time_interleaved(torch, [(name, fn)], reps)[name]
+    res[name] = time_interleaved(torch, [(name, fn)], reps, queued=queued)[name]
     return res
 
 

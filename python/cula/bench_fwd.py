@@ -20,7 +20,7 @@ import os
 import time
 
 from .bench_common import (PEERS_AND_BASELINE_METHOD, QUEUED_METHOD, REPS, causal_sdpa, time_peers_and_baseline,
-                           time_peers_and_baseline_queued, write_report)
+                           write_report)
 from .bench_decode import _version, cuda_device
 from . import _lib
 from .demo import Progress
@@ -113,7 +113,7 @@ def bench_fwd(family: str, out_dir: str, gpu_name: str | None = None, configs=No
         check = {}
         with torch.inference_mode():
             res = time_peers_and_baseline(torch, impls, ("torch_sdpa", run_sdpa))
-            resq = time_peers_and_baseline_queued(torch, impls, ("torch_sdpa", run_sdpa))
+            resq = time_peers_and_baseline(torch, impls, ("torch_sdpa", run_sdpa), queued=True)
             for impl in res:
                 records.append(dict(op=op, config=config, impl=impl, median_ms=round(res[impl], 4),
                                     median_ms_queued=round(resq[impl], 4), reps=REPS))

@@ -19,7 +19,7 @@ import os
 import time
 
 from .bench_common import (PEERS_AND_BASELINE_METHOD, QUEUED_METHOD, REPS, causal_sdpa, time_peers_and_baseline,
-                           time_peers_and_baseline_queued, write_report)
+                           write_report)
 from .bench_decode import _version, cuda_device
 from . import _lib
 from .demo import Progress
@@ -167,7 +167,7 @@ def bench_kda(out_dir: str, gpu_name: str | None = None, configs=None, resume=Fa
                       safe_gate=True, lower_bound=LOWER_BOUND, l2norm=True, beta_sigmoid=True)
         with torch.inference_mode():
             res = time_peers_and_baseline(torch, impls, ("torch_sdpa", run_sdpa))
-            resq = time_peers_and_baseline_queued(torch, impls, ("torch_sdpa", run_sdpa))
+            resq = time_peers_and_baseline(torch, impls, ("torch_sdpa", run_sdpa), queued=True)
             for impl in res:
                 records.append(dict(op="kda_fwd", config=config, impl=impl, median_ms=round(res[impl], 4),
                                     median_ms_queued=round(resq[impl], 4), reps=REPS))
