@@ -59,20 +59,15 @@ __device__ __forceinline__ void allow_dependents_launch() {
 #endif
 }
 
-// e^x by ex2.approx.ftz: 2 instructions where __expf takes 5 (its path for results below the
-// normal range, which this flushes to 0). Identical to __expf wherever e^x is a normal float.
-__device__ __forceinline__ float exp_ftz(float x) {
-  float e;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x * 1.4426950408889634f));
-  return e;
-}
-
 // 2^x by ex2.approx.ftz, one instruction: for arguments already in log2 units.
 __device__ __forceinline__ float ex2_ftz(float x) {
   float e;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x));
   return e;
 }
+// e^x by ex2.approx.ftz: 2 instructions where __expf takes 5 (its path for results below the
+// normal range, which this flushes to 0). Identical to __expf wherever e^x is a normal float.
+__device__ __forceinline__ float exp_ftz(float x) { return ex2_ftz(x * 1.4426950408889634f); }
 
 // -eA softplus(x), the gate without a lower bound: log1p(e^x), or x itself above 20 (where the two
 // agree in fp32). Selected, not branched: a branch per element made each exponential a divergent

@@ -63,11 +63,7 @@ __device__ __forceinline__ void wait_pending() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 #endif
 }
-__device__ __forceinline__ void wait_all() {
-#if CULA_WGMMA
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-#endif
-}
+__device__ __forceinline__ void wait_all() { wait_pending<0>(); }
 // Generic-proxy writes to shared memory (thread stores, cp.async) made visible to the async proxy
 // that wgmma reads operands through; each writing thread runs it before the barrier.
 __device__ __forceinline__ void fence_proxy_async() {
