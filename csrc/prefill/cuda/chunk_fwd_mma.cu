@@ -13,7 +13,7 @@
 //      one 16-token block);  A[i,j] = sum_c (k_i el_i E_IJ)[c] Kr_j[c], E_IJ = e^{G_bI - G_bJ}:
 //      every exponent splits through the first token of i's block, so no factor overflows.
 //      M = I + diag(beta) strict_lower(A_kk); Minv by 16x16 blocks (diagonal blocks by substitution
-//      in fp32, the rest by products).
+//      in fp32, the rest by products: the 32-row halves' inverses, then the quarter below them).
 //    Vnew = U + W S with U = Minv (beta v), W = -Minv (beta k e^G) is Minv Y, Y = beta v + W' S,
 //    W' = -beta k e^G; so the prep never forms U or W (nor reads v): o's intra-chunk part
 //    tril(A_qk) Vnew = AM Y with AM = tril(A_qk) Minv, and the update Kd^T Vnew = Kt^T Y with
@@ -67,7 +67,8 @@
 // mbarrier (no per-thread 16-byte copies and their address arithmetic); cp.async on sm_80.
 // Barriers: B_a0 tiles in; B_a1 row scales (KDA); B_b block sums; B_c Kr and table; B_c2 pair
 // products done (GLA stops after writing A_qk); B_e M; B_f diagonal inverses (KDA: barrier 1, warps
-// 4-7 only arrive); B_g Minv (KDA: also W', Kd out and Kr free); B_h tril(A_qk) in fp32 (KDA: in the
+// 4-7 only arrive); B_f2 Minv's blocks (1,0) and (3,2) (KDA: barrier 2, warps 0-3); B_g Minv (KDA:
+// also W', Kd out and Kr free); B_h tril(A_qk) in fp32 (KDA: in the
 // Kr buffer; GDN: in R1).
 // scan: 8 warps (16 at VB = 128); warp w owns rows 16(w%4).. of the token-side products and
 // channels (w%4)*K/4.. of the state, for column group w/4 of the slice (halves; quarters of 32
@@ -978,43 +979,89 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
     if constexpr (DELTA && !SCALAR)
       if (kh == 1) w_kd_pass();
   }
-  // Off-diagonal blocks, column block J = warp (the first four warps): Minv_IJ = -Minv_II
-  // sum_{L=J}^{I-1} M_IL Minv_LJ.
-  const int J = I, bJ = 16 * I;
-  for (int Ib = J + 1; Ib < 4 && kh == 0; ++Ib) {
-    const int bIb = 16 * Ib;
-    float x[2][4] = {};
-    for (int Lb = J; Lb < Ib; ++Lb) {
-      uint32_t a[4];
+  // Off-diagonal blocks by halves (the first four warps): Minv = [[Ainv, 0], [-Dinv C Ainv, Dinv]]
+  // for M = [[A, 0], [C, D]] split at row 32. Blocks (1,0) and (3,2) (the halves' inverses: Minv_10
+  // = -Minv_11 M_10 Minv_00) by warps 0 and 1; then the bottom-left quarter, block (r,c) = -sum_P Z_rP
+  // Minv_Pc with Z_rP = sum_{L=2..r} Minv_rL M_LP, one block per warp. The products with a diagonal
+  // inverse only go before the halves' barrier, so the chain is four products deep (it was nine, in
+  // warp 0, behind three shared-memory round trips) and every warp has a share.
+  // Z stays in registers: an accumulator is the A fragment of the next product.
+  {
+    auto m_frag_b = [&](int Lb, int Pb, uint32_t (&b)[4]) {  // M block (Lb, Pb) as the B operand [k][n], bf16
 #pragma unroll
-      for (int rr = 0; rr < 4; ++rr) {
-        const float2 mv = *reinterpret_cast<const float2*>(m_s + (bIb + g + 8 * (rr & 1)) * MS + 16 * Lb + 2 * t + 8 * (rr >> 1));
-        a[rr] = pack(mv.x, mv.y);
+      for (int r = 0; r < 4; ++r) {  // n-tile r / 2, k rows 2t (+ 8 for odd r)
+        const float* col = m_s + (16 * Lb + 2 * t + 8 * (r & 1)) * MS + 16 * Pb + 8 * (r >> 1) + g;
+        b[r] = pack(col[0], col[MS]);
       }
-      uint32_t b[4];
-      mma::ldsm_x4_t(b, t_s + (16 * Lb + mma::bk_row(lane)) * LDT + bJ + mma::bk_col(lane));
+    };
+    auto t_frag_a = [&](int Ib, int Lb, uint32_t (&a)[4]) {
+      mma::ldsm_x4(a, t_s + (16 * Ib + mma::a_row(lane)) * LDT + 16 * Lb + mma::a_col(lane));
+    };
+    auto t_frag_b = [&](int Lb, int Pb, uint32_t (&b)[4]) {
+      mma::ldsm_x4_t(b, t_s + (16 * Lb + mma::bk_row(lane)) * LDT + 16 * Pb + mma::bk_col(lane));
+    };
+    auto mma2 = [](float (&x)[2][4], const uint32_t (&a)[4], const uint32_t (&b)[4]) {
       mma::mma16816(x[0], a, b[0], b[1]);
       mma::mma16816(x[1], a, b[2], b[3]);
+    };
+    auto as_a = [](const float (&x)[2][4], uint32_t (&a)[4]) {  // accumulator -> A fragment
+      a[0] = pack(x[0][0], x[0][1]), a[1] = pack(x[0][2], x[0][3]);
+      a[2] = pack(x[1][0], x[1][1]), a[3] = pack(x[1][2], x[1][3]);
+    };
+    auto store_neg = [&](int Ib, int Jb, const float (&x)[2][4]) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+          u32at(t_s + (16 * Ib + g + 8 * hh) * LDT + 16 * Jb + nt * 8 + 2 * t) = pack(-x[nt][2 * hh], -x[nt][2 * hh + 1]);
+    };
+    if (kh == 0) {
+      uint32_t a[4], b[4];
+      if (I < 2) {  // the halves: (1,0) by warp 0, (3,2) by warp 1
+        const int Ib = 2 * I + 1, Jb = 2 * I;
+        float z[2][4] = {}, x[2][4] = {};
+        t_frag_a(Ib, Ib, a);
+        m_frag_b(Ib, Jb, b);
+        mma2(z, a, b);
+        as_a(z, a);
+        t_frag_b(Jb, Jb, b);
+        mma2(x, a, b);
+        store_neg(Ib, Jb, x);
+      }
+      // bottom-left quarter: warp 0 (3,1), warp 1 (2,1), warp 2 (2,0), warp 3 (3,0)
+      const int r = I == 1 || I == 2 ? 2 : 3, c = I >= 2 ? 0 : 1;
+      float z[2][2][4] = {};  // Z_rP, P = c..1 (unrolled: register arrays)
+      t_frag_a(r, r, a);
+#pragma unroll
+      for (int P = 0; P < 2; ++P)  // Z_rP = Minv_rr M_rP (+ Minv_32 M_2P after the barrier, r = 3)
+        if (P >= c) {
+          m_frag_b(r, P, b);
+          mma2(z[P], a, b);
+        }
+      // B_f2: (1,0) and (3,2) visible to the first four warps (all warps take part in the
+      // block-barriers-only mode, where warps 4-7 are not busy elsewhere)
+      mbar::named_sync(2, overlap_w_kd ? 128 : NT);
+      if (r == 3) {
+        t_frag_a(3, 2, a);
+#pragma unroll
+        for (int P = 0; P < 2; ++P)
+          if (P >= c) {
+            m_frag_b(2, P, b);
+            mma2(z[P], a, b);
+          }
+      }
+      float x[2][4] = {};
+#pragma unroll
+      for (int P = 0; P < 2; ++P)
+        if (P >= c) {
+          as_a(z[P], a);
+          t_frag_b(P, c, b);
+          mma2(x, a, b);
+        }
+      store_neg(r, c, x);
+    } else if (!overlap_w_kd) {
+      mbar::named_sync(2, NT);
     }
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh)
-        u32at(t_s + (bIb + g + 8 * hh) * LDT + bJ + nt * 8 + 2 * t) = pack(x[nt][2 * hh], x[nt][2 * hh + 1]);
-    __syncwarp();
-    uint32_t a[4], b[4];
-    mma::ldsm_x4(a, t_s + (bIb + mma::a_row(lane)) * LDT + bIb + mma::a_col(lane));
-    mma::ldsm_x4_t(b, t_s + (bIb + mma::bk_row(lane)) * LDT + bJ + mma::bk_col(lane));
-    float y[2][4] = {};
-    mma::mma16816(y[0], a, b[0], b[1]);
-    mma::mma16816(y[1], a, b[2], b[3]);
-    __syncwarp();
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh)
-        u32at(t_s + (bIb + g + 8 * hh) * LDT + bJ + nt * 8 + 2 * t) = pack(-y[nt][2 * hh], -y[nt][2 * hh + 1]);
-    __syncwarp();
   }
   __syncthreads();  // B_g: Minv complete (KDA: W', Kd written, Kr no longer read)
   if constexpr (!SCALAR) {  // KDA: tril(A_qk) in fp32 into the Kr buffer
@@ -1075,8 +1122,9 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
   // update Kd^T Vnew = Kt^T Y with Kt = Minv^T Kd (GDN: Kd = diag(ks e^{G_last - G}) k): no U, W
   // products here and no v tile.
   // AM = tril(A_qk) Minv, block (Ib, Cb) = sum_{Jb=Cb..Ib} A_{Ib,Jb} Minv_{Jb,Cb}; the ten lower
-  // block pairs dealt as for the pair products (4-6 k-steps per warp); A from fp32 as bf16 hi + lo;
-  // out as one bf16 plane (below the diagonal) or hi + lo (the diagonal blocks).
+  // block pairs dealt as for the pair products (4-6 k-steps per warp); A from fp32 as bf16 hi + lo
+  // for the diagonal blocks, which come out as hi + lo, and as bf16 for those below the diagonal,
+  // which come out as one bf16 plane.
   // (8 warps: the pairs dealt by cost, Ib - Cb + 1 steps: (3,0); (2,0); (3,1); (1,0); (2,1) and
   // (1,1); (3,2) and (2,2); (3,3); (0,0), as pair numbers in two nibble tables)
   bf16* amo = reinterpret_cast<bf16*>(blk + Wk::oA);
@@ -1086,6 +1134,9 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
     if (KH == 2) pair_of(((q == 0 ? 0x09841736u : 0xFF52FFFFu) >> (4 * warp)) & 15, Ib, Cb);
     if (Ib < 0) continue;
     float acc[2][4] = {};
+    // A's lo part only where the output keeps a lo plane (the diagonal blocks, one k-step): a block
+    // written as one bf16 plane is rounded to bf16 anyway
+    const bool a_lo = Wk::kAPlanes == 2 && Ib == Cb;
     for (int Jb = Cb; Jb <= Ib; ++Jb) {
       uint32_t ah[4], al[4], b[4];
 #pragma unroll
@@ -1098,8 +1149,10 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
       mma::ldsm_x4_t(b, t_s + (16 * Jb + mma::bk_row(lane)) * LDT + 16 * Cb + mma::bk_col(lane));
       mma::mma16816(acc[0], ah, b[0], b[1]);
       mma::mma16816(acc[1], ah, b[2], b[3]);
-      mma::mma16816(acc[0], al, b[0], b[1]);
-      mma::mma16816(acc[1], al, b[2], b[3]);
+      if (a_lo) {
+        mma::mma16816(acc[0], al, b[0], b[1]);
+        mma::mma16816(acc[1], al, b[2], b[3]);
+      }
     }
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
