@@ -1402,7 +1402,10 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
 #pragma unroll
           for (int hh = 0; hh < 2; ++hh)
             u32at(vin_s + (bI + g + 8 * hh) * LDV + hc0 + nt * 8 + 2 * t) = pack(vn[nt][2 * hh], vn[nt][2 * hh + 1]);
-      __syncthreads();  // B2: Y visible
+      // B2: Y visible to the warps of this column group, its only readers (the update and AM Y take
+      // the group's own columns), so the two groups need not wait for each other here
+      if (p.block_barriers_only) __syncthreads();
+      else mbar::named_sync(1 + warp / 4, 128);
     }
 
     // S = e^{G_last} S + Kt^T Y (delta rule: Kt in the Kd slot, GDN's in the W slot; without it
