@@ -76,7 +76,8 @@
 // e^{G_last}, row factors) and S (bf16): 180 KB for K = 128, VB = 64, one CTA per SM (163 KB at
 // VB = 32, which an A100 block holds; 212 KB at VB = 128; GLA: no W'; GDN: Kt, raw q, k in the W',
 // Qg, Kd slots).
-// Barriers per chunk: B1 stage in and S written; B2 Y written (delta rule); B3 stage free.
+// Barriers per chunk: B1 stage in and S written; B2 Y written (delta rule; the column group's
+// four warps only, named barrier 1 + group); B3 stage free.
 // sm_90a: the products with S (Y's W' S and o's Qg S; GDN's k S and q S) are warpgroup products
 // (wgmma m64n32k16 / m64n16k16, warps 4j..4j+3 = column group j, the accumulators in the same
 // registers as the mma.sync path's): S is kept in shared memory transposed, S^T, and it and the two
