@@ -1162,7 +1162,7 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
         const int at = (16 * Ib + g + 8 * hh) * kBT + 16 * Cb + nt * 8 + 2 * t;
         const uint32_t hi = pack(acc[nt][2 * hh], acc[nt][2 * hh + 1]);
         u32at(amo + at) = hi;
-        if (Wk::kAPlanes == 2 && Ib == Cb) {
+        if (a_lo) {  // the lo plane (a diagonal block)
           const float2 h2 = unpack(hi);
           u32at(amo + kBT * kBT + at) = pack(acc[nt][2 * hh] - h2.x, acc[nt][2 * hh + 1] - h2.y);
         }
