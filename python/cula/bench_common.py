@@ -7,20 +7,21 @@ import os
 import statistics
 
 REPS = 30
+FLUSH_BYTES = 256 << 20  # zeroed before each queued call, as triton.testing.do_bench does: L2 keeps nothing
 
 
-def time_interleaved(torch, impls, reps=REPS, warmup=3, queued=False, flush_bytes=256 << 20):
+def time_interleaved(torch, impls, reps=REPS, warmup=3, queued=False):
     """Median ms of ``reps`` calls of each implementation in ``impls`` ([(name, fn)]), each between
     two CUDA events. The implementations take turns call by call, so a drift of the host or the GPU
     during the run reaches all of them alike. fn(i) gets the running call count, whose parity picks
     the input set: consecutive calls never read the same inputs.
 
     Single calls (default): each call is synchronized, so its time includes the host's.
-    queued: the method of triton.testing.do_bench. Before every call a 256 MB buffer is zeroed (L2
+    queued: the method of triton.testing.do_bench. Before every call a FLUSH_BYTES buffer is zeroed (L2
     keeps nothing of the inputs) and there is no synchronization between calls; the host runs ahead
     of the GPU, so each time is the GPU's time for the call, the host's time hidden unless the host
     falls behind (or the implementation synchronizes)."""
-    flush = torch.empty(flush_bytes, dtype=torch.int8, device="cuda") if queued else None
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda") if queued else None
     k = 0
     for _ in range(warmup):
         for _, fn in impls:
@@ -45,7 +46,7 @@ def time_interleaved(torch, impls, reps=REPS, warmup=3, queued=False, flush_byte
 
 
 QUEUED_METHOD = (f"median of {REPS} calls enqueued back to back with no synchronization between them (the method "
-                 "of triton.testing.do_bench: a 256 MB buffer zeroed before every call, each call between two CUDA "
+                 f"of triton.testing.do_bench: a {FLUSH_BYTES >> 20} MB buffer zeroed before every call, each call between two CUDA "
                  "events, so the host's time per call is hidden while the host keeps ahead of the GPU), the "
                  "implementations taking turns, torch SDPA in a block of its own")
 
