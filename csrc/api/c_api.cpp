@@ -7,10 +7,11 @@
 #include "common/parallel.h"
 #include "common/problem.h"
 #include "cpu/cpu_backend.h"
-#include "cuda/cuda_ops.h"
-#include "decode/cuda/decode_cuda.h"
-#include "prefill/cuda/chunk_fwd_mma.h"
-#include "prefill/cuda/recurrent_fwd.h"
+#include "cuda/decode/decode.h"
+#include "cuda/gate/kda_gate.h"
+#include "cuda/prefill/chunk_engines.h"
+#include "cuda/prefill/recurrent/recurrent_fwd.h"
+#include "cuda/runtime/runtime.h"
 #include "reference/reference.h"
 
 #ifndef CULA_VERSION_STRING

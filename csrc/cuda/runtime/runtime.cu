@@ -6,8 +6,8 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "cuda/check.cuh"
-#include "cuda/cuda_ops.h"
+#include "cuda/runtime/check.h"
+#include "cuda/runtime/runtime.h"
 
 namespace cula {
 

@@ -1,5 +1,5 @@
 // KDA gate activation kernel (FLA's fused_kda_gate): one thread per element of g, grid-stride.
-// It is the pre-pass of the fused prefill kernels, and an op of its own.
+// An op of its own: the forward and decode kernels activate their gates in-kernel (recurrence_math.cuh).
 //   no lower bound: a = -exp(A_log[h]) * softplus(g + dt_bias[h, k])   (softplus = x above 20)
 //   lower bound lb: a = lb * sigmoid(exp(A_log[h]) * (g + dt_bias[h, k]))  (A_log optional)
 #include <cuda_bf16.h>
@@ -10,8 +10,9 @@
 #include <string>
 
 #include "common/error.h"
-#include "cuda/check.cuh"
-#include "cuda/cuda_ops.h"
+#include "cuda/runtime/check.h"
+#include "cuda/gate/kda_gate.h"
+#include "cuda/runtime/runtime.h"
 
 namespace cula {
 namespace {

@@ -13,10 +13,10 @@
 
 #include <cstdint>
 
-#include "cuda/device_helpers.cuh"
-#include "cuda/mma.cuh"
-#include "cuda/wgmma.cuh"
-#include "prefill/cuda/fwd_params.cuh"
+#include "cuda/common/recurrence_math.cuh"
+#include "cuda/kerutils/mma.cuh"
+#include "cuda/kerutils/wgmma.cuh"
+#include "cuda/common/fwd_params.cuh"
 
 namespace cula {
 

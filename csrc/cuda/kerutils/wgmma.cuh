@@ -16,7 +16,7 @@
 
 #include <cstdint>
 
-#include "cuda/mma.cuh"
+#include "cuda/kerutils/mma.cuh"
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define CULA_WGMMA 1

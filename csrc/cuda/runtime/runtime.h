@@ -1,4 +1,5 @@
-// Host-side launchers of the CUDA kernels (compiled by nvcc, called from the C ABI).
+// The CUDA runtime as the library sees it: devices, their architecture, SM count and shared memory
+// (compiled by nvcc, called from the C ABI and the launchers).
 #pragma once
 
 #include <cstdint>
@@ -16,8 +17,5 @@ int cuda_device_arch(int device);
 int cuda_sm_count(int device);
 // Shared memory a block may opt in to on the device, in bytes (cached; throws like cuda_sm_count).
 int cuda_smem_per_block(int device);
-
-// KDA gate activation on contiguous tensors of one CUDA device.
-void cuda_kda_gate(const cula_kda_gate_args& a, int64_t HV, int64_t K);
 
 }  // namespace cula

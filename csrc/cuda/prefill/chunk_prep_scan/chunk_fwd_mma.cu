@@ -101,16 +101,16 @@
 #include <type_traits>
 
 #include "common/error.h"
-#include "cuda/check.cuh"
-#include "cuda/cuda_ops.h"
-#include "cuda/device_helpers.cuh"
-#include "cuda/mbarrier.cuh"
-#include "cuda/mma.cuh"
-#include "cuda/wgmma.cuh"
-#include "prefill/cuda/chunk_fwd_mma.h"
-#include "prefill/cuda/chunk_common.cuh"
-#include "prefill/cuda/fwd_params.cuh"
-#include "prefill/cuda/state_slice.cuh"
+#include "cuda/runtime/check.h"
+#include "cuda/runtime/runtime.h"
+#include "cuda/common/recurrence_math.cuh"
+#include "cuda/kerutils/mbarrier.cuh"
+#include "cuda/kerutils/mma.cuh"
+#include "cuda/kerutils/wgmma.cuh"
+#include "cuda/prefill/chunk_engines.h"
+#include "cuda/prefill/chunk_common.cuh"
+#include "cuda/common/fwd_params.cuh"
+#include "cuda/prefill/state_slice.cuh"
 
 namespace cula {
 namespace {

@@ -46,11 +46,12 @@
 #include <string>
 
 #include "common/error.h"
-#include "cuda/check.cuh"
-#include "cuda/cuda_ops.h"
-#include "cuda/device_helpers.cuh"
-#include "cuda/mma.cuh"
-#include "decode/cuda/decode_cuda.h"
+#include "common/fast_div.h"
+#include "cuda/runtime/check.h"
+#include "cuda/runtime/runtime.h"
+#include "cuda/common/recurrence_math.cuh"
+#include "cuda/kerutils/mma.cuh"
+#include "cuda/decode/decode.h"
 
 namespace cula {
 namespace {

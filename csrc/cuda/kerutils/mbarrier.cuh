@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "cuda/mma.cuh"
+#include "cuda/kerutils/mma.cuh"
 
 namespace cula {
 namespace mbar {

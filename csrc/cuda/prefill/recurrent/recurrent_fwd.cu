@@ -20,10 +20,10 @@
 #include <utility>
 
 #include "common/error.h"
-#include "cuda/check.cuh"
-#include "cuda/device_helpers.cuh"
-#include "prefill/cuda/fwd_params.cuh"
-#include "prefill/cuda/recurrent_fwd.h"
+#include "cuda/runtime/check.h"
+#include "cuda/common/recurrence_math.cuh"
+#include "cuda/common/fwd_params.cuh"
+#include "cuda/prefill/recurrent/recurrent_fwd.h"
 
 namespace cula {
 namespace {

@@ -10,8 +10,8 @@
 #include <utility>
 
 #include "common/tensor.h"
-#include "cuda/check.cuh"
-#include "prefill/cuda/fwd_params.cuh"
+#include "cuda/runtime/check.h"
+#include "cuda/common/fwd_params.cuh"
 
 namespace cula {
 
