@@ -1,221 +1,20 @@
-// Chunked forward (WY/UT form) on tensor cores, sm_80 instruction set (mma.sync, ldmatrix,
-// cp.async); runs on Ampere, Hopper and Blackwell. Three families share this engine, switched by
-// template parameters: KDA (per-channel gate, bounded, delta rule), GDN (scalar gate: the pair
-// products take e^{G_i - G_j} per element, exact for any decay; delta rule) and GLA (per-channel
-// gate, any decay, no delta rule). Simple GLA and Lightning go to chunk_fwd_fused.cu (no inverse and
-// a per-pair scalar factor, so no workspace).
-//
-// Two kernels and a workspace (plus a prefix sum of chunk counts for varlen):
-//  prep (one CTA per chunk of 64 tokens and value head, all chunks in parallel): everything of a
-//    chunk that does not depend on the state. With G the inclusive cumulative log-decay and
-//    block I = tokens 16I..16I+15 (b_I its first token, e_I its last):
-//      el_i = e^{G_i - G_bI} (<= 1);  Kr_j = k_j e^{G_bJ - G_j} (>= 1, bounded by the decay inside
-//      one 16-token block);  A[i,j] = sum_c (k_i el_i E_IJ)[c] Kr_j[c], E_IJ = e^{G_bI - G_bJ}:
-//      every exponent splits through the first token of i's block, so no factor overflows.
-//      M = I + diag(beta) strict_lower(A_kk); Minv by 16x16 blocks (diagonal blocks by substitution
-//      in fp32, the rest by products: the 32-row halves' inverses, then the quarter below them).
-//    Vnew = U + W S with U = Minv (beta v), W = -Minv (beta k e^G) is Minv Y, Y = beta v + W' S,
-//    W' = -beta k e^G; so the prep never forms U or W (nor reads v): o's intra-chunk part
-//    tril(A_qk) Vnew = AM Y with AM = tril(A_qk) Minv, and the update Kd^T Vnew = Kt^T Y with
-//    Kt = Minv^T Kd. It writes per chunk: W', Qg = q e^G, Kt^T (Kd = k e^{G_last - G}; stored
-//    [channel][token], the update's left operand K-major), AM in bf16 (the product from fp32
-//    tril(A_qk); its diagonal blocks, which carry q_i.k_i, as hi + lo for ~16 bits), beta and
-//    e^{G_last} (fp32): 55.5 KB written for K = 128 (the zero blocks above the diagonal are not).
-//    GDN (scalar gate): no W', Qg (their factors are per row): the scan reads q and k from the
-//    input and applies the row factors qs e^{G_i} (to q S) and -beta ks e^{G_i} (to k S); Kt =
-//    Minv^T diag(ks e^{G_last - G}) k in the W slot, AM as KDA's (diagonal blocks hi + lo), 24 KB written.
-//    GLA (no delta rule, no bound): only A_qk (one plane), Qg, Kd and e^{G_last} (40.5 KB). Off the diagonal
-//    the right operand goes through the end of its own block, Kt_j = k_j e^{G_eJ - G_j}, and the
-//    left through E'_IJ = e^{G_bI - G_eJ}: all three factors <= 1 for any decay. Diagonal blocks
-//    take the same Kt against Ql e^{G_bI - G_eI} (a per-channel factor >= 1); where some channel
-//    decays by more than 64 inside the block (that factor could overflow) the block's products
-//    are recomputed per element in fp32 (exact_diagonal: raw q, k and gate re-read, one k-step at
-//    a time through a per-warp scratch in the Minv buffer). No Kr tile: 56 KB, four CTAs per SM.
-//  scan (one CTA per sequence, value head and VB columns of V, chunks in order, the state slice
-//    S (K x VB, fp32) in registers; 8 warps, the second four on the other half of the columns, or
-//    16 warps on four quarters of VB = 128):
-//    Y = beta v + W' S (v read from the input);  o = Qg S + AM Y;  S = e^{G_last} S + Kt^T Y.
-//    The next chunk's workspace streams in by cp.async (2 stages). GDN: Qg S = diag(qs e^G) (q S)
-//    and W' S = diag(-beta ks e^G) (k S) scale rows of the accumulators.
-//    Without the delta rule Vnew = v (the stage's v slice): o = Qg S + tril(A_qk) v, S += Kd^T v.
-// The in-block exponent bound (<= 15 |lower_bound|) is why the dispatch table sends only bounded
-// KDA gates (lower_bound >= -5) here; unbounded KDA gates take the recurrent kernel.
-//
-// prep, GDN and GLA: 4 warps; warp w owns chunk rows 16w..16w+15 for the element-wise work (norms,
-// gate, el, Kt, Kd); the ten lower 16x16 block pairs of A (and of AM) are dealt round-robin to the
-// warps and Kt is split by column tiles, so the triangle costs every warp the same. GLA's gate pass
-// takes a channel pair per thread down the 16 rows of the warp's block (the block total first, for
-// Kt's factors through the block's end); the block sums meet in shared memory.
-// prep, KDA: 8 warps (three CTAs of 80 registers per SM: six warps per scheduler to hide the MUFU
-// and shared-memory latencies of the gate work). Row norms with 4 lanes per row. The gate pass takes
-// a channel pair per thread down the 16 rows of block w % 4 (warps w and w + 4 the two halves of the
-// channels), so the running sum of the log-decays needs no shuffles; the gate comes from a bf16
-// tile copied into TB and TAB with q and k, or from global memory four rows ahead. Pair products:
-// the six off-diagonal pairs one per warp, the diagonal ones (no E factor) two each to warps 6 and
-// 7; M written by the owner of the pair; Minv by the first four warps while the last four write
-// W' and Kd of their row blocks (they would wait at the barriers otherwise); then tril(A_qk) in
-// fp32 by the pair owners and Kt by 16-column tiles; the AM pairs dealt by cost. The code is kept
-// small on purpose (rolled loops): a fully unrolled body thrashed the instruction cache
-// (docs/NOTES.md).
-// Shared buffers (KDA at K = 128: 75 KB, three CTAs per SM; GDN 43 KB, five): R1 q tile -> q el
-// -> M (fp32) (GDN: -> tril(A_qk) in fp32 once Minv is out);
-// KRAW k tile -> k el (or Kt) -> Kd; KR Kr -> tril(A_qk) in fp32 (absent for GLA); TB + TAB
-// KDA's bf16 gate tile until the block sums are out; TB Minv (or the exact path's scratch, row
-// factors and steep flags); TAB per-channel exponent rows; BT block sums and
-// dt_bias; per-row beta, scalar gate and fp32 q.k; KDA's row scales qs, ks.
-// Tile loads: on sm_90+ one bulk copy per row of q, k (and KDA's gate tile), completing on an
-// mbarrier (no per-thread 16-byte copies and their address arithmetic); cp.async on sm_80.
-// Barriers: B_a0 tiles in; B_a1 row scales (KDA); B_b block sums; B_c Kr and table; B_c2 pair
-// products done (GLA stops after writing A_qk); B_e M; B_f diagonal inverses (KDA: barrier 1, warps
-// 4-7 only arrive); B_f2 Minv's blocks (1,0) and (3,2) (KDA: barrier 2, warps 0-3); B_g Minv (KDA:
-// also W', Kd out and Kr free); B_h tril(A_qk) in fp32 (KDA: in the
-// Kr buffer; GDN: in R1).
-// scan: 8 warps (16 at VB = 128); warp w owns rows 16(w%4).. of the token-side products and
-// channels (w%4)*K/4.. of the state, for column group w/4 of the slice (halves; quarters of 32
-// columns at VB = 128). Two stages of (W', Qg, Kt, AM hi and lo, v slice (Y in its place),
-// e^{G_last}, row factors) and S (bf16): 180 KB for K = 128, VB = 64, one CTA per SM (163 KB at
-// VB = 32, which an A100 block holds; 212 KB at VB = 128; GLA: no W'; GDN: Kt, raw q, k in the W',
-// Qg, Kd slots).
-// Barriers per chunk: B1 stage in and S written; B2 Y written (delta rule; the column group's
-// four warps only, named barrier 1 + group); B3 stage free.
-// sm_90a: the products with S (Y's W' S and o's Qg S; GDN's k S and q S) are warpgroup products
-// (wgmma m64n32k16 / m64n16k16, warps 4j..4j+3 = column group j, the accumulators in the same
-// registers as the mma.sync path's): S is kept in shared memory transposed, S^T, and it and the two
-// left operands of the stage sit in the 128-byte swizzle (wgmma.cuh), so each group reads S once
-// instead of each warp reading it (a quarter of the S traffic). Each thread fences its stage and S
-// writes to the async proxy before B1, and the group waits for its products before Y is written.
-// With the delta rule the state update is one too: S sits in the registers of the warpgroup row
-// layout (StateSlice kWgRows: warp w holds channels 64 mt + 16 (w%4)..), Y goes transposed into
-// the S^T buffer (S^T is consumed by then; B2 orders it), the update S = e^{G_last} S + Kt^T Y runs
-// asynchronously behind o's AM Y products (which read Y^T by ldmatrix), and S^T is written back
-// after B3. The Kt^T slot of the stage is swizzled on every path (the sm_80 update reads it with
-// ldmatrix at swizzled addresses).
-#include <cub/block/block_scan.cuh>
+// The prep kernel of the chunk engine: everything of a chunk that does not depend on the state,
+// written to the workspace block (config.cuh: Work) for the scan. Warps, buffers and barriers:
+// DESIGN.md beside this file.
+#pragma once
+
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include <cstdlib>
-#include <initializer_list>
-#include <mutex>
-#include <string>
-#include <type_traits>
-
-#include "common/error.h"
-#include "cuda/runtime/check.h"
-#include "cuda/runtime/runtime.h"
+#include "cuda/common/fwd_params.cuh"
 #include "cuda/common/recurrence_math.cuh"
 #include "cuda/kerutils/mbarrier.cuh"
 #include "cuda/kerutils/mma.cuh"
-#include "cuda/kerutils/wgmma.cuh"
-#include "cuda/prefill/chunk_engines.h"
 #include "cuda/prefill/chunk_common.cuh"
-#include "cuda/common/fwd_params.cuh"
-#include "cuda/prefill/state_slice.cuh"
+#include "cuda/prefill/chunk_prep_scan/config.cuh"
 
 namespace cula {
-namespace {
-
-using bf16 = __nv_bfloat16;
-using mma::pack;
-using mma::unpack;
-
-constexpr int kBT = kChunk;
-// Prep warps: KDA runs 8 (three CTAs per SM: twice the warps per scheduler to hide the MUFU and
-// shared-memory latencies of its gate work; the design note above says how the work is cut for
-// them); GDN (five CTAs per SM) and GLA (four) run 4.
-constexpr int prep_warps(bool delta, bool scalar) { return delta && !scalar ? 8 : 4; }
-// Scan warps: four row blocks times VB / 32 column groups of 32 columns (VB = 32: two groups of
-// 16). The 128-column scan (16 warps, one stage read per chunk for all of a head's columns; KDA
-// and GLA) is for calls with more sequence-heads than 64-column slices fit in one wave.
-constexpr int scan_warps(int vb) { return vb == 128 ? 16 : 8; }
-
-constexpr int cmax(int a, int b) { return a > b ? a : b; }
-
-// Workspace block of one (chunk, value head), in bytes; without the delta rule there is no W'
-// (the scan reads v from the input, as it does with the delta rule). RAWQK (scalar gate with the
-// delta rule: GDN): no W', Qg tiles; their factors are per row, so the scan reads q, k from the
-// input and applies the row factors. The A slot holds tril(A_qk) (no delta rule) or AM =
-// tril(A_qk) Minv (delta rule: KDA, GDN), as bf16 hi + lo planes, and tril(A_qk) (GLA) as one
-// bf16 plane (as FLA keeps A); lower triangular in 16 x 16 blocks, whose six zero blocks the prep
-// does not write and the scan does not copy (6 of KDA's 64.5 KB per chunk and head). The lo plane
-// is written and read on the four diagonal blocks only: those carry q_i.k_i, most of o for short
-// sequences, whose digits bf16 alone loses for nearly orthogonal rows (GDN with one plane came to
-// 5.2e-3 at T = 1, over the 5e-3 tolerance); the blocks below the diagonal are one bf16 plane as A
-// is in FLA (3 KB less written and read per chunk and head).
-constexpr int a_planes(bool delta) { return delta ? 2 : 1; }
-// per-row factors: KDA beta_i; GDN qs e^{G_i}, beta_i and -beta_i ks e^{G_i}
-constexpr int row_factors(bool delta, bool rawqk) { return rawqk ? 3 : delta ? 1 : 0; }
-
-template <int K, int V, bool DELTA, bool RAWQK>
-struct Work {
-  static constexpr int QK = RAWQK ? 0 : kBT * K * 2;
-  static constexpr int kAPlanes = a_planes(DELTA);
-  static constexpr int kRowFactors = row_factors(DELTA, RAWQK);
-  // Delta rule: the A slot holds tril(A_qk) Minv and Kt^T = (Minv^T Kd)^T ([K][64]) the Kd slot
-  // (KDA) or the W slot (GDN, whose W slot is otherwise unused); KDA's W slot holds W' = -beta k
-  // e^G (no Minv)
-  static constexpr int oW = 0, oQ = oW + (DELTA ? kBT * K * 2 : 0), oKd = oQ + QK, oA = oKd + QK,
-                       oDL = oA + kAPlanes * kBT * kBT * 2, oRF = oDL + K * 4, bytes = oRF + kRowFactors * kBT * 4;
-  static constexpr int oKt = RAWQK ? oW : oKd;
-  static_assert(bytes % 16 == 0, "16-byte aligned blocks");
-};
-
-// SCALAR (GDN): no Kr, no exponent table, no per-channel block sums (tril(A_qk) goes to R1 once
-// Minv is out, the per-row values live in TB until then): 43 KB at K = 128, five CTAs per SM.
-template <int K, bool DELTA, bool SCALAR>
-struct PrepLayout {
-  static constexpr int LDK = K + 8, LDT = kBT + 8, MS = kBT + 4;
-  static constexpr int oR1 = 0;
-  static constexpr int oKRAW = oR1 + cmax(kBT * LDK * 2, kBT * MS * 4);
-  static constexpr int oKR = oKRAW + kBT * LDK * 2;
-  // Kr, then tril(A_qk) in fp32 (KDA); nothing without the delta rule or for scalar gates
-  static constexpr int oTB = oKR + (DELTA && !SCALAR ? cmax(kBT * LDK * 2, kBT * MS * 4) : 0);
-  static constexpr int oTAB = oTB + kBT * LDT * 2;
-  // per block: gate sum and first gate, per channel; dt_bias. Scalar gates: G, qs, ks per row,
-  // and with the other per-row values inside TB (all dead once M is complete, before Minv)
-  static constexpr int oBT = SCALAR ? oTB : oTAB + 15 * K * 4;
-  static constexpr int oBETA = oBT + (SCALAR ? 3 * kBT * 4 : 9 * K * 4);
-  static constexpr int oGS = oBETA + kBT * 4;
-  static constexpr int oQK = oGS + kBT * 4;  // q.k of each row, fp32 (the diagonal of A_qk)
-  // KDA: the row scales qs, ks of the gate pass
-  static constexpr int oNRM = oQK + kBT * 4;
-  // the mbarrier on which the tiles' bulk copies complete (sm_90+)
-  static constexpr int oMBAR = SCALAR ? oTAB : oNRM + (DELTA ? 2 * kBT * 4 : 0);
-  static constexpr int bytes = oMBAR + 16;
-  static_assert(!SCALAR || oQK + kBT * 4 <= oTAB, "per-row values fit TB");
-  static_assert(oMBAR % 16 == 0, "aligned mbarrier slot");
-  // Without the delta rule TB (no Minv) holds the exact path of steep diagonal blocks: per warp the
-  // local gate (16 x 16 fp32) and raw q, k (16 x 16 bf16) of one k-step; then the row factors of
-  // q and k and a steep flag per block.
-  static constexpr int oXS = oTB, oRQ = oXS + 4 * 2048, oRK = oRQ + kBT * 4, oSTEEP = oRK + kBT * 4;
-  static_assert(oSTEEP + 16 <= oTAB, "exact-path scratch fits the Minv buffer");
-};
-
-// A diagonal block (no delta rule) is steep when some channel decays by more than this inside it:
-// its left factor e^{G_bI - G_eI} could overflow there, so its pair products are taken per element
-// instead (exact for any decay).
-constexpr float kSteepSpan = 64.0f;
-
-// sU holds the v slice read from the input, replaced in place by Y with the delta rule (sm_80; on
-// sm_90a Y^T takes a buffer of its own, oYT, for KDA at VB >= 64, so that Qg S, which reads S^T,
-// can still run while Y^T is written; else the S^T buffer). RAWQK: sW holds Kt^T, sQ and sKd the
-// raw q and k.
-template <int K, int VB, bool DELTA, bool RAWQK>
-struct ScanLayout {
-  static constexpr int LDK = K + 8, LDV = VB + 8, LDT = kBT + 8;
-  static constexpr int sW = 0, sQ = sW + (DELTA ? kBT * LDK * 2 : 0), sKd = sQ + kBT * LDK * 2, sA = sKd + kBT * LDK * 2,
-                       sU = sA + a_planes(DELTA) * kBT * LDT * 2, sDL = sU + kBT * LDV * 2, sRF = sDL + K * 4,
-                       stage = (sRF + row_factors(DELTA, RAWQK) * kBT * 4 + 1023) / 1024 * 1024;
-  // (stages on 1024-byte boundaries: sm_90a keeps the products' left operands and S^T there in the
-  // 128-byte swizzle, wgmma.cuh)
-  // (VB = 32 keeps Y^T in S^T: its A100 KDA scan at K = 128 has no 4 KB to spare)
-  static constexpr bool kYtOwn = DELTA && !RAWQK && VB >= 64;
-  static constexpr int oS = 2 * stage, oYT = oS + K * LDV * 2, bytes = oYT + (kYtOwn ? VB * kBT * 2 : 0);
-  static_assert(oYT % 1024 == 0, "Y^T on a 1024-byte boundary (128-byte swizzle)");
-  static constexpr int sKt = RAWQK ? sW : sKd;  // Kt^T [K][64] (delta rule), in the 128-byte swizzle
-  static_assert(sKt % 1024 == 0 && K * kBT * 2 <= kBT * LDK * 2, "Kt^T fits its slot");
-  static_assert(sQ % 1024 == 0 && sKd % 1024 == 0 && VB * K * 2 <= K * LDV * 2, "swizzled tiles fit their slots");
-};
+namespace chunk_prep_scan {
 
 // Rows of the per-channel exponent table.
 __device__ __forceinline__ int tab_pair(int I, int J) { return I * (I - 1) / 2 + J; }  // e^{G_bI - G_bJ}, J < I
@@ -230,8 +29,6 @@ __device__ __forceinline__ void pair_of(int m, int& I, int& J) {
   J = I < 0 ? -1 : m - I * (I + 1) / 2;
 }
 
-__device__ __forceinline__ uint32_t& u32at(bf16* p) { return *reinterpret_cast<uint32_t*>(p); }
-__device__ __forceinline__ float2 bf2(const bf16* p) { return unpack(*reinterpret_cast<const uint32_t*>(p)); }
 // Eight consecutive per-channel factors (two 16-byte loads from shared memory).
 __device__ __forceinline__ void load8(const float* p, float (&f)[8]) {
   *reinterpret_cast<float4*>(f) = *reinterpret_cast<const float4*>(p);
@@ -248,16 +45,16 @@ __device__ __forceinline__ uint4 scale8(uint4 v, const float (&f)[8]) {
   return v;
 }
 
-template <int K, int V, bool SCALAR, bool DELTA>
-__global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCALAR ? 3 : SCALAR ? 5 : 4)
+template <int K, class F>
+__global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
     chunk_prep_kernel(const FwdParams p, const int32_t* __restrict__ chunk_base, unsigned char* __restrict__ work) {
-  static_assert(DELTA || !SCALAR, "scalar gates without the delta rule take chunk_fwd_fused");
-  using Ly = PrepLayout<K, DELTA, SCALAR>;
-  using Wk = Work<K, V, DELTA, SCALAR>;  // scalar gates come with the delta rule here
+  static_assert(F::kDelta || !F::kScalarGate, "scalar gates without the delta rule take chunk_fwd_fused");
+  using Ly = PrepLayout<K, F>;
+  using Wk = Work<K, F>;
   constexpr int LDK = Ly::LDK, LDT = Ly::LDT, MS = Ly::MS;
   constexpr int KS = K / 16;
-  constexpr int NW = prep_warps(DELTA, SCALAR), NT = 32 * NW, KH = NW / 4;  // KH: warps per row block
-  static_assert(KH == 1 || (DELTA && !SCALAR), "8 prep warps: KDA");
+  constexpr int NW = prep_warps<F>(), NT = 32 * NW, KH = NW / 4;  // KH: warps per row block
+  static_assert(KH == 1 || (F::kDelta && !F::kScalarGate), "8 prep warps: KDA");
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* q_s = reinterpret_cast<bf16*>(smem + Ly::oR1);
   float* m_s = reinterpret_cast<float*>(smem + Ly::oR1);
@@ -309,7 +106,7 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
   // global-memory latency per step (the register prefetch one step ahead converted bf16 to fp32
   // right after the load, so it waited at once: ~20% of the prep's warp time). Unpadded rows (the
   // gate pass reads a row's consecutive channel pairs across the lanes: no bank conflicts).
-  constexpr bool kGateTileFits = DELTA && !SCALAR && Ly::oBT - Ly::oTB >= kBT * K * 2;
+  constexpr bool kGateTileFits = F::kDelta && !F::kScalarGate && Ly::oBT - Ly::oTB >= kBT * K * 2;
   const bool gate_tile = kGateTileFits && p.g_dt == CULA_BFLOAT16;
   bf16* gt_s = reinterpret_cast<bf16*>(smem + Ly::oTB);
   auto gate_at = [&](int row, int col) { return gt_s + row * K + col; };
@@ -327,10 +124,10 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
   const bool row_loads = tid < kBT && tid < Lc;
   const uint32_t alog_bits = p.gate_in_kernel && p.A_log ? dev::ld_bits(p.A_log, p.A_dt, hv) : 0u;
   const uint32_t beta_bits =
-      DELTA && row_loads ? dev::ld_bits(p.beta, p.beta_dt, b_row * p.beta_s[0] + row_at * p.beta_s[1] + hv * p.beta_s[2]) : 0u;
+      F::kDelta && row_loads ? dev::ld_bits(p.beta, p.beta_dt, b_row * p.beta_s[0] + row_at * p.beta_s[1] + hv * p.beta_s[2]) : 0u;
   const uint32_t gs_bits =
-      SCALAR && p.gate_kind == 1 && row_loads ? dev::ld_bits(p.g, p.g_dt, b_row * p.g_s[0] + row_at * p.g_s[1] + hv * p.g_s[2]) : 0u;
-  const bool bias_per_channel = !SCALAR && tid < K && p.gate_in_kernel && p.dt_bias && p.dt_bias_per_channel;
+      F::kScalarGate && p.gate_kind == 1 && row_loads ? dev::ld_bits(p.g, p.g_dt, b_row * p.g_s[0] + row_at * p.g_s[1] + hv * p.g_s[2]) : 0u;
+  const bool bias_per_channel = !F::kScalarGate && tid < K && p.gate_in_kernel && p.dt_bias && p.dt_bias_per_channel;
   const uint32_t bias_bits = bias_per_channel ? dev::ld_bits(p.dt_bias, p.bias_dt, hv * K + tid) : 0u;
 #if CULA_BULK_COPY
   // sm_90+: one bulk copy per tile row (thread tid: row tid % 64 of q, k or the gate tile), all
@@ -393,7 +190,7 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
   // tile is read by the gate pass itself); zeros past the sequence
   auto raw_gate = [&](int row, int col) {
     float2 v = make_float2(0.0f, 0.0f);
-    if (!SCALAR && row < Lc) {
+    if (!F::kScalarGate && row < Lc) {
       const int64_t off = b_row * p.g_s[0] + (t0 + row) * p.g_s[1] + hv * p.g_s[2] + col;
       v = p.g_dt == CULA_FLOAT32 ? *reinterpret_cast<const float2*>(static_cast<const float*>(p.g) + off)
                                  : bf2(static_cast<const bf16*>(p.g) + off);
@@ -444,17 +241,17 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
   if (p.gate_in_kernel && p.A_log) eA = __expf(dev::from_bits(alog_bits, p.A_dt));
   if (tid < kBT) {
     float b = 0.0f;
-    if (DELTA && row_loads) {
+    if (F::kDelta && row_loads) {
       b = dev::from_bits(beta_bits, p.beta_dt);
       if (p.beta_sigmoid) b = __fdividef(p.beta_mult, 1.0f + __expf(-b));
     }
     beta_s[tid] = b;
-    gs_s[tid] = SCALAR && p.gate_kind == 1 && row_loads ? dev::from_bits(gs_bits, p.g_dt) : 0.0f;
+    gs_s[tid] = F::kScalarGate && p.gate_kind == 1 && row_loads ? dev::from_bits(gs_bits, p.g_dt) : 0.0f;
   }
-  if (!SCALAR && tid < K) bias_s[tid] = bias_per_channel ? dev::from_bits(bias_bits, p.bias_dt) : head_bias;
+  if (!F::kScalarGate && tid < K) bias_s[tid] = bias_per_channel ? dev::from_bits(bias_bits, p.bias_dt) : head_bias;
   __syncthreads();  // B_a0: tiles landed
 
-  if constexpr (DELTA && !SCALAR) {
+  if constexpr (F::kDelta && !F::kScalarGate) {
     // ---- KDA. Row norms: 4 lanes per row (warp w rows 8w..8w+7), each lane K / 4 channels in
     // 16-byte pieces 16c + 8(p & 1) + 64(p >> 1), so the two rows of a quarter warp hit disjoint
     // banks; the row scales go to shared memory for the gate pass.
@@ -589,13 +386,13 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
         // and q.k of two nearly orthogonal rows loses its digits to bf16 rounding of q el and Kr.
         if (t == 0) {
           qk_s[bI + g + 8 * x] = qs[x] * ks[x] * qk[x];
-          if (SCALAR) qsc_s[bI + g + 8 * x] = qs[x], ksc_s[bI + g + 8 * x] = ks[x];
-          if (!DELTA) rowq_s[bI + g + 8 * x] = qs[x], rowk_s[bI + g + 8 * x] = ks[x];
+          if (F::kScalarGate) qsc_s[bI + g + 8 * x] = qs[x], ksc_s[bI + g + 8 * x] = ks[x];
+          if (!F::kDelta) rowq_s[bI + g + 8 * x] = qs[x], rowk_s[bI + g + 8 * x] = ks[x];
         }
       }
     }
 
-    if constexpr (SCALAR) {
+    if constexpr (F::kScalarGate) {
       // One log-decay per row: warp 0 scans the 64 rows (lane holds rows lane and lane + 32); rows
       // past the sequence add nothing, so row 63 holds G_last.
       if (warp == 0) {
@@ -667,7 +464,7 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
       __syncthreads();  // B_b: block sums visible
     }
   }
-  if constexpr (!SCALAR) {
+  if constexpr (!F::kScalarGate) {
     // ---- per-channel exponent table; without the delta rule the right operands (Kt) are taken
     // through the last row of their block, so the pair and Kd factors are too (all <= 1)
     // (8 warps: the pair rows by the first K threads, the others by the next K)
@@ -678,7 +475,7 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
       for (int b = 0; b < 4; ++b) {
         gb[b] = gl + bfirst_s[b * K + c];
         gl += bsum_s[b * K + c];
-        ge[b] = DELTA ? gb[b] : gl;
+        ge[b] = F::kDelta ? gb[b] : gl;
       }
       if (KH == 1 || tid < K)
 #pragma unroll
@@ -773,11 +570,11 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
 #pragma unroll
       for (int r = 0; r < 4; ++r) akk[q][nt][r] = 0.0f, aqk[q][nt][r] = 0.0f;
   bf16* qgo = reinterpret_cast<bf16*>(blk + Wk::oQ);
-  const bf16* right_s = SCALAR || !DELTA ? k_s : kr_s;  // Kt without the delta rule
-  constexpr int kPairUnroll = DELTA && !SCALAR ? 2 : 1;
+  const bf16* right_s = F::kScalarGate || !F::kDelta ? k_s : kr_s;  // Kt without the delta rule
+  constexpr int kPairUnroll = F::kDelta && !F::kScalarGate ? 2 : 1;
 #pragma unroll kPairUnroll
   for (int kk = 0; kk < KS; ++kk) {
-    if (!SCALAR && (kk & (KH - 1)) == kh) {
+    if (!F::kScalarGate && (kk & (KH - 1)) == kh) {
       // Qg of the k-step's 16 channels, 16 bytes per lane: row lane % 16, channels 8 (lane / 16)..
       // (the quarter warps' shared-memory reads hit distinct banks; each row's 32 bytes go out
       // whole from one instruction)
@@ -791,10 +588,10 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
       if (pi[q] < 0) continue;
       const int Ib = pi[q], Jb = pj[q];
       uint32_t ak[4], aq[4], b[4];
-      if (DELTA) mma::ldsm_x4(ak, k_s + (16 * Ib + mma::a_row(lane)) * LDK + 16 * kk + mma::a_col(lane));
+      if (F::kDelta) mma::ldsm_x4(ak, k_s + (16 * Ib + mma::a_row(lane)) * LDK + 16 * kk + mma::a_col(lane));
       mma::ldsm_x4(aq, q_s + (16 * Ib + mma::a_row(lane)) * LDK + 16 * kk + mma::a_col(lane));
       mma::ldsm_x4(b, right_s + (16 * Jb + mma::bn_row(lane)) * LDK + 16 * kk + mma::bn_col(lane));
-      if (DELTA && !SCALAR && Jb < Ib) {
+      if (F::kDelta && !F::kScalarGate && Jb < Ib) {
         // KDA: E_{Ib,Jb} on the right operand, one fragment for both products (Kr e^{G_bI - G_bJ} =
         // k ks e^{G_bI - G_j} <= |k ks|); b[0], b[2] hold channels 2t, 2t + 1, b[1], b[3] 2t + 8, 2t + 9
 #pragma unroll
@@ -804,14 +601,14 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
           b[h8] = pack(x.x * e.x, x.y * e.y);
           b[h8 + 2] = pack(y.x * e.x, y.y * e.y);
         }
-      } else if (!DELTA && Jb < Ib) {
+      } else if (!F::kDelta && Jb < Ib) {
 #pragma unroll
         for (int rr = 0; rr < 4; ++rr) {
           const float2 e = *reinterpret_cast<const float2*>(tab + tab_pair(Ib, Jb) * K + 16 * kk + 2 * t + 8 * (rr >> 1));
           const float2 qv = unpack(aq[rr]);
           aq[rr] = pack(qv.x * e.x, qv.y * e.y);
         }
-      } else if (!DELTA) {
+      } else if (!F::kDelta) {
         // Diagonal block without the delta rule: Ql e^{G_bI - G_eI} (per channel, <= e^64 unless
         // the block is steep and recomputed anyway) against Kt
 #pragma unroll
@@ -821,7 +618,7 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
           aq[rr] = pack(qv.x * dev::exp_ftz(bfirst_s[col] - bsum_s[col]), qv.y * dev::exp_ftz(bfirst_s[col + 1] - bsum_s[col + 1]));
         }
       }
-      if (DELTA) {
+      if (F::kDelta) {
         mma::mma16816(akk[q][0], ak, b[0], b[1]);
         mma::mma16816(akk[q][1], ak, b[2], b[3]);
       }
@@ -829,7 +626,7 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
       mma::mma16816(aqk[q][1], aq, b[2], b[3]);
     }
   }
-  if constexpr (!DELTA) {
+  if constexpr (!F::kDelta) {
     // Steep diagonal blocks: the left factor e^{G_bI - G_eI} may have overflowed there, so their
     // products are replaced by sums taken per element, each pair with its own exponent.
 #pragma unroll
@@ -837,9 +634,9 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
       if (pi[q] >= 0 && pi[q] == pj[q] && steep_s[pi[q]]) exact_diagonal(pi[q], aqk[q]);
   }
   __syncthreads();  // B_c2: every warp done with the k el tile (it becomes Kd next)
-  if constexpr (SCALAR) {
+  if constexpr (F::kScalarGate) {
     // This warp's rows, 16 bytes at a time: F = diag(ks e^{G_last - G_i}) k in place (Kt's right
-    // operand); e^{G_last} for every channel; the scan's row factors (Work::RAWQK): qs e^{G_i} for
+    // operand); e^{G_last} for every channel; the scan's row factors (Work::F::kRawQK): qs e^{G_i} for
     // o = q S, beta_i and -beta_i ks e^{G_i} for Y = beta v - beta ks e^G (k S).
     const float glast = grow_s[kBT - 1];
     if (lane < 16) {
@@ -864,7 +661,7 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
       *reinterpret_cast<uint4*>(ck_s + row * LDK + c8) = ow;
     }
     if (tid < K) reinterpret_cast<float*>(blk + Wk::oDL)[tid] = __expf(glast);
-  } else if constexpr (DELTA) {
+  } else if constexpr (F::kDelta) {
     // KDA: W' and Kd are written by warps 4-7 while warps 0-3 invert M (below)
   } else {
     // Kd = Kt e^{G_last - G_eI} for this warp's rows, to the workspace (no delta rule)
@@ -882,8 +679,8 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
   // since B_c2); tril(A_qk) out (its blocks above the diagonal are not written).
   // Delta rule: tril(A_qk) in fp32 for the product tril(A_qk) Minv instead, into the Kr buffer once
   // B_d frees it (GDN: kept in registers until M is consumed, then into R1).
-  float* af_s = reinterpret_cast<float*>(smem + (SCALAR ? Ly::oR1 : Ly::oKR));
-  static_assert(!DELTA || SCALAR || Ly::oTB - Ly::oKR >= kBT * MS * 4, "fp32 A_qk fits the Kr buffer");
+  float* af_s = reinterpret_cast<float*>(smem + (F::kScalarGate ? Ly::oR1 : Ly::oKR));
+  static_assert(!F::kDelta || F::kScalarGate || Ly::oTB - Ly::oKR >= kBT * MS * 4, "fp32 A_qk fits the Kr buffer");
   // f(q, nt, hh, gi, gj) for the element pairs (gi, gj), (gi, gj + 1) of this warp's pair fragments
   auto each_pair = [&](auto&& f) {
 #pragma unroll
@@ -897,7 +694,7 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
   };
   // tril(A_qk) with its fp32 diagonal
   auto masked_a = [&](int gi, int gj, float a) { return gj > gi ? 0.0f : gj == gi ? qk_s[gi] : a; };
-  if constexpr (SCALAR)  // e^{G_i - G_j} <= 1 for j <= i, with the row factors of q_i, k_i, k_j
+  if constexpr (F::kScalarGate)  // e^{G_i - G_j} <= 1 for j <= i, with the row factors of q_i, k_i, k_j
     each_pair([&](int q, int nt, int hh, int gi, int gj) {
       const float gri = grow_s[gi];
       const float e0 = dev::masked_exp_scale(gj <= gi, ksc_s[gj], gri - grow_s[gj]);
@@ -908,13 +705,13 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
       m_s[gi * MS + gj] = gj < gi ? b * (akk[q][nt][2 * hh] * (ksc_s[gi] * e0)) : (gj == gi ? 1.0f : 0.0f);
       m_s[gi * MS + gj + 1] = gj + 1 < gi ? b * (akk[q][nt][2 * hh + 1] * (ksc_s[gi] * e1)) : (gj + 1 == gi ? 1.0f : 0.0f);
     });
-  if constexpr (DELTA && !SCALAR) {
+  if constexpr (F::kDelta && !F::kScalarGate) {
     each_pair([&](int q, int nt, int hh, int gi, int gj) {
       const float b = beta_s[gi];
       m_s[gi * MS + gj] = gj < gi ? b * akk[q][nt][2 * hh] : (gj == gi ? 1.0f : 0.0f);
       m_s[gi * MS + gj + 1] = gj + 1 < gi ? b * akk[q][nt][2 * hh + 1] : (gj + 1 == gi ? 1.0f : 0.0f);
     });
-  } else if constexpr (!DELTA) {
+  } else if constexpr (!F::kDelta) {
     bf16* aqo = reinterpret_cast<bf16*>(blk + Wk::oA);
     each_pair([&](int q, int nt, int hh, int gi, int gj) {
       u32at(aqo + gi * kBT + gj) = pack(masked_a(gi, gj, aqk[q][nt][2 * hh]), masked_a(gi, gj + 1, aqk[q][nt][2 * hh + 1]));
@@ -953,8 +750,8 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
   };
   // With p.block_barriers_only (for racecheck, which misreads the block barriers after a barrier
   // that some warps only arrive at) B_f is a block barrier and warps 4-7 start after it.
-  const bool overlap_w_kd = DELTA && !SCALAR && !p.block_barriers_only;
-  if constexpr (DELTA && !SCALAR) {
+  const bool overlap_w_kd = F::kDelta && !F::kScalarGate && !p.block_barriers_only;
+  if constexpr (F::kDelta && !F::kScalarGate) {
     if (overlap_w_kd && kh == 1) {
       mbar::named_arrive(1, 32 * NW);  // B_f
       w_kd_pass();
@@ -977,7 +774,7 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
     if (kh == 0) mbar::named_sync(1, 32 * NW);  // B_f: diagonal inverses visible (warps 4-7 arrived)
   } else {
     __syncthreads();  // B_f: diagonal inverses visible
-    if constexpr (DELTA && !SCALAR)
+    if constexpr (F::kDelta && !F::kScalarGate)
       if (kh == 1) w_kd_pass();
   }
   // Off-diagonal blocks by halves (the first four warps): Minv = [[Ainv, 0], [-Dinv C Ainv, Dinv]]
@@ -1065,7 +862,7 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
     }
   }
   __syncthreads();  // B_g: Minv complete (KDA: W', Kd written, Kr no longer read)
-  if constexpr (!SCALAR) {  // KDA: tril(A_qk) in fp32 into the Kr buffer
+  if constexpr (!F::kScalarGate) {  // KDA: tril(A_qk) in fp32 into the Kr buffer
     each_pair([&](int q, int nt, int hh, int gi, int gj) {
       *reinterpret_cast<float2*>(af_s + gi * MS + gj) =
           make_float2(masked_a(gi, gj, aqk[q][nt][2 * hh]), masked_a(gi, gj + 1, aqk[q][nt][2 * hh + 1]));
@@ -1115,7 +912,7 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
       }
     }
   };
-  if constexpr (!SCALAR) kt_pass();
+  if constexpr (!F::kScalarGate) kt_pass();
   __syncthreads();  // B_h: tril(A_qk) visible
 
   // Vnew = U + W S = Minv Y with Y = beta v + W' S, W' = -beta k e^G (the scan forms Y from v read
@@ -1168,465 +965,8 @@ __global__ void __launch_bounds__(32 * prep_warps(DELTA, SCALAR), DELTA && !SCAL
         }
       }
   }
-  if constexpr (SCALAR) kt_pass();
+  if constexpr (F::kScalarGate) kt_pass();
 }
 
-template <int K, int V, int VB, bool DELTA, bool RAWQK>
-__global__ void __launch_bounds__(32 * scan_warps(VB), 1)
-    chunk_scan_kernel(const FwdParams p, const int32_t* __restrict__ chunk_base, const unsigned char* __restrict__ work) {
-  using Ly = ScanLayout<K, VB, DELTA, RAWQK>;
-  using Wk = Work<K, V, DELTA, RAWQK>;
-  constexpr int LDK = Ly::LDK, LDV = Ly::LDV, LDT = Ly::LDT;
-  constexpr int KS = K / 16;
-  constexpr int NW = scan_warps(VB), NTHR = 32 * NW, WH = NW / 4;  // WH: column groups
-  constexpr int NTH = VB / (8 * WH);  // n-tiles per warp: warps 4j..4j+3 take column group j
-  extern __shared__ __align__(16) unsigned char smem[];
-  bf16* s_s = reinterpret_cast<bf16*>(smem + Ly::oS);
-
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int I = warp & 3, bI = 16 * I, hc0 = (warp >> 2) * (VB / WH);
-  const chunk::SliceTask tk = chunk::slice_task<VB>(p, chunk_base);
-  const int n = tk.n, hv = tk.hv, v0 = tk.v0, nchunks = tk.nchunks;
-  const Seq sq = tk.sq;
-  const int64_t cbase = tk.cbase;
-
-  // sm_90a: the products with S as warpgroup products (design note above); with the delta rule the
-  // state update too, which takes S in the warpgroup row layout and Y transposed (kYtOwn: in a
-  // buffer of its own, else in the S^T buffer)
-  constexpr bool kWg = CULA_WGMMA, kWgUpdate = kWg && DELTA, kYtOwn = kWg && Ly::kYtOwn;
-  using Slice = StateSlice<K, VB, NW, kWgUpdate>;
-  Slice S(warp, lane, v0);
-  const int64_t slot = Slice::pool_slot(p, n);
-  S.load(p, n, hv, slot);
-
-  // One chunk's workspace slice (and v slice without the delta rule) into stage st (an empty
-  // commit group past the end).
-  constexpr int kMats = DELTA ? 3 : 2;  // (W,) Qg, Kd
-  using CopyK = chunk::TileCopy<kBT, K, NTHR>;                   // W, Qg, Kd
-  using CopyA = chunk::TileCopy<Wk::kAPlanes * kBT, kBT, NTHR>;  // A_qk (hi and lo planes)
-  using CopyV = chunk::TileCopy<kBT, VB, NTHR>;                  // U or v slice
-  using CopyKt = chunk::TileCopy<K, kBT, NTHR>;                  // Kt^T (delta rule)
-  const CopyKt ckt(tid);
-  const CopyK ck(tid);
-  const CopyA ca(tid);
-  const CopyV cv(tid);
-  const bf16* v_in = static_cast<const bf16*>(p.v) + sq.b_row * p.v_s[0] + sq.bos * p.v_s[1] + hv * p.v_s[2] + v0 + cv.c8;
-  const int h = hv / (p.HV / p.H);
-  const bf16* q_in = static_cast<const bf16*>(p.q) + sq.b_row * p.q_s[0] + sq.bos * p.q_s[1] + h * p.q_s[2] + ck.c8;
-  const bf16* k_in = static_cast<const bf16*>(p.k) + sq.b_row * p.k_s[0] + sq.bos * p.k_s[1] + h * p.k_s[2] + ck.c8;
-  // The left operands of the products with S (W' or raw k, and Qg or raw q): on sm_90a in the
-  // 128-byte swizzle for the warpgroup products, else padded rows for ldmatrix.
-  auto left_at = [&](int r, int c8) { return kWg ? wg::sw128_offset(kBT, r, c8) : (r * LDK + c8) * 2; };
-  auto state_to_smem = [&] {
-    if constexpr (kWg) S.to_smem_t_sw128(mma::smem_addr(s_s), lane);
-    else S.to_smem(s_s, LDV);
-  };
-  auto stage_in = [&](int c, int st) {
-    if (c < nchunks) {
-      const unsigned char* blk = work + ((cbase + c) * p.HV + hv) * Wk::bytes;
-      unsigned char* dst = smem + st * Ly::stage;
-      const int Lc = static_cast<int>(min(int64_t{kBT}, sq.eos - sq.bos - static_cast<int64_t>(c) * kBT));
-      if constexpr (DELTA) {  // Kt^T [channel][token] from the workspace, in the 128-byte swizzle
-#pragma unroll
-        for (int j = 0; j < CopyKt::J; ++j)
-          mma::cp_async16(dst + Ly::sKt + wg::sw128_offset(K, ckt.row(j), ckt.c8),
-                          blk + Wk::oKt + (ckt.row(j) * kBT + ckt.c8) * 2);
-      }
-      if constexpr (RAWQK) {
-        // Kt^T (above), q and k raw from the input (rows past the sequence zeros); row factors
-#pragma unroll
-        for (int j = 0; j < CopyK::J; ++j) {
-          const int r = ck.row(j);
-          unsigned char* dq = dst + Ly::sQ + left_at(r, ck.c8);
-          unsigned char* dk = dst + Ly::sKd + left_at(r, ck.c8);
-          if (r < Lc) {
-            const int64_t tok = static_cast<int64_t>(c) * kBT + r;
-            mma::cp_async16(dq, q_in + tok * p.q_s[1]);
-            mma::cp_async16(dk, k_in + tok * p.k_s[1]);
-          } else {
-            *reinterpret_cast<uint4*>(dq) = make_uint4(0, 0, 0, 0);
-            *reinterpret_cast<uint4*>(dk) = make_uint4(0, 0, 0, 0);
-          }
-        }
-      } else {
-#pragma unroll
-        for (int m = 3 - kMats; m < (DELTA ? 2 : 3); ++m) {  // (Kt^T above)
-          const int so = m == 0 ? Ly::sW : m == 1 ? Ly::sQ : Ly::sKd, go = m == 0 ? Wk::oW : m == 1 ? Wk::oQ : Wk::oKd;
-#pragma unroll
-          for (int j = 0; j < CopyK::J; ++j)
-            mma::cp_async16(dst + so + (m < 2 ? left_at(ck.row(j), ck.c8) : (ck.row(j) * LDK + ck.c8) * 2),
-                            blk + go + (ck.row(j) * K + ck.c8) * 2);
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < CopyA::J; ++j) {  // rows 64..127: the lo plane, its diagonal blocks only
-        const int r = ca.row(j), rb = (r % kBT) / 16;  // blocks on or below the diagonal
-        if (ca.c8 < 16 * (rb + 1) && (r < kBT || ca.c8 >= 16 * rb))
-          mma::cp_async16(dst + Ly::sA + (r * LDT + ca.c8) * 2, blk + Wk::oA + (r * kBT + ca.c8) * 2);
-      }
-#pragma unroll
-      for (int j = 0; j < CopyV::J; ++j) {
-        const int r = cv.row(j);
-        unsigned char* du = dst + Ly::sU + (r * LDV + cv.c8) * 2;
-        if (r < Lc)  // rows past the sequence are zeros (they meet zero k rows and A columns)
-          mma::cp_async16(du, v_in + (static_cast<int64_t>(c) * kBT + r) * p.v_s[1]);
-        else
-          *reinterpret_cast<uint4*>(du) = make_uint4(0, 0, 0, 0);
-      }
-      if (tid < K / 4) mma::cp_async16(dst + Ly::sDL + tid * 16, blk + Wk::oDL + tid * 16);
-      if (tid < Wk::kRowFactors * kBT / 4) mma::cp_async16(dst + Ly::sRF + tid * 16, blk + Wk::oRF + tid * 16);
-    }
-    mma::cp_async_commit();
-  };
-
-  if (kWg && tid == 0 && (mma::smem_addr(smem) & 1023)) __trap();  // the swizzle needs 1024-byte panels
-  stage_in(0, 0);
-  stage_in(1, 1);
-  if (DELTA) state_to_smem();
-  bf16* og = static_cast<bf16*>(p.out);
-  for (int c = 0; c < nchunks; ++c) {
-    const int st = c & 1;
-    const unsigned char* base = smem + st * Ly::stage;
-    const bf16* w_s = reinterpret_cast<const bf16*>(base + Ly::sW);
-    const bf16* qg_s = reinterpret_cast<const bf16*>(base + Ly::sQ);
-    const bf16* kd_s = reinterpret_cast<const bf16*>(base + Ly::sKd);
-    const bf16* a_s = reinterpret_cast<const bf16*>(base + Ly::sA);
-    // the v slice; with the delta rule Y replaces it in place (each thread reads exactly the v
-    // elements it later writes Y to)
-    bf16* vin_s = reinterpret_cast<bf16*>(smem + st * Ly::stage + Ly::sU);
-    const float* dl_s = reinterpret_cast<const float*>(base + Ly::sDL);
-    const int64_t t0 = sq.bos + static_cast<int64_t>(c) * kBT;
-    const int Lc = static_cast<int>(min(int64_t{kBT}, sq.eos - t0));
-
-    // S (bf16) for the products (with the delta rule written at the end of the chunk before);
-    // intermediate state (chunk start)
-    if (!DELTA) state_to_smem();
-    if (p.inter) S.store(p, p.inter, p.inter_dt, cbase + c, hv);
-    mma::cp_async_wait_pending(1);
-    if constexpr (kWg) wg::fence_proxy_async();  // the stage and S, written by this thread, to wgmma
-    __syncthreads();  // B1: this chunk's stage landed; S visible
-
-    // Delta rule: Y = beta v + W' S (Vnew = Minv Y; without the delta rule Vnew = v, the stage's v
-    // slice) and o = Qg S, sharing the S fragments. RAWQK: X = k S in place of W' S, then
-    // Y = beta v - beta ks e^G X
-    float vn[NTH][4], o[NTH][4];
-    const float* rf = reinterpret_cast<const float*>(base + Ly::sRF);
-#pragma unroll
-    for (int nt = 0; nt < NTH; ++nt)
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        if (DELTA) {
-          const int row = bI + g + 8 * hh;
-          const float2 v2 = RAWQK ? make_float2(0.0f, 0.0f) : bf2(vin_s + row * LDV + hc0 + nt * 8 + 2 * t);
-          const float b = RAWQK ? 0.0f : rf[row];
-          vn[nt][2 * hh] = b * v2.x, vn[nt][2 * hh + 1] = b * v2.y;
-        }
-        o[nt][2 * hh] = 0.0f, o[nt][2 * hh + 1] = 0.0f;
-      }
-    if constexpr (kWg) {
-      // one warpgroup per column group: W' S (or k S) and Qg S (or q S) for all 64 rows, S^T (its
-      // rows hc0..) read once per group
-      const uint32_t aw0 = mma::smem_addr(RAWQK ? kd_s : w_s), aq0 = mma::smem_addr(qg_s), bs0 = mma::smem_addr(s_s);
-      wg::fence_operand(vn);
-      wg::fence_operand(o);
-      wg::fence();
-      if constexpr (kYtOwn) {
-        // W' S and Qg S as two groups: Y waits for the first only; Qg S runs on through Y^T's
-        // store, B2 and the update's issue, and is waited for before AM Y adds to o
-#pragma unroll
-        for (int kk = 0; kk < KS; ++kk)
-          wg::mma_bf16<NTH>(vn, wg::desc_kstep(aw0, kBT, 0, kk), wg::desc_kstep(bs0, VB, hc0, kk));
-        wg::commit();
-#pragma unroll
-        for (int kk = 0; kk < KS; ++kk)
-          wg::mma_bf16<NTH>(o, wg::desc_kstep(aq0, kBT, 0, kk), wg::desc_kstep(bs0, VB, hc0, kk));
-        wg::commit();
-        wg::wait_pending<1>();
-        wg::fence_operand(vn);
-      } else {
-#pragma unroll
-        for (int kk = 0; kk < KS; ++kk) {
-          const uint64_t db = wg::desc_kstep(bs0, VB, hc0, kk);
-          if (DELTA) wg::mma_bf16<NTH>(vn, wg::desc_kstep(aw0, kBT, 0, kk), db);
-          wg::mma_bf16<NTH>(o, wg::desc_kstep(aq0, kBT, 0, kk), db);
-        }
-        wg::commit();
-        wg::wait_all();
-        wg::fence_operand(vn);
-        wg::fence_operand(o);
-      }
-    } else {
-#pragma unroll
-    for (int kk = 0; kk < KS; ++kk) {
-      uint32_t aw[4], aq[4];
-      if (DELTA) mma::ldsm_x4(aw, (RAWQK ? kd_s : w_s) + (bI + mma::a_row(lane)) * LDK + 16 * kk + mma::a_col(lane));
-      mma::ldsm_x4(aq, qg_s + (bI + mma::a_row(lane)) * LDK + 16 * kk + mma::a_col(lane));
-#pragma unroll
-      for (int np = 0; np < NTH / 2; ++np) {
-        uint32_t b[4];
-        mma::ldsm_x4_t(b, s_s + (16 * kk + mma::bk_row(lane)) * LDV + hc0 + 16 * np + mma::bk_col(lane));
-        if (DELTA) {
-          mma::mma16816(vn[2 * np], aw, b[0], b[1]);
-          mma::mma16816(vn[2 * np + 1], aw, b[2], b[3]);
-        }
-        mma::mma16816(o[2 * np], aq, b[0], b[1]);
-        mma::mma16816(o[2 * np + 1], aq, b[2], b[3]);
-      }
-    }
-    }
-    if constexpr (RAWQK) {  // o = qs e^{G_i} (q S); Y = beta_i v_i - beta_i ks e^{G_i} X_i
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int row = bI + g + 8 * hh;
-        const float fq = rf[row], fv = rf[kBT + row], fx = rf[2 * kBT + row];
-#pragma unroll
-        for (int nt = 0; nt < NTH; ++nt) {
-          o[nt][2 * hh] *= fq, o[nt][2 * hh + 1] *= fq;
-          const float2 v2 = bf2(vin_s + row * LDV + hc0 + nt * 8 + 2 * t);
-          vn[nt][2 * hh] = fv * v2.x + fx * vn[nt][2 * hh];
-          vn[nt][2 * hh + 1] = fv * v2.y + fx * vn[nt][2 * hh + 1];
-        }
-      }
-    }
-    // sm_90a: Y transposed, the B operand of the warpgroup update, into its own buffer (KDA at
-    // VB >= 64) or else into the S^T buffer (S^T is read by then, the products waited for), which
-    // goes back to S^T after B3
-    const uint32_t yt = mma::smem_addr(kYtOwn ? smem + Ly::oYT : smem + Ly::oS);
-    if constexpr (kWgUpdate) {
-      wg::store_t_sw128<NTH>(yt, VB, bI, hc0, vn, lane);
-      wg::fence_proxy_async();
-    }
-    if (DELTA) {
-      if constexpr (!kWgUpdate)
-#pragma unroll
-        for (int nt = 0; nt < NTH; ++nt)
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh)
-            u32at(vin_s + (bI + g + 8 * hh) * LDV + hc0 + nt * 8 + 2 * t) = pack(vn[nt][2 * hh], vn[nt][2 * hh + 1]);
-      // B2: Y visible to the warps of this column group, its only readers (the update and AM Y take
-      // the group's own columns), so the two groups need not wait for each other here
-      if (p.block_barriers_only) __syncthreads();
-      else mbar::named_sync(1 + warp / 4, 128);
-    }
-
-    // S = e^{G_last} S + Kt^T Y (delta rule: Kt in the Kd slot, GDN's in the W slot; without it
-    // Kd^T v), issued first so that its mma latency hides behind o's products; with the delta rule
-    // its bf16 copy for the next chunk goes out after them (every warp read this chunk's copy
-    // before B2)
-    // (Kt^T from the swizzled slot; sm_90a: as warpgroup products, waited for after o's)
-    auto decay = [&](int ch) { return dl_s[ch]; };
-    if constexpr (kWgUpdate) S.update_wg(mma::smem_addr(base + Ly::sKt), yt, decay);
-    else if constexpr (DELTA) S.update_kt_sw128(mma::smem_addr(base + Ly::sKt), vin_s, LDV, decay, lane);
-    else S.update(kd_s, LDK, vin_s, LDV, decay, lane);
-    if constexpr (kYtOwn) {  // Qg S done (the update, committed last, may still run)
-      wg::wait_pending<1>();
-      wg::fence_operand(o);
-    }
-
-    // o += AM Y (delta rule; without it tril(A_qk) v); store. Blocks below the diagonal first, then
-    // the diagonal block, which adds the lo plane (delta rule) (compiled apart: a per-block flag cost the
-    // 16-warp scan a register spill).
-    auto am_block = [&](int Jb, auto with_lo) {
-      uint32_t a[4], alo[4];
-      mma::ldsm_x4(a, a_s + (bI + mma::a_row(lane)) * LDT + 16 * Jb + mma::a_col(lane));
-      if constexpr (decltype(with_lo)::value)
-        mma::ldsm_x4(alo, a_s + (kBT + bI + mma::a_row(lane)) * LDT + 16 * Jb + mma::a_col(lane));
-#pragma unroll
-      for (int np = 0; np < NTH / 2; ++np) {
-        uint32_t b[4];
-        if constexpr (kWgUpdate)  // Y^T [column][token]: B stored [n][k]
-          mma::ldsm_x4(b, yt + wg::sw128_offset(VB, hc0 + 16 * np + mma::bn_row(lane), 16 * Jb + mma::bn_col(lane)));
-        else
-          mma::ldsm_x4_t(b, vin_s + (16 * Jb + mma::bk_row(lane)) * LDV + hc0 + 16 * np + mma::bk_col(lane));
-        mma::mma16816(o[2 * np], a, b[0], b[1]);
-        mma::mma16816(o[2 * np + 1], a, b[2], b[3]);
-        if constexpr (decltype(with_lo)::value) {
-          mma::mma16816(o[2 * np], alo, b[0], b[1]);
-          mma::mma16816(o[2 * np + 1], alo, b[2], b[3]);
-        }
-      }
-    };
-#pragma unroll
-    for (int Jb = 0; Jb < 3; ++Jb)
-      if (Jb < I) am_block(Jb, std::false_type{});
-    am_block(I, std::bool_constant<Wk::kAPlanes == 2>{});
-    if constexpr (kWgUpdate) S.wait_wg();
-    else if (DELTA) state_to_smem();
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int row = bI + g + 8 * hh;
-      if (row >= Lc) continue;
-      bf16* dst = og + sq.b_row * p.out_s[0] + (t0 + row) * p.out_s[1] + hv * p.out_s[2] + v0 + hc0 + 2 * t;
-#pragma unroll
-      for (int nt = 0; nt < NTH; ++nt) u32at(dst + nt * 8) = pack(o[nt][2 * hh], o[nt][2 * hh + 1]);
-    }
-    __syncthreads();  // B3: stage st (and S without the delta rule, Y^T on sm_90a) no longer read
-    stage_in(c + 2, st);
-    if constexpr (kWgUpdate) state_to_smem();
-  }
-
-  if (p.ht) S.store(p, p.ht, p.ht_dt, n, hv);
-  if (slot >= 0) S.store(p, p.pool, p.pool_dt, slot, hv);
-}
-
-template <int K, int V, int VB, bool SCALAR, bool DELTA>
-void run(const Recurrence& r, const FwdParams& p, int device, cudaStream_t stream) {
-  const int64_t max_chunks = chunk::max_chunks(p), base_bytes = chunk::base_bytes(p);
-  constexpr bool RAWQK = SCALAR;  // scalar gates come with the delta rule here (GDN)
-  const int64_t bytes = base_bytes + max_chunks * r.HV * Work<K, V, DELTA, RAWQK>::bytes;
-  const int64_t prep_blocks = max_chunks * r.HV, scan_blocks = r.N * r.HV * (V / VB);
-  if (prep_blocks >= (int64_t{1} << 31) || scan_blocks >= (int64_t{1} << 31))
-    throw_unsupported("chunk_fwd", "too many chunks x heads for one launch");
-  if (max_chunks == 0) return;
-  void* ws = nullptr;
-  chunk::check(cudaMallocFromPoolAsync(&ws, static_cast<size_t>(bytes), chunk_workspace_pool(device), stream),
-        "workspace allocation");
-  int32_t* chunk_base = p.cu ? static_cast<int32_t*>(ws) : nullptr;
-  unsigned char* work = static_cast<unsigned char*>(ws) + base_bytes;
-  if (p.cu) chunk::launch_chunk_base(p, chunk_base, stream);
-  using Scan = ScanLayout<K, VB, DELTA, RAWQK>;
-  using Prep = PrepLayout<K, DELTA, SCALAR>;
-  chunk::allow_smem(chunk_prep_kernel<K, V, SCALAR, DELTA>, Prep::bytes);
-  chunk_prep_kernel<K, V, SCALAR, DELTA>
-      <<<static_cast<unsigned>(prep_blocks), 32 * prep_warps(DELTA, SCALAR), Prep::bytes, stream>>>(p, chunk_base, work);
-  chunk::allow_smem(chunk_scan_kernel<K, V, VB, DELTA, RAWQK>, Scan::bytes);
-  chunk_scan_kernel<K, V, VB, DELTA, RAWQK>
-      <<<static_cast<unsigned>(scan_blocks), 32 * scan_warps(VB), Scan::bytes, stream>>>(p, chunk_base, work);
-  const cudaError_t launched = cudaGetLastError();
-  chunk::check(cudaFreeAsync(ws, stream), "workspace release");
-  chunk::check(launched, "kernel launch");
-}
-
-}  // namespace
-
-namespace chunk {
-namespace {
-// One CTA of 1024 threads: a block scan over the sequences' chunk counts.
-__global__ void __launch_bounds__(1024) chunk_base_kernel(const FwdParams p, int32_t* chunk_base) {
-  using Scan = cub::BlockScan<int32_t, 1024>;
-  __shared__ typename Scan::TempStorage tmp;
-  int32_t carry = 0;
-  for (int base = 0; base < p.N; base += 1024) {
-    const int n = base + static_cast<int>(threadIdx.x);
-    int32_t c = 0;
-    if (n < p.N) {
-      const Seq s = seq_of(p, n);
-      c = static_cast<int32_t>((s.eos - s.bos + kChunk - 1) / kChunk);
-    }
-    int32_t excl, total;
-    Scan(tmp).ExclusiveSum(c, excl, total);
-    if (n < p.N) chunk_base[n] = carry + excl;
-    carry += total;
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) chunk_base[p.N] = carry;
-}
-
-}  // namespace
-
-void launch_chunk_base(const FwdParams& p, int32_t* chunk_base, cudaStream_t stream) {
-  chunk_base_kernel<<<1, 1024, 0, stream>>>(p, chunk_base);
-}
-}  // namespace chunk
-
-cudaMemPool_t chunk_workspace_pool(int device) {
-  static cudaMemPool_t pools[64] = {};
-  static std::once_flag once[64];
-  if (device < 0 || device >= 64) throw_unsupported("chunk_fwd", "device index >= 64");
-  std::call_once(once[device], [&] {
-    cudaMemPoolProps props{};
-    props.allocType = cudaMemAllocationTypePinned;
-    props.location.type = cudaMemLocationTypeDevice;
-    props.location.id = device;
-    chunk::check(cudaMemPoolCreate(&pools[device], &props), "workspace pool");
-    uint64_t keep = UINT64_MAX;
-    chunk::check(cudaMemPoolSetAttribute(pools[device], cudaMemPoolAttrReleaseThreshold, &keep), "workspace pool");
-  });
-  return pools[device];
-}
-
-// Shared memory of the scan for a family at head size K and slice width VB (the prep needs less).
-template <int K>
-int scan_bytes(const Recurrence& r, int vb) {
-  if (!r.tr.delta) return vb == 32 ? ScanLayout<K, 32, false, false>::bytes : ScanLayout<K, 64, false, false>::bytes;
-  if (r.tr.gate != GateKind::PerChannel)
-    return vb == 32 ? ScanLayout<K, 32, true, true>::bytes : ScanLayout<K, 64, true, true>::bytes;
-  return vb == 32 ? ScanLayout<K, 32, true, false>::bytes : ScanLayout<K, 64, true, false>::bytes;
-}
-int scan_bytes(const Recurrence& r, int vb) { return r.K == 64 ? scan_bytes<64>(r, vb) : scan_bytes<128>(r, vb); }
-
-bool chunk_fwd_mma_accepts(const Recurrence& r, const cula_chunk_fwd_args& a) {
-  if (!r.tr.delta && r.tr.gate != GateKind::PerChannel) return false;  // simple GLA, Lightning: chunk_fwd_fused
-  if (r.tr.gate == GateKind::PerChannel) {
-    // KDA: the in-block exponent bound |G_i - G_j| <= 15 * |lower_bound| inside a 16-token block.
-    // GLA needs none (every factor <= 1, steep diagonal blocks taken per element).
-    if (r.tr.delta && !(r.gate_in_kernel && r.has_lb && r.lb >= -5.0)) return false;
-    if ((a.g->dtype != CULA_BFLOAT16 && a.g->dtype != CULA_FLOAT32) || !chunk::aligned16(a.g)) return false;
-  }
-  // Scalar and constant gates: the exponent is taken per pair (any decay); g is read per element.
-  if (r.K != 64 && r.K != 128) return false;
-  if (r.V != 64 && r.V != 128) return false;
-  if (a.chunk_size != 0 && a.chunk_size != kBT) return false;  // intermediate states are per 64 tokens
-  for (const cula_tensor* t : std::initializer_list<const cula_tensor*>{a.q, a.k, a.v, a.out})
-    if (t->dtype != CULA_BFLOAT16 || !chunk::aligned16(t)) return false;
-  if (first_unreadable_input(a).name) return false;
-  if (cuda_device_arch(a.q->device_id) < 80) return false;  // mma.sync bf16, ldmatrix, cp.async
-  // The scan's two stages must fit (at K = 128 the 32-column scans do on an A100, 163 KB per block)
-  return scan_bytes(r, 32) <= cuda_smem_per_block(a.q->device_id);
-}
-
-template <int K, int V, bool SCALAR, bool DELTA>
-void run_vb(const Recurrence& r, const FwdParams& p, int device, cudaStream_t stream) {
-  // The scan has one CTA per (sequence, head, V slice), one CTA per SM. Slices of 32 columns when
-  // those still fit in one wave (or when 64 columns do not fit the device's shared memory). KDA and
-  // GLA on equal-length sequences take all 128 columns in one CTA of 16 warps (the stage read once
-  // for the whole head) when 64-column slices would need more than one wave: a loaded SM moves a
-  // head through about as fast either way, so what it saves is the partial last wave (docs/NOTES.md;
-  // GDN's 16-warp scan was slower, and varlen calls, whose lengths the host does not know, lost
-  // where one long sequence started late). Else 64.
-  // CULA_SCAN_VB=32|64|128 (read once per process) forces a width where it fits, for benchmarks.
-  static const int forced = [] {
-    const char* e = std::getenv("CULA_SCAN_VB");
-    return e ? std::atoi(e) : 0;
-  }();
-  const int sms = cuda_sm_count(device), smem = cuda_smem_per_block(device);
-  const int64_t heads = static_cast<int64_t>(r.N) * r.HV;
-  const bool fit64 = ScanLayout<K, 64, DELTA, SCALAR>::bytes <= smem;
-  if constexpr (V == 128 && !SCALAR) {
-    const bool wide = forced ? forced == 128 : !p.cu && heads * (V / 64) > sms;
-    if (wide && ScanLayout<K, 128, DELTA, SCALAR>::bytes <= smem) return run<K, V, 128, SCALAR, DELTA>(r, p, device, stream);
-  }
-  if (forced ? forced == 32 || !fit64 : heads * (V / 32) <= sms || !fit64)
-    run<K, V, 32, SCALAR, DELTA>(r, p, device, stream);
-  else
-    run<K, V, 64, SCALAR, DELTA>(r, p, device, stream);
-}
-
-// Three engines: per-channel gate with the delta rule (KDA), scalar gate with it (GDN), per-channel
-// gate without it (GLA).
-template <int K, int V>
-void run_family(const Recurrence& r, const FwdParams& p, int device, cudaStream_t stream) {
-  if (!r.tr.delta) run_vb<K, V, false, false>(r, p, device, stream);
-  else if (r.tr.gate != GateKind::PerChannel) run_vb<K, V, true, true>(r, p, device, stream);
-  else run_vb<K, V, false, true>(r, p, device, stream);
-}
-
-void cuda_chunk_fwd_mma(const Recurrence& r, const cula_chunk_fwd_args& a) {
-  // CULA_BLOCK_BARRIERS_ONLY=1 (read once per process): see FwdParams::block_barriers_only
-  static const int block_barriers_only = [] {
-    const char* e = std::getenv("CULA_BLOCK_BARRIERS_ONLY");
-    return e && *e && *e != '0' ? 1 : 0;
-  }();
-  FwdParams p = make_fwd_params(r, a);
-  p.block_barriers_only = block_barriers_only;
-  if (r.N == 0) return;
-  const int dev = a.q->device_id;
-  chunk::check(cudaSetDevice(dev), "cudaSetDevice");
-  const cudaStream_t stream = static_cast<cudaStream_t>(a.opt.stream);
-  if (r.K == 64 && r.V == 64) run_family<64, 64>(r, p, dev, stream);
-  else if (r.K == 64) run_family<64, 128>(r, p, dev, stream);
-  else if (r.V == 64) run_family<128, 64>(r, p, dev, stream);
-  else run_family<128, 128>(r, p, dev, stream);
-}
-
+}  // namespace chunk_prep_scan
 }  // namespace cula

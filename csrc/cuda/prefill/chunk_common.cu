@@ -1,0 +1,60 @@
+// Host and device pieces shared by the chunk engines (chunk_common.cuh): the varlen chunk numbering
+// and the workspace pool.
+#include <cub/block/block_scan.cuh>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <mutex>
+
+#include "common/error.h"
+#include "cuda/prefill/chunk_common.cuh"
+
+namespace cula {
+
+namespace chunk {
+namespace {
+// One CTA of 1024 threads: a block scan over the sequences' chunk counts.
+__global__ void __launch_bounds__(1024) chunk_base_kernel(const FwdParams p, int32_t* chunk_base) {
+  using Scan = cub::BlockScan<int32_t, 1024>;
+  __shared__ typename Scan::TempStorage tmp;
+  int32_t carry = 0;
+  for (int base = 0; base < p.N; base += 1024) {
+    const int n = base + static_cast<int>(threadIdx.x);
+    int32_t c = 0;
+    if (n < p.N) {
+      const Seq s = seq_of(p, n);
+      c = static_cast<int32_t>((s.eos - s.bos + kChunk - 1) / kChunk);
+    }
+    int32_t excl, total;
+    Scan(tmp).ExclusiveSum(c, excl, total);
+    if (n < p.N) chunk_base[n] = carry + excl;
+    carry += total;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) chunk_base[p.N] = carry;
+}
+
+}  // namespace
+
+void launch_chunk_base(const FwdParams& p, int32_t* chunk_base, cudaStream_t stream) {
+  chunk_base_kernel<<<1, 1024, 0, stream>>>(p, chunk_base);
+}
+}  // namespace chunk
+
+cudaMemPool_t chunk_workspace_pool(int device) {
+  static cudaMemPool_t pools[64] = {};
+  static std::once_flag once[64];
+  if (device < 0 || device >= 64) throw_unsupported("chunk_fwd", "device index >= 64");
+  std::call_once(once[device], [&] {
+    cudaMemPoolProps props{};
+    props.allocType = cudaMemAllocationTypePinned;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = device;
+    chunk::check(cudaMemPoolCreate(&pools[device], &props), "workspace pool");
+    uint64_t keep = UINT64_MAX;
+    chunk::check(cudaMemPoolSetAttribute(pools[device], cudaMemPoolAttrReleaseThreshold, &keep), "workspace pool");
+  });
+  return pools[device];
+}
+
+}  // namespace cula

@@ -1,0 +1,76 @@
+// The chunk engine's host side below the C ABI's dispatch table: what it accepts, and the ladder
+// from a call to the family and head size that run it. Design: DESIGN.md beside this file.
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+#include <initializer_list>
+
+#include "common/error.h"
+#include "cuda/prefill/chunk_engines.h"
+#include "cuda/prefill/chunk_prep_scan/config.cuh"
+#include "cuda/prefill/chunk_prep_scan/launcher.h"
+#include "cuda/runtime/runtime.h"
+
+namespace cula {
+namespace chunk_prep_scan {
+namespace {
+
+// Shared memory of the scan for a family at head size K and slice width VB (the prep needs less).
+template <int K>
+int scan_bytes(const Recurrence& r, int vb) {
+  if (!r.tr.delta) return vb == 32 ? ScanLayout<K, 32, Gla>::bytes : ScanLayout<K, 64, Gla>::bytes;
+  if (r.tr.gate != GateKind::PerChannel) return vb == 32 ? ScanLayout<K, 32, Gdn>::bytes : ScanLayout<K, 64, Gdn>::bytes;
+  return vb == 32 ? ScanLayout<K, 32, Kda>::bytes : ScanLayout<K, 64, Kda>::bytes;
+}
+int scan_bytes(const Recurrence& r, int vb) { return r.K == 64 ? scan_bytes<64>(r, vb) : scan_bytes<128>(r, vb); }
+
+}  // namespace
+}  // namespace chunk_prep_scan
+
+using namespace chunk_prep_scan;
+
+bool chunk_fwd_mma_accepts(const Recurrence& r, const cula_chunk_fwd_args& a) {
+  if (!r.tr.delta && r.tr.gate != GateKind::PerChannel) return false;  // simple GLA, Lightning: chunk_fwd_fused
+  if (r.tr.gate == GateKind::PerChannel) {
+    // KDA: the in-block exponent bound |G_i - G_j| <= 15 * |lower_bound| inside a 16-token block.
+    // GLA needs none (every factor <= 1, steep diagonal blocks taken per element).
+    if (r.tr.delta && !(r.gate_in_kernel && r.has_lb && r.lb >= -5.0)) return false;
+    if ((a.g->dtype != CULA_BFLOAT16 && a.g->dtype != CULA_FLOAT32) || !chunk::aligned16(a.g)) return false;
+  }
+  // Scalar and constant gates: the exponent is taken per pair (any decay); g is read per element.
+  if (!head_size_supported(r.K) || !head_size_supported(r.V)) return false;
+  if (a.chunk_size != 0 && a.chunk_size != kChunk) return false;  // intermediate states are per 64 tokens
+  for (const cula_tensor* t : std::initializer_list<const cula_tensor*>{a.q, a.k, a.v, a.out})
+    if (t->dtype != CULA_BFLOAT16 || !chunk::aligned16(t)) return false;
+  if (first_unreadable_input(a).name) return false;
+  if (cuda_device_arch(a.q->device_id) < 80) return false;  // mma.sync bf16, ldmatrix, cp.async
+  // The scan's two stages must fit (at K = 128 the 32-column scans do on an A100, 163 KB per block)
+  return scan_bytes(r, 32) <= cuda_smem_per_block(a.q->device_id);
+}
+
+// Three engines: per-channel gate with the delta rule (KDA), scalar gate with it (GDN), per-channel
+// gate without it (GLA).
+template <int K>
+void run_family(const Recurrence& r, const FwdParams& p, int device, cudaStream_t stream) {
+  if (!r.tr.delta) run_vb<K, Gla>(r, p, device, stream);
+  else if (r.tr.gate != GateKind::PerChannel) run_vb<K, Gdn>(r, p, device, stream);
+  else run_vb<K, Kda>(r, p, device, stream);
+}
+
+void cuda_chunk_fwd_mma(const Recurrence& r, const cula_chunk_fwd_args& a) {
+  // CULA_BLOCK_BARRIERS_ONLY=1 (read once per process): see FwdParams::block_barriers_only
+  static const int block_barriers_only = [] {
+    const char* e = std::getenv("CULA_BLOCK_BARRIERS_ONLY");
+    return e && *e && *e != '0' ? 1 : 0;
+  }();
+  FwdParams p = make_fwd_params(r, a);
+  p.block_barriers_only = block_barriers_only;
+  if (r.N == 0) return;
+  const int dev = a.q->device_id;
+  chunk::check(cudaSetDevice(dev), "cudaSetDevice");
+  const cudaStream_t stream = static_cast<cudaStream_t>(a.opt.stream);
+  if (r.K == 64) run_family<64>(r, p, dev, stream);
+  else run_family<128>(r, p, dev, stream);
+}
+
+}  // namespace cula
