@@ -1,0 +1,89 @@
+// The fused chunk engine's launch at one head size K and slice width VB: workspace, the factor
+// kernel, the local pass of split sequences and the fused kernel on the caller's stream. Included
+// by the instantiation units only (instantiations/).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+#include <type_traits>
+
+#include "common/error.h"
+#include "cuda/prefill/chunk_fused/factors.cuh"
+#include "cuda/prefill/chunk_fused/fused.cuh"
+#include "cuda/prefill/chunk_fused/fused_ws.cuh"
+#include "cuda/prefill/chunk_fused/launcher.h"
+#include "cuda/runtime/runtime.h"
+
+namespace cula {
+namespace chunk_fused {
+
+template <int K, int VB>
+void run(const Recurrence& r, const FwdParams& p, int nseg, int nsub, int device, cudaStream_t stream) {
+  const int64_t max_chunks = chunk::max_chunks(p), base_bytes = chunk::base_bytes(p);
+  const int64_t pairs = max_chunks * r.HV;
+  const int64_t fused_blocks = r.N * r.HV * (r.V / VB);
+  const int64_t local_parts = static_cast<int64_t>(nseg - 1) * nsub;
+  const int64_t slice_floats = int64_t{K} * VB, slices = fused_blocks;  // one per (sequence, head, V slice)
+  // CULA_FUSED_8WARP set: the 8-warp kernel on any device (tests of the path small devices take)
+  const bool ws = WsLayout<K, VB>::bytes <= cuda_smem_per_block(device) && !std::getenv("CULA_FUSED_8WARP");
+  // Lightning without l2norm: the fused kernels write their row factors themselves, which saves
+  // the factor kernel and, for one pass over dense inputs, the whole workspace (an allocation, a
+  // launch and a release: ~25 us of host time per call when the host's caches are cold)
+  const bool own_factors = p.gate_kind == 2 && !p.l2norm;
+  const int64_t fac_bytes = own_factors ? 0 : pairs * kFactorFloats * 4;
+  const int64_t loc_floats = local_parts * slices * slice_floats, dec_floats = (local_parts * r.N * r.HV + 3) / 4 * 4;
+  const int64_t s0_floats = nseg > 1 ? slices * slice_floats : 0;
+  const int64_t bytes = base_bytes + fac_bytes + (loc_floats + dec_floats + s0_floats) * 4;
+  if (pairs >= (int64_t{1} << 31) || fused_blocks >= (int64_t{1} << 31))
+    throw_unsupported("chunk_fwd", "too many chunks x heads for one launch");
+  if (max_chunks == 0) return;
+  void* work = nullptr;
+  if (bytes > 0)
+    chunk::check(cudaMallocFromPoolAsync(&work, static_cast<size_t>(bytes), chunk_workspace_pool(device), stream),
+                 "workspace allocation");
+  int32_t* chunk_base = p.cu ? static_cast<int32_t*>(work) : nullptr;
+  float* const after_base = reinterpret_cast<float*>(static_cast<unsigned char*>(work) + base_bytes);
+  float* fac = own_factors ? nullptr : after_base;
+  SplitState sp{};
+  sp.nseg = nseg, sp.nsub = nsub;
+  sp.loc = after_base + fac_bytes / 4;
+  sp.dec = sp.loc + loc_floats;
+  sp.s0 = sp.dec + dec_floats;
+  if (p.cu) chunk::launch_chunk_base(p, chunk_base, stream);
+  if (!own_factors) launch_chunk_factors(p, chunk_base, fac, pairs, stream);
+  const dim3 grid(static_cast<unsigned>(fused_blocks), static_cast<unsigned>(nseg));
+  auto launch = [&](auto own) {  // the kernels of one factor source (own: std::bool_constant)
+    constexpr bool kOwn = decltype(own)::value;
+    if constexpr (VB == 64) {  // segments only with 64-column slices (plan_fused)
+      if (nseg > 1) {
+        chunk::allow_smem(chunk_fused_kernel<K, VB, true, kOwn>, FusedLayout<K, VB, true>::bytes);
+        chunk_fused_kernel<K, VB, true, kOwn>
+            <<<dim3(static_cast<unsigned>(fused_blocks), static_cast<unsigned>(local_parts)), kThreads,
+               FusedLayout<K, VB, true>::bytes, stream>>>(p, chunk_base, fac, sp);
+      }
+    }
+    if (ws) {
+      chunk::allow_smem(chunk_fused_ws_kernel<K, VB, kOwn>, WsLayout<K, VB>::bytes);
+      chunk_fused_ws_kernel<K, VB, kOwn><<<grid, kWsThreads, WsLayout<K, VB>::bytes, stream>>>(p, chunk_base, fac, sp);
+    } else {  // e.g. K = 128, VB = 64 on sm_80 (164 KB): the 8-warp kernel
+      chunk::allow_smem(chunk_fused_kernel<K, VB, false, kOwn>, FusedLayout<K, VB, false>::bytes);
+      chunk_fused_kernel<K, VB, false, kOwn>
+          <<<grid, kThreads, FusedLayout<K, VB, false>::bytes, stream>>>(p, chunk_base, fac, sp);
+    }
+  };
+  if (own_factors)
+    launch(std::true_type{});
+  else
+    launch(std::false_type{});
+  const cudaError_t launched = cudaGetLastError();
+  if (work) chunk::check(cudaFreeAsync(work, stream), "workspace release");
+  chunk::check(launched, "kernel launch");
+}
+
+// One translation unit per head size K and slice width VB instantiates this.
+#define CULA_CHUNK_FUSED_INSTANTIATE(K, VB) \
+  template void run<K, VB>(const Recurrence&, const FwdParams&, int, int, int, cudaStream_t);
+
+}  // namespace chunk_fused
+}  // namespace cula
