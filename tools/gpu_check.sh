@@ -37,11 +37,11 @@ timeout "${CULA_PYTEST_TIMEOUT:-0}" python3 -m pytest -q -rs -s -p no:cacheprovi
 # racecheck models __syncthreads, not mbarrier hand-offs nor a named barrier split into arrive and
 # sync (it reports hazards on correct ones), so it runs with the fused kernels' 8-warp path and the
 # chunk prep's block-barrier mode; synccheck checks the warp-specialized kernel's named barriers
-# and mbarriers.
+# and mbarriers. The tests run under the sanitizers carry the pytest marker 'sanitize'.
 for tool in memcheck racecheck synccheck; do
   env $([ "$tool" = racecheck ] && echo CULA_FUSED_8WARP=1 CULA_BLOCK_BARRIERS_ONLY=1) compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
     tests/python/test_gpu.py tests/python/test_gpu_decode.py tests/python/test_gpu_prefill.py tests/python/test_gpu_chunk_mma.py \
-    -k "shape0 or shape1 or written or rejects or reference or head_sizes or pool or steep_and_gentle or (split_sequences and short) or minus_infinity" 2>&1 | tee -a "$LOG/sanitizer.txt" | tail -4
+    -m sanitize 2>&1 | tee -a "$LOG/sanitizer.txt" | tail -4
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done
 if [ "${2:-}" = "bench" ]; then

@@ -52,12 +52,14 @@ def chunk_fwd(family, q, k, v, g=None, beta=None, decay=None, *, scale=None, ini
               use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False, lower_bound=None,
               A_log=None, dt_bias=None, cu_seqlens=None, state_pool=None, state_indices=None,
               return_intermediate_states=False, chunk_size=64, state_layout="k_last", state_dtype=None,
-              intermediate_dtype=None, out=None, final_state_out=None, backend="auto"):
+              intermediate_dtype=None, out=None, final_state_out=None, intermediate_states_out=None,
+              backend="auto"):
     """Chunked forward of any family ("kda", "gdn", "gla", "simple_gla", "lightning").
 
     Returns ``(o, final_state)`` or ``(o, final_state, intermediate_states)`` when
     ``return_intermediate_states``; final_state is None unless ``output_final_state`` (or a
-    caller buffer ``final_state_out`` is given). ``out`` is an optional caller output buffer.
+    caller buffer ``final_state_out`` is given). ``out`` and ``intermediate_states_out`` are optional
+    caller buffers for o and the intermediate states.
     With ``state_pool`` the initial states are read from ``state_pool[state_indices[n]]`` and the
     final states written back there in place (negative index: zero state, pool untouched).
     """
@@ -85,7 +87,9 @@ def chunk_fwd(family, q, k, v, g=None, beta=None, decay=None, *, scale=None, ini
         b = 1 if offsets is not None else B
         idt = intermediate_dtype or ("bfloat16" if is_torch(q) else "float32")
         shape = (b, nt, HV, V, K) if state_layout == "k_last" else (b, nt, HV, K, V)
-        inter = empty_like_family(q, shape, idt)
+        inter = as_array(intermediate_states_out, "intermediate_states")
+        if inter is None:
+            inter = empty_like_family(q, shape, idt)
     opt = _lib.options(family, scale=scale, l2norm=use_qk_l2norm_in_kernel, gate_in_kernel=use_gate_in_kernel,
                        safe_gate=safe_gate, lower_bound=lower_bound, beta_sigmoid=use_beta_sigmoid_in_kernel,
                        allow_neg_eigval=allow_neg_eigval, state_layout=state_layout, backend=backend,

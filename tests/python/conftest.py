@@ -1,5 +1,6 @@
 import os
 import secrets
+import sys
 
 import numpy as np
 import pytest
@@ -7,10 +8,15 @@ import pytest
 
 @pytest.fixture
 def rng(request):
-    """A fresh seed per test, printed on failure (set CULA_TEST_SEED to replay)."""
+    """A fresh seed per test, printed on failure (set CULA_TEST_SEED to replay). Every datum of the
+    test comes from it: the numpy generator returned here, and torch's generators (CPU and every
+    CUDA device), seeded with it when the test module uses torch, so that torch.randn and friends
+    replay too."""
     seed = int(os.environ.get("CULA_TEST_SEED", secrets.randbits(32)))
     request.node.user_properties.append(("seed", seed))
     print(f"seed={seed}")
+    if "torch" in sys.modules:
+        sys.modules["torch"].manual_seed(seed)
     return np.random.default_rng(seed)
 
 

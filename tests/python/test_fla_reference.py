@@ -110,4 +110,4 @@ def test_gla_and_simple_gla_and_lightning_match_fla_naive(rng):
                                 state_layout="k_first", backend="reference")
     e_light = (rel(o, _np(o_fla)), rel(s, _np(s_fla)))
     print("GLA, simple GLA, Lightning vs FLA naive:", e_gla, e_sgla, e_light)
-    assert max(e_gla + e_sgla + e_light) < 1e-5
+    assert worst(e_gla + e_sgla + e_light) < 1e-5

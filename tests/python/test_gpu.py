@@ -12,6 +12,7 @@ if not torch.cuda.is_available() or cula._lib.LIB.cula_cuda_device_count() == 0:
     pytest.skip("no CUDA device visible to torch and cula", allow_module_level=True)
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("out_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("lb", [None, -5.0])
@@ -31,6 +32,7 @@ def test_cuda_kda_gate_matches_reference(rng, in_dtype, out_dtype, lb, shape):
     assert rel(o, ref) < (5e-3 if out_dtype == "bfloat16" else 1e-5)
 
 
+@pytest.mark.sanitize
 def test_cuda_kda_gate_is_written_everywhere(rng):
     g = torch.randn(3, 77, 5, 64, device="cuda")
     A = torch.zeros(5, device="cuda")
@@ -40,6 +42,7 @@ def test_cuda_kda_gate_is_written_everywhere(rng):
     assert (out < 0).all()
 
 
+@pytest.mark.sanitize
 def test_cuda_kda_gate_rejects_host_parameters(rng):
     g = torch.randn(1, 4, 2, 8, device="cuda")
     with pytest.raises(cula.CulaError, match="A_log"):

@@ -96,6 +96,7 @@ def assert_as_reference(o, o_ref, pg, pool_ref, pool, idx, pad):
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-T{c[1]}-K{c[2]}V{c[3]}-{'gva' if c[4] else 'mha'}-"
                                             f"{'gate' if c[5] else 'g'}-{str(c[6])[6:]}-{c[7]}" for c in CASES])
+@pytest.mark.sanitize
 @pytest.mark.parametrize("size", list(SIZES))
 def test_cuda_decode_matches_reference(rng, case, size):
     mode, T, K, V, gva, gate, sdt, layout = case
@@ -358,6 +359,7 @@ def test_dropin_fused_recurrent_lightning_matches_fla(rng, T):
                         theirs(q, k, v, 3, 8, initial_state=h0.clone(), output_final_state=True))
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("family", ["kda", "gdn"])
 def test_dropin_fused_recurrent_serves_a_pool_in_a_cuda_graph(rng, family):
     """The serving form (one token per sequence through cu_seqlens, ssm_state_indices into a bf16

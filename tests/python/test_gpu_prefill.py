@@ -55,6 +55,7 @@ def _make(rng, family, o, K=128, V=128):
     return d, cu, kw
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("family,opts", CASES, ids=[f"{f}-{'-'.join(sorted(o))}" for f, o in CASES])
 def test_cuda_forward_matches_reference(rng, family, opts):
     d, cu, kw = _make(rng, family, opts)

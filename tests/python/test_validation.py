@@ -161,3 +161,17 @@ def test_torch_cu_seqlens_of_another_rank_is_named(rng):
     d = {n: torch.from_numpy(x) for n, x in base(rng, B=1).items()}
     with pytest.raises(cula.CulaError, match="argument 'cu_seqlens': expected a 1-D tensor"):
         call(d, cu_seqlens=torch.tensor([[0, 4, 9]], dtype=torch.int32))
+
+
+def test_intermediate_states_into_a_caller_buffer(rng):
+    """A caller's intermediate-state buffer (poisoned) is written whole, and equals the library's own."""
+    d = base(rng, T=70)
+    kw = dict(output_final_state=True, return_intermediate_states=True, backend="cpu")
+    o, s, own = cula.chunk_fwd("kda", **d, **kw)
+    buf = np.full(own.shape, np.nan, dtype=own.dtype)
+    o2, s2, got = cula.chunk_fwd("kda", **d, intermediate_states_out=buf, **kw)
+    assert got is buf and np.isfinite(buf).all()
+    np.testing.assert_array_equal(buf, own)
+    np.testing.assert_array_equal(o2, o)
+    with pytest.raises(cula.CulaError, match="intermediate_states"):
+        cula.chunk_fwd("kda", **d, intermediate_states_out=buf[:, :1], **kw)
