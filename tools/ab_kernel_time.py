@@ -2,7 +2,7 @@
 """Back-to-back time of cula's chunked forward under two or more builds of libcula.so, taken in
 turns: each round runs every library once, each in a fresh process (CULA_LIBRARY names it), so
 the builds see the same machine state and a drift of the machine shows in every column. This is
-how the kernel changes in docs/NOTES.md are measured ("kernel time back to back, N rounds
+how the kernel changes in the engines' design docs are measured ("kernel time back to back, N rounds
 alternating"); the benchmarks against peers are `cula bench`.
 
     python3 tools/ab_kernel_time.py --lib old=exp/lib_old.so --lib new=build/libcula.so \\

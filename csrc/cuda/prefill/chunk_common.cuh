@@ -1,4 +1,4 @@
-// Pieces shared by the chunked forward kernels (chunk_fwd_mma.cu, chunk_fwd_fused.cu): the chunk
+// Pieces shared by the chunk engines (chunk_prep_scan/, chunk_fused/): the chunk
 // length, the varlen chunk numbering, the workspace pool and host-side checks.
 #pragma once
 

@@ -1,5 +1,5 @@
-// Chunked forward on tensor cores (sm_80 instruction set): see chunk_fwd_mma.cu (families with the
-// delta rule) and chunk_fwd_fused.cu (without it, scalar or constant decay) for the designs.
+// The chunk engines' entries for the dispatch table (sm_80 instruction set and up): chunk_prep_scan/
+// (KDA, GDN, GLA) and chunk_fused/ (simple GLA, Lightning); each folder's DESIGN.md has the design.
 #pragma once
 
 #include "common/problem.h"

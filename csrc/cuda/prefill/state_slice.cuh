@@ -1,6 +1,6 @@
 // The state slice that each warp of the chunk-walking kernels (chunk_scan_kernel in
-// chunk_fwd_mma.cu, chunk_fused_kernel in chunk_fwd_fused.cu) keeps in registers for a whole
-// sequence. Warp w owns channels (w%4)*K/4.. and column group w/4 of the kWarps / 4 groups of
+// chunk_prep_scan/scan.cuh, chunk_fused_kernel in chunk_fused/fused.cuh) keeps in registers for a
+// whole sequence. Warp w owns channels (w%4)*K/4.. and column group w/4 of the kWarps / 4 groups of
 // VB columns: kWarps = 8 (the scan and the sm_80 fused kernel) two halves, 16 (the 128-column
 // scan) four quarters, 4 (the state warps of the warp-specialized fused kernel) all VB. Element
 // (mt, nt, r) is channel cw + mt*16 + g + 8(r>>1), column v0 + hc0 + nt*8 + 2t + (r&1): the

@@ -1,9 +1,11 @@
 // Forward of every family on CUDA tensors, token by token (the recurrent form of SPEC §2).
 //
-// This is the correctness-first GPU path for cula_chunk_fwd: every option (varlen with
-// device-side cu_seqlens, GVA, gates in kernel, states in either layout and dtype, state pools,
-// intermediate states) in one kernel, no workspace, no host synchronisation. The tensor-core
-// chunked kernels will take the common configurations from it through the dispatch table.
+// The GPU path for every call the chunk engines decline (the dispatch table tries them first):
+// every option (varlen with device-side cu_seqlens, GVA, gates in kernel, states in either layout
+// and dtype, state pools, intermediate states) in one kernel, no workspace, no host
+// synchronisation. Today that is unbounded KDA gates, head sizes other than 64 and 128, and
+// inputs other than bf16; it is sequential in T, so those calls are several times slower than
+// the chunk engines.
 //
 // Design: one CTA per (sequence n, value head hv, tile of 16 state rows along V); 4 warps, each
 // owning 4 rows; lane l holds elements [l*EPL, (l+1)*EPL) of each row (EPL = K/32) in registers
