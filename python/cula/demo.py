@@ -108,7 +108,8 @@ def _softmax_causal_gpu(torch, q, k, v):
 
 
 def _time(fn, reps=1, torch=None):
-    best = float("inf")
+    """Median wall time of reps synchronized calls, in seconds."""
+    times = []
     for _ in range(reps):
         if torch:
             torch.cuda.synchronize()
@@ -116,8 +117,14 @@ def _time(fn, reps=1, torch=None):
         fn()
         if torch:
             torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return best
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def growth_exponent(lengths, times):
+    """The least-squares slope of log(time) against log(T): time ~ T^slope over the sizes given."""
+    x, y = np.log(np.asarray(lengths, dtype=np.float64)), np.log(np.asarray(times, dtype=np.float64))
+    return float(np.polyfit(x, y, 1)[0])
 
 
 def run_demo(quick: bool = False) -> int:
@@ -171,8 +178,8 @@ def run_demo(quick: bool = False) -> int:
             softmax = lambda: _softmax_causal(q, k, v)  # noqa: E731
         _run("kda", q, k, v, kw, backend)  # warm-up
         softmax()
-        t_lin = _time(lambda: _run("kda", q, k, v, kw, backend), reps=2, torch=torch)
-        t_sm = _time(softmax, reps=2 if torch else 1, torch=torch)
+        t_lin = _time(lambda: _run("kda", q, k, v, kw, backend), reps=5, torch=torch)
+        t_sm = _time(softmax, reps=5 if torch else 3, torch=torch)
         table.append((T_, t_lin * 1e3, t_sm * 1e3))
         prog.step(f"T={T_}")
     print(f"\n{'T':>7}{'linear ms':>12}{'softmax ms':>13}{'softmax/linear':>16}{'linear x':>10}{'softmax x':>11}")
@@ -180,7 +187,13 @@ def run_demo(quick: bool = False) -> int:
         gl = f"{tl / table[i - 1][1]:.1f}" if i else "-"
         gs = f"{ts / table[i - 1][2]:.1f}" if i else "-"
         print(f"{T_:>7}{tl:>12.2f}{ts:>13.2f}{ts / tl:>16.2f}{gl:>10}{gs:>11}")
-    print("(each doubling of T: linear attention's time about doubles, softmax attention's about quadruples)")
+    # Fit over the larger half of the sizes, where fixed per-call costs no longer dominate.
+    half = table[len(table) // 2 - 1:] if len(table) >= 4 else table
+    a_lin = growth_exponent([r[0] for r in half], [r[1] for r in half])
+    a_sm = growth_exponent([r[0] for r in half], [r[2] for r in half])
+    print(f"(medians of repeats; fitted over T = {half[0][0]}..{half[-1][0]}: linear attention's time grows as T^{a_lin:.2f}, "
+          f"x{2 ** a_lin:.1f} per doubling; softmax attention's as T^{a_sm:.2f}, x{2 ** a_sm:.1f} per doubling; "
+          f"the costs are O(T) and O(T^2))")
     cross = next((T_ for T_, tl, ts in table if ts > tl), None)
     if cross:
         print(f"linear attention is faster from T = {cross} on in this run")

@@ -115,6 +115,15 @@ def test_cli_demo_quick():
     assert r.returncode == 0, r.stdout + r.stderr
     assert "all families match the float64 reference" in r.stdout
     assert "softmax" in r.stdout
+    assert "grows as T^" in r.stdout  # what it measured, not a fixed sentence
+
+
+def test_demo_growth_exponent_is_the_log_log_slope(rng):
+    from cula.demo import growth_exponent
+    lengths = [512, 1024, 2048, 4096]
+    c, a = rng.uniform(0.5, 2.0), rng.uniform(0.5, 2.5)
+    times = [c * t ** a for t in lengths]
+    assert abs(growth_exponent(lengths, times) - a) < 1e-9
 
 
 def test_last_kernel_names_the_row_that_ran(rng):
