@@ -27,7 +27,8 @@ def canonical(names):
 
 def main():
     build, allowed_path = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
-    logs = sorted(build.rglob("*.ptxas.txt"))
+    # this build tree's own objects (a nested build, e.g. pip's under build/wheel, has its own)
+    logs = sorted(build.glob("CMakeFiles/**/*.ptxas.txt"))
     if not logs:
         print(f"no ptxas logs under {build}: build with tools/ptxas_log.sh as the CUDA compiler launcher")
         return 1

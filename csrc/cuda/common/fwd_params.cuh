@@ -32,7 +32,8 @@ struct FwdParams {
   int out_dt;
   int N, T, H, HV, K, V;
   int k_last;
-  int gate_kind, delta, l2norm, gate_in_kernel, has_lb, beta_sigmoid, decay_heads, dt_bias_per_channel;
+  GateKind gate_kind;
+  int delta, l2norm, gate_in_kernel, has_lb, beta_sigmoid, decay_heads, dt_bias_per_channel;
   // Only whole-block barriers in the KDA prep (CULA_BLOCK_BARRIERS_ONLY=1, for compute-sanitizer's
   // racecheck, which misreads the block barriers that follow a barrier some warps only arrive at)
   int block_barriers_only;
@@ -111,7 +112,7 @@ inline FwdParams make_fwd_params(const Recurrence& r, const cula_chunk_fwd_args&
   p.N = static_cast<int>(r.N), p.T = static_cast<int>(r.T), p.H = static_cast<int>(r.H);
   p.HV = static_cast<int>(r.HV), p.K = static_cast<int>(r.K), p.V = static_cast<int>(r.V);
   p.k_last = r.state_layout == CULA_STATE_K_LAST;
-  p.gate_kind = r.tr.gate == GateKind::PerChannel ? 0 : r.tr.gate == GateKind::Scalar ? 1 : 2;
+  p.gate_kind = r.tr.gate;
   p.delta = r.tr.delta, p.l2norm = r.l2norm, p.gate_in_kernel = r.gate_in_kernel, p.has_lb = r.has_lb;
   p.beta_sigmoid = r.beta_sigmoid, p.decay_heads = static_cast<int>(r.decay_heads);
   p.dt_bias_per_channel = r.dt_bias_per_channel;

@@ -74,7 +74,7 @@ struct DecodeParams {
   int q_dtype, v_dtype, g_dtype, beta_dtype, out_dtype;
   int N, T, H, HV, K, V, P;
   int per_token_slots;  // idx is [N, T]
-  int gate_kind;        // 0 per channel, 1 scalar, 2 constant
+  GateKind gate_kind;
   int delta, l2norm, gate_in_kernel, has_lb, beta_sigmoid, decay_heads, dt_bias_per_channel;
   float lb, beta_mult, scale;
   FastDiv value_heads_per_head;  // HV / H
@@ -150,7 +150,7 @@ template <int EPL, typename S, bool KLAST, bool kServing, bool kKdaServing, bool
 __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodeParams p, const int R) {
   // kKdaServing fixes the options of KDA serving (per-channel gate computed in kernel with a lower
   // bound, q/k L2 norm, beta sigmoid) at compile time; otherwise they are read from p.
-  const int gate_kind = kKdaServing ? 0 : p.gate_kind;
+  const GateKind gate_kind = kKdaServing ? GateKind::PerChannel : p.gate_kind;
   const bool delta = kKdaServing ? true : p.delta;
   const bool l2norm = kKdaServing ? true : p.l2norm;
   const bool gate_in_kernel = kKdaServing ? true : p.gate_in_kernel;
@@ -228,13 +228,13 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
 #pragma unroll
       for (int e = 0; e < EPL; ++e) rq[e] = ldx(p.q, p.q_dtype, qk_off + e), rk[e] = ldx(p.k, p.q_dtype, qk_off + e);
     }
-    if (kServing && gate_kind == 0) {
+    if (kServing && gate_kind == GateKind::PerChannel) {
       load_row<EPL, float>(static_cast<const float*>(p.g) + (f * p.HV + hv) * K + k0, rg);
     } else {
 #pragma unroll
       for (int e = 0; e < EPL; ++e)
-        rg[e] = gate_kind == 0 ? ldf(p.g, p.g_dtype, (f * p.HV + hv) * K + k0 + e)
-                : gate_kind == 1 ? ldf(p.g, p.g_dtype, f * p.HV + hv)
+        rg[e] = gate_kind == GateKind::PerChannel ? ldf(p.g, p.g_dtype, (f * p.HV + hv) * K + k0 + e)
+                : gate_kind == GateKind::Scalar ? ldf(p.g, p.g_dtype, f * p.HV + hv)
                                    : -p.decay[p.decay_heads == p.HV ? hv : h];
     }
     if (delta && (kOneToken || lane == 0)) rbeta = ldf(p.beta, p.beta_dtype, f * p.HV + hv);
@@ -465,13 +465,13 @@ bool serving_inputs(const DecodeParams& p) {
   auto aligned = [](const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; };
   return p.q_dtype == CULA_BFLOAT16 && p.v_dtype == CULA_BFLOAT16 && p.out_dtype == CULA_BFLOAT16 &&
          (!p.g || p.g_dtype == CULA_FLOAT32) && (!p.beta || p.beta_dtype == CULA_FLOAT32) &&
-         aligned(p.q, EPL * 2) && aligned(p.k, EPL * 2) && (p.gate_kind != 0 || !p.g || aligned(p.g, EPL * 4)) &&
+         aligned(p.q, EPL * 2) && aligned(p.k, EPL * 2) && (p.gate_kind != GateKind::PerChannel || !p.g || aligned(p.g, EPL * 4)) &&
          (!p.dt_bias || !p.dt_bias_per_channel || aligned(p.dt_bias, EPL * 4));
 }
 
 template <int EPL, typename S>
 void launch_layout(const DecodeParams& p, bool k_last, bool pdl, int sms, cudaStream_t stream) {
-  const bool kda_serving = p.gate_kind == 0 && p.delta && p.l2norm && p.gate_in_kernel && p.has_lb && p.beta_sigmoid;
+  const bool kda_serving = p.gate_kind == GateKind::PerChannel && p.delta && p.l2norm && p.gate_in_kernel && p.has_lb && p.beta_sigmoid;
   // The serving instantiations exist for K <= 128 only (K = 256 takes the generic one).
   if constexpr (EPL <= 4) {
     if (k_last && serving_inputs<EPL>(p)) {
@@ -550,7 +550,7 @@ void cuda_decode(const Recurrence& r, const cula_decode_args& a) {
   p.V = static_cast<int>(r.V);
   p.P = static_cast<int>(a.state_pool->shape[0]);
   p.per_token_slots = a.state_indices && a.state_indices->ndim == 2;
-  p.gate_kind = r.tr.gate == GateKind::PerChannel ? 0 : r.tr.gate == GateKind::Scalar ? 1 : 2;
+  p.gate_kind = r.tr.gate;
   p.delta = r.tr.delta;
   p.l2norm = r.l2norm;
   p.gate_in_kernel = r.gate_in_kernel;

@@ -20,7 +20,7 @@ __global__ void __launch_bounds__(32 * kFactorWarps)
   const int h = hv / (p.HV / p.H);
   const float eA = (p.gate_in_kernel && p.A_log) ? __expf(dev::ld(p.A_log, p.A_dt, hv)) : 1.0f;
   const float bias = (p.gate_in_kernel && p.dt_bias) ? dev::ld(p.dt_bias, p.bias_dt, hv) : 0.0f;
-  const float decay = p.gate_kind == 2 ? constant_log_decay(p, hv, h) : 0.0f;
+  const float decay = p.gate_kind == GateKind::Constant ? constant_log_decay(p, hv, h) : 0.0f;
   float* f = fac + static_cast<int64_t>(pair) * kFactorFloats;
   float x[2], qsr[2], ksr[2];
 #pragma unroll
@@ -29,7 +29,7 @@ __global__ void __launch_bounds__(32 * kFactorWarps)
     float a = 0.0f, qs = p.scale, ks = 1.0f;
     if (row < Lc) {
       const int64_t tok = t0 + row;
-      if (p.gate_kind == 2) {
+      if (p.gate_kind == GateKind::Constant) {
         a = decay;
       } else {
         a = dev::ld(p.g, p.g_dt, sq.b_row * p.g_s[0] + tok * p.g_s[1] + hv * p.g_s[2]);

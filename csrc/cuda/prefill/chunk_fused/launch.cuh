@@ -30,7 +30,7 @@ void run(const Recurrence& r, const FwdParams& p, int nseg, int nsub, int device
   // Lightning without l2norm: the fused kernels write their row factors themselves, which saves
   // the factor kernel and, for one pass over dense inputs, the whole workspace (an allocation, a
   // launch and a release: ~25 us of host time per call when the host's caches are cold)
-  const bool own_factors = p.gate_kind == 2 && !p.l2norm;
+  const bool own_factors = p.gate_kind == GateKind::Constant && !p.l2norm;
   const int64_t fac_bytes = own_factors ? 0 : pairs * kFactorFloats * 4;
   const int64_t loc_floats = local_parts * slices * slice_floats, dec_floats = (local_parts * r.N * r.HV + 3) / 4 * 4;
   const int64_t s0_floats = nseg > 1 ? slices * slice_floats : 0;

@@ -99,7 +99,7 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
   float eA = 1.0f;  // e^{A_log}, taken once the tiles are in (see below)
   const float head_bias = (p.gate_in_kernel && p.dt_bias && !p.dt_bias_per_channel) ? dev::ld(p.dt_bias, p.bias_dt, hv) : 0.0f;
   const float const_decay =
-      p.gate_kind == 2 ? -dev::ld(p.decay, p.decay_dt, p.decay_heads == p.HV ? hv : (hv / (p.HV / p.H))) : 0.0f;
+      p.gate_kind == GateKind::Constant ? -dev::ld(p.decay, p.decay_dt, p.decay_heads == p.HV ? hv : (hv / (p.HV / p.H))) : 0.0f;
   const uint4 zero4 = make_uint4(0, 0, 0, 0);
   // KDA with a bf16 gate: the chunk's gate tile streams into shared memory with q and k (TB and TAB
   // are free until Minv and the exponent table), so the rolled k-step loop reads it without a
@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
   auto gate_at = [&](int row, int col) { return gt_s + row * K + col; };
   // log-decay of one element from its raw gate
   auto activate = [&](float x) {
-    if (p.gate_in_kernel && p.gate_kind != 2) x = dev::activate_gate(x, eA, p.has_lb, p.lb);
+    if (p.gate_in_kernel && p.gate_kind != GateKind::Constant) x = dev::activate_gate(x, eA, p.has_lb, p.lb);
     return dev::chunk_log_decay(x);
   };
 
@@ -126,7 +126,7 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
   const uint32_t beta_bits =
       F::kDelta && row_loads ? dev::ld_bits(p.beta, p.beta_dt, b_row * p.beta_s[0] + row_at * p.beta_s[1] + hv * p.beta_s[2]) : 0u;
   const uint32_t gs_bits =
-      F::kScalarGate && p.gate_kind == 1 && row_loads ? dev::ld_bits(p.g, p.g_dt, b_row * p.g_s[0] + row_at * p.g_s[1] + hv * p.g_s[2]) : 0u;
+      F::kScalarGate && p.gate_kind == GateKind::Scalar && row_loads ? dev::ld_bits(p.g, p.g_dt, b_row * p.g_s[0] + row_at * p.g_s[1] + hv * p.g_s[2]) : 0u;
   const bool bias_per_channel = !F::kScalarGate && tid < K && p.gate_in_kernel && p.dt_bias && p.dt_bias_per_channel;
   const uint32_t bias_bits = bias_per_channel ? dev::ld_bits(p.dt_bias, p.bias_dt, hv * K + tid) : 0u;
 #if CULA_BULK_COPY
@@ -246,7 +246,7 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
       if (p.beta_sigmoid) b = __fdividef(p.beta_mult, 1.0f + __expf(-b));
     }
     beta_s[tid] = b;
-    gs_s[tid] = F::kScalarGate && p.gate_kind == 1 && row_loads ? dev::from_bits(gs_bits, p.g_dt) : 0.0f;
+    gs_s[tid] = F::kScalarGate && p.gate_kind == GateKind::Scalar && row_loads ? dev::from_bits(gs_bits, p.g_dt) : 0.0f;
   }
   if (!F::kScalarGate && tid < K) bias_s[tid] = bias_per_channel ? dev::from_bits(bias_bits, p.bias_dt) : head_bias;
   __syncthreads();  // B_a0: tiles landed
@@ -400,7 +400,7 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           const int row = lane + 32 * hh;
-          x[hh] = row < Lc ? activate(p.gate_kind == 1 ? gs_s[row] + head_bias : const_decay) : 0.0f;
+          x[hh] = row < Lc ? activate(p.gate_kind == GateKind::Scalar ? gs_s[row] + head_bias : const_decay) : 0.0f;
 #pragma unroll
           for (int d = 1; d < 32; d <<= 1) {
             const float u = __shfl_up_sync(0xffffffffu, x[hh], d);
@@ -434,7 +434,7 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
           }
           x[2 * i] = v.x + bias_s[c0], x[2 * i + 1] = v.y + bias_s[c0 + 1];
         }
-        if (p.gate_in_kernel && p.gate_kind != 2) dev::activate_gates(x, eA, p.has_lb, p.lb);
+        if (p.gate_in_kernel && p.gate_kind != GateKind::Constant) dev::activate_gates(x, eA, p.has_lb, p.lb);
         float run[2] = {0.0f, 0.0f};
 #pragma unroll
         for (int e = 0; e < 32; ++e) {

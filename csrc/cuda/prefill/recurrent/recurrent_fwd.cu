@@ -84,15 +84,15 @@ __global__ void __launch_bounds__(kWarps * 32) recurrent_fwd_kernel(const FwdPar
   for (int e = 0; e < EPL; ++e)
     bias[e] = (p.gate_in_kernel && p.dt_bias) ? ld(p.dt_bias, p.bias_dt, p.dt_bias_per_channel ? hv * K + k0 + e : hv)
                                               : 0.0f;
-  const float const_decay = p.gate_kind == 2 ? -ld(p.decay, p.decay_dt, p.decay_heads == p.HV ? hv : h) : 0.0f;
+  const float const_decay = p.gate_kind == GateKind::Constant ? -ld(p.decay, p.decay_dt, p.decay_heads == p.HV ? hv : h) : 0.0f;
 
   auto load_raw = [&](Raw<EPL>& w, int64_t t) {
 #pragma unroll
     for (int e = 0; e < EPL; ++e) {
       w.q[e] = ld(p.q, p.q_dt, b_row * p.q_s[0] + t * p.q_s[1] + h * p.q_s[2] + (k0 + e) * p.q_s[3]);
       w.k[e] = ld(p.k, p.k_dt, b_row * p.k_s[0] + t * p.k_s[1] + h * p.k_s[2] + (k0 + e) * p.k_s[3]);
-      w.g[e] = p.gate_kind == 0   ? ld(p.g, p.g_dt, b_row * p.g_s[0] + t * p.g_s[1] + hv * p.g_s[2] + (k0 + e) * p.g_s[3])
-               : p.gate_kind == 1 ? ld(p.g, p.g_dt, b_row * p.g_s[0] + t * p.g_s[1] + hv * p.g_s[2])
+      w.g[e] = p.gate_kind == GateKind::PerChannel   ? ld(p.g, p.g_dt, b_row * p.g_s[0] + t * p.g_s[1] + hv * p.g_s[2] + (k0 + e) * p.g_s[3])
+               : p.gate_kind == GateKind::Scalar ? ld(p.g, p.g_dt, b_row * p.g_s[0] + t * p.g_s[1] + hv * p.g_s[2])
                                   : const_decay;
     }
     w.beta = p.delta ? ld(p.beta, p.beta_dt, b_row * p.beta_s[0] + t * p.beta_s[1] + hv * p.beta_s[2]) : 1.0f;
