@@ -15,15 +15,9 @@ from ._tensor import is_torch
 
 __all__ = ["cula_kda", "cula_lightning", "cula_decode", "backend_for"]
 
-# One dispatch table per op: rows (backend name, device type, minimum compute capability), best
-# first. A row is usable when the library says that backend runs the op on that device.
-_TABLES = {
-    "kda": [("cuda", "cuda", (8, 0)), ("cpu", "cpu", None)],
-    "lightning": [("cuda", "cuda", (8, 0)), ("cpu", "cpu", None)],
-    "decode": [("cuda", "cuda", (8, 0)), ("cpu", "cpu", None)],
-}
+# Level 1's ops and the library op that serves each. Which kernel runs is the library's dispatch
+# table's answer (cula_backend_for), not a second table here.
 _OPS = {"kda": "chunk_fwd", "lightning": "chunk_fwd", "decode": "decode"}
-_cache: dict[tuple[str, str], str] = {}
 
 
 def _device_of(x, device):
@@ -34,32 +28,17 @@ def _device_of(x, device):
     return "cpu"
 
 
-def _capability(device: str):
-    import torch
-
-    return torch.cuda.get_device_capability(torch.device(device))
-
-
 def backend_for(op: str, device="cpu") -> str:
-    """The backend Level 1 uses for op ("kda", "lightning", "decode") on device; cached per device."""
-    if op not in _TABLES:
-        raise CulaError(f"argument 'op': expected one of {sorted(_TABLES)}, got {op!r}")
-    key = (op, str(device))
-    if key not in _cache:
-        dev_type = "cuda" if str(device).startswith("cuda") else "cpu"
-        choice = None
-        for name, dtype, min_cc in _TABLES[op]:
-            if dtype != dev_type or ops.backend_for(_OPS[op], dev_type) != name:
-                continue
-            if min_cc is not None and _capability(str(device)) < min_cc:
-                continue
-            choice = name
-            break
-        if choice is None:
-            raise CulaUnsupportedError(f"cula.api: no kernel in this build runs '{op}' on {device}"
-                                       + ("; use CPU tensors (the CPU backend) for now" if dev_type == "cuda" else ""))
-        _cache[key] = choice
-    return _cache[key]
+    """The backend the library's dispatch table puts first for Level 1's op ("kda", "lightning",
+    "decode") on device; raises CulaUnsupportedError when no backend of this build runs it there."""
+    if op not in _OPS:
+        raise CulaError(f"argument 'op': expected one of {sorted(_OPS)}, got {op!r}")
+    name = ops.backend_for(_OPS[op], str(device))
+    if name == "none":
+        on_cuda = str(device).startswith("cuda")
+        raise CulaUnsupportedError(f"cula.api: no kernel in this build runs '{op}' on {device}"
+                                   + ("; use CPU tensors (the CPU backend) for now" if on_cuda else ""))
+    return name
 
 
 def _int32_offsets(cu_seqlens):
