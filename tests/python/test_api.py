@@ -119,7 +119,7 @@ def test_cli_demo_quick():
 
 
 def test_demo_growth_exponent_is_the_log_log_slope(rng):
-    from cula.demo import growth_exponent
+    from cula.cli.demo import growth_exponent
     lengths = [512, 1024, 2048, 4096]
     c, a = rng.uniform(0.5, 2.0), rng.uniform(0.5, 2.5)
     times = [c * t ** a for t in lengths]
@@ -150,7 +150,7 @@ def test_bench_results_series_follow_the_json_records(tmp_path):
     geometric means, ratios) are left out."""
     import json
 
-    from cula.bench_common import replot, series_from_records
+    from cula.bench.common import replot, series_from_records
 
     cfg = lambda name: dict(name=name, B=1, T=64, H=1)  # noqa: E731
     records = [dict(op="x", config=cfg("a"), impl="cula", median_ms=1.5),
@@ -174,7 +174,7 @@ def test_kda_bench_resume_keeps_measured_rows_and_recomputes_the_means(tmp_path)
     with geometric means over all of them, for the single calls and for the queued calls."""
     import json
 
-    from cula import bench_kda
+    from cula.bench import kda as bench_kda
 
     names = [c[0] for c in bench_kda.CONFIGS]
 
@@ -218,7 +218,7 @@ def test_kda_bench_resume_keeps_measured_rows_and_recomputes_the_means(tmp_path)
 def test_decode_markdown_shows_both_modes_ratios(tmp_path):
     """decode.md is drawn from decode.json's records: one row per configuration in measured order,
     with FLA / cula for eager calls and for graph replay; without FLA the peer columns are dashes."""
-    from cula.bench_decode import write_decode_markdown
+    from cula.bench.decode import write_decode_markdown
 
     def recs(sd, H, N, cula, fla=None):
         cfg = dict(T=1, N=N, H=H, K=128, V=128, state_dtype=sd)

@@ -11,8 +11,8 @@ import time
 
 import numpy as np
 
-from . import _lib, ops
-from .demo import Progress, _inputs
+from .. import _lib, ops
+from ..cli.demo import Progress, _inputs
 
 CPU_CONFIGS = [
     # (family, B, T, H, K, V)

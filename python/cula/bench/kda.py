@@ -18,11 +18,11 @@ import json
 import os
 import time
 
-from .bench_common import (PEERS_AND_BASELINE_METHOD, QUEUED_METHOD, REPS, causal_sdpa, time_peers_and_baseline,
+from .common import (PEERS_AND_BASELINE_METHOD, QUEUED_METHOD, REPS, causal_sdpa, time_peers_and_baseline,
                            write_report)
-from .bench_decode import _version, cuda_device
-from . import _lib
-from .demo import Progress
+from .decode import _version, cuda_device
+from .. import _lib
+from ..cli.demo import Progress
 
 K = V = 128
 LOWER_BOUND = -5.0
@@ -107,7 +107,7 @@ def bench_kda(out_dir: str, gpu_name: str | None = None, configs=None, resume=Fa
     out_dir's kda_fwd.json (measured on this GPU) are kept and not run again."""
     import torch
 
-    from . import ops
+    from .. import ops
 
     fla_fn, flash_fn = _peers()
     dev, props, bw = cuda_device(torch)

@@ -14,8 +14,8 @@ import os
 import statistics
 import time
 
-from . import _lib
-from .demo import Progress
+from .. import _lib
+from ..cli.demo import Progress
 
 HEADS = (32, 64)
 SEQS = (1, 8, 64, 256, 1024)
@@ -62,7 +62,7 @@ def bench_decode(out_dir: str, gpu_name: str | None = None) -> int:
     os.environ.setdefault("FLA_FLASH_KDA", "0")
     import torch
 
-    from . import ops
+    from .. import ops
 
     fla_fn = None
     try:

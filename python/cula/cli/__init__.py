@@ -7,7 +7,7 @@ import sys
 
 
 def _info() -> int:
-    from . import _lib, ops
+    from .. import _lib, ops
 
     lib = _lib.LIB
     print(f"cula {lib.cula_version().decode()} (C ABI {lib.cula_abi_version()})")
@@ -55,24 +55,24 @@ def main(argv=None) -> int:
     if args.cmd == "bench":
         only = set(args.only.split(",")) if args.only else None
         if args.suite == "replot":
-            from .bench_common import replot
+            from ..bench.common import replot
 
             return replot(args.out or "bench/results/gpu")
         if args.suite == "cpu":
-            from .bench import bench_cpu
+            from ..bench.cpu import bench_cpu
 
             return bench_cpu(args.out or "bench/results/cpu", reps=args.reps)
         if args.suite == "kda":
-            from .bench_kda import CONFIGS, bench_kda
+            from ..bench.kda import CONFIGS, bench_kda
 
             return bench_kda(args.out or "bench/results/gpu", configs=[c for c in CONFIGS if not only or c[0] in only],
                              resume=args.resume)
         if args.suite in ("gdn", "gla", "simple_gla", "lightning"):
-            from .bench_fwd import CONFIGS, bench_fwd
+            from ..bench.fwd import CONFIGS, bench_fwd
 
             return bench_fwd(args.suite, args.out or "bench/results/gpu",
                              configs=[c for c in CONFIGS if not only or c[0] in only])
-        from .bench_decode import bench_decode
+        from ..bench.decode import bench_decode
 
         return bench_decode(args.out or "bench/results/gpu")
     parser.print_help()

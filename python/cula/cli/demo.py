@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from . import ops
+from .. import ops
 
 
 class Progress:
@@ -82,7 +82,7 @@ def _gpu_torch():
     try:
         import torch
 
-        from . import _lib
+        from .. import _lib
 
         if torch.cuda.is_available() and _lib.LIB.cula_cuda_device_count() > 0:
             return torch

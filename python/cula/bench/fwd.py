@@ -19,11 +19,11 @@ import itertools
 import os
 import time
 
-from .bench_common import (PEERS_AND_BASELINE_METHOD, QUEUED_METHOD, REPS, causal_sdpa, time_peers_and_baseline,
+from .common import (PEERS_AND_BASELINE_METHOD, QUEUED_METHOD, REPS, causal_sdpa, time_peers_and_baseline,
                            write_report)
-from .bench_decode import _version, cuda_device
-from . import _lib
-from .demo import Progress
+from .decode import _version, cuda_device
+from .. import _lib
+from ..cli.demo import Progress
 
 K = V = 128
 CONFIGS = [
@@ -74,7 +74,7 @@ def bench_fwd(family: str, out_dir: str, gpu_name: str | None = None, configs=No
     os.environ["FLA_FLASH_KDA"] = "0"
     import torch
 
-    from . import ops
+    from .. import ops
 
     module, fname, title = FAMILIES[family]
     cula_fn = getattr(importlib.import_module(f"cula.{module}"), fname)
