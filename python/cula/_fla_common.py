@@ -7,7 +7,7 @@ import warnings
 import numpy as np
 
 from . import ops
-from ._front import chunk, reject_unknown
+from ._front import chunk, compiling, reject_unknown
 from ._tensor import is_torch
 
 
@@ -100,9 +100,15 @@ def recurrent_dropin(fn_name, family, q, k, v, g, beta, *, A_log, dt_bias, scale
             import torch
 
             idx = idx if idx.dtype == torch.int32 else idx.to(torch.int32)
-        o, _ = ops.decode(dense(q), dense(k), dense(v), initial_state, mode=family, g=dense(g), beta=dense(beta),
-                          state_indices=idx, num_accepted_tokens=acc, out=split(out) if out is not None else None,
-                          **common)
+        if is_torch(q) and out is None:  # the registered op: traceable by torch.compile
+            from . import torch_ops
+
+            o, _ = torch_ops.decode(dense(q), dense(k), dense(v), initial_state, mode=family, g=dense(g),
+                                    beta=dense(beta), state_indices=idx, num_accepted_tokens=acc, **common)
+        else:
+            o, _ = ops.decode(dense(q), dense(k), dense(v), initial_state, mode=family, g=dense(g), beta=dense(beta),
+                              state_indices=idx, num_accepted_tokens=acc, out=split(out) if out is not None else None,
+                              **common)
         return o.reshape(v.shape), initial_state
     return chunk(family, q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
                  cu_seqlens=cu_seqlens, **common)

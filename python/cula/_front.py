@@ -25,10 +25,39 @@ def _needs_grad(*tensors) -> bool:
     return any(t is not None and is_torch(t) and t.requires_grad for t in tensors)
 
 
+# The options the registered op cula::chunk_fwd takes (torch_ops.chunk_fwd); a call with others
+# (intermediate states, state pools, caller buffers) runs eagerly through cula.ops.
+_OP_OPTIONS = frozenset({"cu_seqlens", "scale", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
+                         "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "safe_gate", "lower_bound", "state_layout",
+                         "chunk_size", "output_final_state", "state_dtype"})
+
+
+def _through_op(q, opts) -> bool:
+    """Torch tensors go through the registered op (traceable by torch.compile, one node in a graph)."""
+    if not is_torch(q):
+        return False
+    if opts.get("return_intermediate_states") or opts.get("backend", "auto") != "auto":
+        return False
+    return all(n in _OP_OPTIONS or n in ("return_intermediate_states", "backend") for n in opts)
+
+
+def compiling() -> bool:
+    """Whether torch.compile is tracing this call (host-side checks that call the C ABI are skipped
+    then: the op checks the call when it runs)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.compiler.is_compiling()
+
+
 def chunk(family: str, q, k, v, g=None, beta=None, decay=None, *, A_log=None, dt_bias=None, initial_state=None,
           **opts):
     """chunk_fwd with autograd when any torch input requires grad (backward: cula.ops.chunk_bwd)."""
     if not _needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state):
+        if _through_op(q, opts):
+            from . import torch_ops
+
+            opts = {n: x for n, x in opts.items() if n in _OP_OPTIONS}
+            return torch_ops.chunk_fwd(family, q, k, v, g, beta, decay, A_log=A_log, dt_bias=dt_bias,
+                                       initial_state=initial_state, **opts)
         return ops.chunk_fwd(family, q, k, v, g, beta, decay, A_log=A_log, dt_bias=dt_bias,
                              initial_state=initial_state, **opts)
     inputs = dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state)

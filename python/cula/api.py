@@ -9,7 +9,7 @@ ones it does not know. ``backend_for(op, device)`` tells which kernel runs.
 from __future__ import annotations
 
 from . import ops
-from ._front import chunk, reject_unknown
+from ._front import chunk, compiling, reject_unknown
 from ._lib import CulaError, CulaUnsupportedError
 from ._tensor import is_torch
 
@@ -73,7 +73,8 @@ def cula_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_s
     States: K-last [N, H, V, K] float32. Returns (o, final_state) or (o, final_state, h)."""
     extra = {n: kwargs.pop(n) for n in list(kwargs) if n in _KDA_KW}
     reject_unknown("cula_kda", kwargs)
-    backend_for("kda", _device_of(q, device))
+    if not compiling():  # (the op checks the call when it runs)
+        backend_for("kda", _device_of(q, device))
     del disable_recompute
     family = "gdn" if len(g.shape) == 3 else "kda"
     B, T, H, K = (int(s) for s in q.shape)
@@ -93,7 +94,8 @@ def cula_lightning(Q, K, V, decay, *, scale=None, initial_state=None, output_fin
     With ``state_pool`` [P, H, V, K] and ``initial_state_indices`` [N] int32 the states are read
     from and written back to the pool in place, and the pool is returned as the final state."""
     reject_unknown("cula_lightning", kwargs)
-    backend_for("lightning", _device_of(Q, device))
+    if not compiling():  # (the op checks the call when it runs)
+        backend_for("lightning", _device_of(Q, device))
     B, T, H, Kd = (int(s) for s in Q.shape)
     HV, Vd = int(V.shape[2]), int(V.shape[3])
     n = B if cu_seqlens is None else int(cu_seqlens.shape[0]) - 1
@@ -123,7 +125,8 @@ def cula_decode(q, k, v, state, *, mode="kda", state_indices=None, scale=None, d
     reject_unknown("cula_decode", kwargs)
     if mode not in ("kda", "gdn", "lightning"):
         raise CulaError(f"cula_decode: argument 'mode': expected 'kda', 'gdn' or 'lightning', got {mode!r}")
-    backend_for("decode", _device_of(q, device))
+    if not compiling():  # (the op checks the call when it runs)
+        backend_for("decode", _device_of(q, device))
     packed = int(q.shape[0]) == 1 and int(q.shape[1]) > 1 and state_indices is not None \
         and len(state_indices.shape) == 1 and int(state_indices.shape[0]) == int(q.shape[1])
     if packed:  # [1, N, ...] -> [N, 1, ...]

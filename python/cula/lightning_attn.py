@@ -7,7 +7,7 @@ import functools
 
 import numpy as np
 
-from ._front import chunk, reject_unknown
+from ._front import chunk, compiling, reject_unknown
 from ._tensor import is_torch
 
 __all__ = ["chunk_lightning_attn", "fused_recurrent_lightning_attn", "lightning_decay"]
@@ -16,8 +16,13 @@ __all__ = ["chunk_lightning_attn", "fused_recurrent_lightning_attn", "lightning_
 def lightning_decay(num_heads: int, layer_idx: int, num_layers: int, like=None):
     """FLA's per-head decay rate for a layer: (8 / H) (1 - layer_idx / num_layers) * h (cula's
     `decay`, i.e. -g_gamma)."""
-    if like is not None and is_torch(like):  # the cached device tensor: no host work per call
-        return _device_decay(num_heads, layer_idx, num_layers, like.device)
+    if like is not None and is_torch(like):
+        if compiling():  # traced: torch ops in the graph instead of the host cache below
+            import torch
+
+            rate = 8 / num_heads * (1 - layer_idx / num_layers)
+            return torch.arange(num_heads, dtype=torch.float32, device=like.device) * rate
+        return _device_decay(num_heads, layer_idx, num_layers, like.device)  # cached: no host work per call
     return np.arange(num_heads, dtype=np.float32) * np.float32(8 / num_heads * (1 - layer_idx / num_layers))
 
 

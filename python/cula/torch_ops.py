@@ -48,26 +48,34 @@ def _chunk_fwd(family: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
                scale: Optional[float], use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool,
                use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool, safe_gate: bool,
-               lower_bound: Optional[float], state_layout: str, chunk_size: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    o, final = ops.chunk_fwd(family, q, k, v, g, beta, decay, initial_state=initial_state, output_final_state=True,
-                             A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens, scale=scale,
-                             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-                             use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-                             safe_gate=safe_gate, lower_bound=lower_bound, state_layout=state_layout,
-                             chunk_size=chunk_size)
-    return o, final
+               lower_bound: Optional[float], state_layout: str, chunk_size: int, output_final_state: bool,
+               state_dtype: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    o, final = ops.chunk_fwd(family, q, k, v, g, beta, decay, initial_state=initial_state,
+                             output_final_state=output_final_state, A_log=A_log, dt_bias=dt_bias,
+                             cu_seqlens=cu_seqlens, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                             use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                             allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound,
+                             state_layout=state_layout, chunk_size=chunk_size, state_dtype=state_dtype)
+    # a custom op returns tensors only: no final state is an empty one (chunk_fwd below maps it to None)
+    return o, final if final is not None else q.new_empty(0, dtype=torch.float32)
+
+
+def _final_state_shape(q, v, cu_seqlens, state_layout):
+    n = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    K, HV, V = q.shape[3], v.shape[2], v.shape[3]
+    return (n, HV, V, K) if state_layout == "k_last" else (n, HV, K, V)
 
 
 @_chunk_fwd.register_fake
 def _chunk_fwd_fake(family, q, k, v, g, beta, decay, initial_state, A_log, dt_bias, cu_seqlens, scale,
                     use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate,
-                    lower_bound, state_layout, chunk_size):
-    n = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    K, HV, V = q.shape[3], v.shape[2], v.shape[3]
-    shape = (n, HV, V, K) if state_layout == "k_last" else (n, HV, K, V)
-    dt = initial_state.dtype if initial_state is not None else torch.float32
-    return q.new_empty(v.shape), q.new_empty(shape, dtype=dt)
+                    lower_bound, state_layout, chunk_size, output_final_state, state_dtype):
+    o = q.new_empty(v.shape)  # q's dtype, as cula.ops.chunk_fwd allocates it
+    if not output_final_state:
+        return o, q.new_empty(0, dtype=torch.float32)
+    dt = getattr(torch, state_dtype) if state_dtype else (
+        initial_state.dtype if initial_state is not None else torch.float32)
+    return o, q.new_empty(_final_state_shape(q, v, cu_seqlens, state_layout), dtype=dt)
 
 
 def decode(q, k, v, state_pool, *, mode="kda", g=None, beta=None, decay=None, state_indices=None,
@@ -86,10 +94,13 @@ def decode(q, k, v, state_pool, *, mode="kda", g=None, beta=None, decay=None, st
 def chunk_fwd(family, q, k, v, g=None, beta=None, decay=None, *, initial_state=None, A_log=None, dt_bias=None,
               cu_seqlens=None, scale=None, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
               use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False, lower_bound=None,
-              state_layout="k_last", chunk_size=64):
-    """cula.ops.chunk_fwd as a torch op; always returns (o, final_state)."""
+              state_layout="k_last", chunk_size=64, output_final_state=True, state_dtype=None):
+    """cula.ops.chunk_fwd as a torch op. Returns (o, final_state); final_state is None unless
+    output_final_state."""
     if state_layout not in _LAYOUTS:
         raise ops.CulaError(f"argument 'state_layout': expected 'k_last' or 'k_first', got {state_layout!r}")
-    return torch.ops.cula.chunk_fwd(family, q, k, v, g, beta, decay, initial_state, A_log, dt_bias, cu_seqlens, scale,
-                                    use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
-                                    allow_neg_eigval, safe_gate, lower_bound, state_layout, chunk_size)
+    o, final = torch.ops.cula.chunk_fwd(family, q, k, v, g, beta, decay, initial_state, A_log, dt_bias, cu_seqlens,
+                                        scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                                        allow_neg_eigval, safe_gate, lower_bound, state_layout, chunk_size,
+                                        output_final_state, state_dtype)
+    return o, final if output_final_state else None
