@@ -31,26 +31,28 @@ struct Kernel {
   int32_t device_type;
   const char* name;
   void (*run)(const Recurrence&, const Args&);
-  bool (*accepts)(const Recurrence&, const Args&) = nullptr;  // AUTO skips rows that decline the call
+  // Why the row declines the call (AUTO tries the next row), or nullptr when it takes it; no
+  // predicate: the row takes every call of its device (and refuses in run what it cannot do).
+  const char* (*declines)(const Recurrence&, const Args&) = nullptr;
 };
 
 // float64 inputs ask for float64 arithmetic: AUTO sends them to the reference, not the float32 path.
 template <typename Args>
-bool not_float64(const Recurrence& r, const Args&) {
-  return r.q.t->dtype != CULA_FLOAT64;
+const char* float64_inputs(const Recurrence& r, const Args&) {
+  return r.q.t->dtype == CULA_FLOAT64 ? "float64 inputs (the float64 reference takes them)" : nullptr;
 }
 
 // Tables are ordered best first; AUTO takes the first row for the tensors' device.
 const Kernel<cula_chunk_fwd_args> kChunkFwd[] = {
-    {CULA_BACKEND_CUDA, CULA_CUDA, "cuda_fused", cuda_chunk_fwd_fused, chunk_fwd_fused_accepts},
-    {CULA_BACKEND_CUDA, CULA_CUDA, "cuda_mma", cuda_chunk_fwd_mma, chunk_fwd_mma_accepts},
+    {CULA_BACKEND_CUDA, CULA_CUDA, "cuda_fused", cuda_chunk_fwd_fused, chunk_fwd_fused_declines},
+    {CULA_BACKEND_CUDA, CULA_CUDA, "cuda_mma", cuda_chunk_fwd_mma, chunk_fwd_mma_declines},
     {CULA_BACKEND_CUDA, CULA_CUDA, "cuda", cuda_recurrent_fwd},
-    {CULA_BACKEND_CPU, CULA_CPU, "cpu", cpu_chunk_fwd, not_float64},
+    {CULA_BACKEND_CPU, CULA_CPU, "cpu", cpu_chunk_fwd, float64_inputs},
     {CULA_BACKEND_ORACLE, CULA_CPU, "reference", reference_chunk_fwd},
 };
 const Kernel<cula_decode_args> kDecode[] = {
     {CULA_BACKEND_CUDA, CULA_CUDA, "cuda", cuda_decode},
-    {CULA_BACKEND_CPU, CULA_CPU, "cpu", cpu_decode, not_float64},
+    {CULA_BACKEND_CPU, CULA_CPU, "cpu", cpu_decode, float64_inputs},
     {CULA_BACKEND_ORACLE, CULA_CPU, "reference", reference_decode},
 };
 const Kernel<cula_chunk_bwd_args> kChunkBwd[] = {
@@ -66,11 +68,12 @@ const char* backend_name(int32_t b) {
   }
 }
 
-// AUTO: the first row for the tensors' device that accepts the call. An explicit backend: the
-// first of its rows that accepts the call, else its last (most general) row.
+// AUTO: the first row for the tensors' device that takes the call. An explicit backend: the first
+// of its rows that takes the call, else its last (most general) row. Each row tried and declined
+// adds "name: why" to declined (when given).
 template <typename Args, size_t N>
 const Kernel<Args>* select(const Kernel<Args> (&table)[N], const char* op, const Recurrence& r, const Args& args,
-                           int32_t backend, int32_t device_type) {
+                           int32_t backend, int32_t device_type, std::string* declined = nullptr) {
   const Kernel<Args>* fallback = nullptr;
   for (const auto& k : table) {
     const bool mine = backend == CULA_BACKEND_AUTO ? k.device_type == device_type : k.backend == backend;
@@ -78,13 +81,27 @@ const Kernel<Args>* select(const Kernel<Args> (&table)[N], const char* op, const
     if (k.device_type != device_type)
       throw_arg(op, "backend", std::string("a backend for ") + (device_type == CULA_CUDA ? "CUDA" : "host") + " tensors",
                 std::string(backend_name(backend)) + ", which runs on " + (k.device_type == CULA_CUDA ? "CUDA" : "host") + " tensors");
-    if (!k.accepts || k.accepts(r, args)) return &k;
+    const char* why = k.declines ? k.declines(r, args) : nullptr;
+    if (!why) return &k;
+    if (declined) *declined += std::string(k.name) + ": " + why + "\n";
     if (backend != CULA_BACKEND_AUTO) fallback = &k;
   }
   if (fallback) return fallback;
   throw_unsupported(op, std::string("no ") + backend_name(backend) + " kernel in this build runs " + r.tr.name + " on " +
                             (device_type == CULA_CUDA ? "CUDA tensors yet; use host tensors (the CPU backend)"
                                                       : "host tensors"));
+}
+
+// The last explain call's answer on this thread (cula_explained_kernel, cula_explained_declines).
+thread_local std::string g_explained_kernel, g_explained_declines;
+
+template <typename Args, size_t N>
+void explain(const Kernel<Args> (&table)[N], const char* op, const Recurrence& r, const Args& args, int32_t backend,
+             int32_t device_type) {
+  std::string declined;
+  const Kernel<Args>* k = select(table, op, r, args, backend, device_type, &declined);
+  g_explained_kernel = k->name;
+  g_explained_declines = declined;
 }
 
 thread_local const char* g_last_kernel = "";
@@ -128,6 +145,25 @@ cula_status cula_decode(const cula_decode_args* args) {
     dispatch(kDecode, "decode", r, *args, args->opt.backend, args->q->device_type);
   });
 }
+
+cula_status cula_chunk_fwd_explain(const cula_chunk_fwd_args* args) {
+  return guarded([&] {
+    if (!args) throw_arg("chunk_fwd", "args", "a pointer to cula_chunk_fwd_args", "NULL");
+    const Recurrence r = validate_chunk_fwd(*args);
+    explain(kChunkFwd, "chunk_fwd", r, *args, args->opt.backend, args->q->device_type);
+  });
+}
+
+cula_status cula_decode_explain(const cula_decode_args* args) {
+  return guarded([&] {
+    if (!args) throw_arg("decode", "args", "a pointer to cula_decode_args", "NULL");
+    const Recurrence r = validate_decode(*args);
+    explain(kDecode, "decode", r, *args, args->opt.backend, args->q->device_type);
+  });
+}
+
+const char* cula_explained_kernel(void) { return g_explained_kernel.c_str(); }
+const char* cula_explained_declines(void) { return g_explained_declines.c_str(); }
 
 cula_status cula_chunk_bwd(const cula_chunk_bwd_args* args) {
   return guarded([&] {

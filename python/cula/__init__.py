@@ -16,6 +16,7 @@ from .ops import (
     chunk_lightning,
     chunk_simple_gla,
     decode,
+    explain,
     kda_gate,
     last_kernel,
     set_num_threads,
@@ -28,5 +29,5 @@ __version__ = _LIB.cula_version().decode()
 __all__ = [
     "CulaError", "CulaRuntimeError", "CulaUnsupportedError", "backend_for", "chunk_bwd", "chunk_fwd",
     "chunk_gated_delta_rule", "chunk_gdn", "chunk_gla", "chunk_kda", "chunk_lightning", "chunk_simple_gla", "decode",
-    "kda_gate", "last_kernel", "set_num_threads", "__version__", "cula_kda", "cula_lightning", "cula_decode",
+    "explain", "kda_gate", "last_kernel", "set_num_threads", "__version__", "cula_kda", "cula_lightning", "cula_decode",
 ]

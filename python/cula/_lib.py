@@ -132,11 +132,14 @@ def _load():
         ("cula_decode", DecodeArgs),
         ("cula_chunk_bwd", ChunkBwdArgs),
         ("cula_kda_gate", KdaGateArgs),
+        ("cula_chunk_fwd_explain", ChunkFwdArgs),
+        ("cula_decode_explain", DecodeArgs),
     ]:
         f = getattr(lib, fn)
         f.argtypes = [ctypes.c_void_p]  # the address of an argument buffer laid out as argtype
         f.restype = ctypes.c_int
-    for fn in ("cula_last_error", "cula_version", "cula_build_info", "cula_last_kernel"):
+    for fn in ("cula_last_error", "cula_version", "cula_build_info", "cula_last_kernel", "cula_explained_kernel",
+               "cula_explained_declines"):
         getattr(lib, fn).restype = ctypes.c_char_p
         getattr(lib, fn).argtypes = []
     lib.cula_abi_version.restype = ctypes.c_int32

@@ -137,15 +137,16 @@ def _fast_ready():
     return _FAST
 
 
-def call(args_type, entry, opt, tensors: dict, **scalars) -> None:
+def call(args_type, entry, opt, tensors: dict, fast: bool = True, **scalars) -> None:
     """Calls a C ABI entry with its argument struct (laid out as args_type) built from `tensors`
     (field name -> array; fields not given stay NULL) and `scalars`, raising the library's error
     as a Python exception. opt: _lib.options(...). The arrays stay alive for the call.
 
     Torch tensors go through the fast-call module when it is built (the struct packed in C);
     anything it does not take (numpy arrays, an unknown dtype, another device) comes here, where
-    the struct and one cula_tensor per array are packed into one buffer with struct.pack_into."""
-    fast = _FAST or _fast_ready()
+    the struct and one cula_tensor per array are packed into one buffer with struct.pack_into.
+    fast=False: always here (the fast-call module knows one entry per struct, not entry)."""
+    fast = (_FAST or _fast_ready()) if fast else None
     if fast is not None:
         kind, address, _ = _lib.FAST_ENTRIES[args_type]
         status = fast.call(kind, address, opt, scalars.get("chunk_size", 0), tensors)

@@ -7,6 +7,8 @@ canonical layout) or ``"k_first"`` ([.., HV, K, V], FLA's default).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from . import _lib
 from ._lib import CulaError
 from ._tensor import as_array, call, dtype_name, empty_like_family, is_torch, stream_of
@@ -53,7 +55,7 @@ def chunk_fwd(family, q, k, v, g=None, beta=None, decay=None, *, scale=None, ini
               A_log=None, dt_bias=None, cu_seqlens=None, state_pool=None, state_indices=None,
               return_intermediate_states=False, chunk_size=64, state_layout="k_last", state_dtype=None,
               intermediate_dtype=None, out=None, final_state_out=None, intermediate_states_out=None,
-              backend="auto"):
+              backend="auto", _entry=None):
     """Chunked forward of any family ("kda", "gdn", "gla", "simple_gla", "lightning").
 
     Returns ``(o, final_state)`` or ``(o, final_state, intermediate_states)`` when
@@ -99,7 +101,7 @@ def chunk_fwd(family, q, k, v, g=None, beta=None, decay=None, *, scale=None, ini
         arrays["final_state"] = final
     if inter is not None:
         arrays["intermediate_states"] = inter
-    call(_lib.ChunkFwdArgs, _lib.LIB.cula_chunk_fwd, opt, arrays, chunk_size=chunk_size)
+    call(_lib.ChunkFwdArgs, _entry or _lib.LIB.cula_chunk_fwd, opt, arrays, fast=_entry is None, chunk_size=chunk_size)
     if return_intermediate_states:
         return o, final, inter
     return o, final
@@ -137,7 +139,7 @@ def chunk_lightning(q, k, v, decay, **kw):
 def decode(q, k, v, state_pool, *, mode="kda", g=None, beta=None, decay=None, state_indices=None,
            num_accepted_tokens=None, scale=None, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
            use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None, A_log=None, dt_bias=None,
-           state_layout="k_last", out=None, backend="auto"):
+           state_layout="k_last", out=None, backend="auto", _entry=None):
     """Decode T tokens per sequence (q [N,T,H,K]) against ``state_pool`` [P,HV,V,K], in place.
 
     ``state_indices`` [N] int32 maps sequence -> slot (negative = padding: output zeros, pool
@@ -156,7 +158,7 @@ def decode(q, k, v, state_pool, *, mode="kda", g=None, beta=None, decay=None, st
                        allow_neg_eigval=allow_neg_eigval, state_layout=state_layout, backend=backend,
                        stream=stream_of(q))
     arrays["out"] = o
-    call(_lib.DecodeArgs, _lib.LIB.cula_decode, opt, arrays)
+    call(_lib.DecodeArgs, _entry or _lib.LIB.cula_decode, opt, arrays, fast=_entry is None)
     return o, arrays.get("state_pool")
 
 
@@ -205,6 +207,27 @@ def backend_for(op="chunk_fwd", device="cpu"):
     dev = str(device)
     dt = _lib.CUDA if dev.startswith("cuda") else _lib.CPU
     return _lib.LIB.cula_backend_for(op.encode(), dt, 0).decode()
+
+
+class Explanation(NamedTuple):
+    """The dispatch table's answer for one call: the kernel that would run it (as last_kernel()
+    names it) and, for each row tried before it, why that row declines the call."""
+
+    kernel: str
+    declined: dict
+
+
+def explain(op, *args, **kwargs) -> Explanation:
+    """Which kernel would run ``op(*args, **kwargs)`` ("chunk_fwd" or "decode", the arguments of
+    chunk_fwd / decode) and why the rows before it declined, without running it. The call is
+    validated as the op validates it (same errors); outputs are allocated but not written."""
+    entries = {"chunk_fwd": (chunk_fwd, "cula_chunk_fwd_explain"), "decode": (decode, "cula_decode_explain")}
+    if op not in entries:
+        raise CulaError(f"argument 'op': expected one of {sorted(entries)}, got {op!r}")
+    fn, entry = entries[op]
+    fn(*args, _entry=getattr(_lib.LIB, entry), **kwargs)
+    lines = _lib.LIB.cula_explained_declines().decode().splitlines()
+    return Explanation(_lib.LIB.cula_explained_kernel().decode(), dict(line.split(": ", 1) for line in lines))
 
 
 def last_kernel() -> str:

@@ -271,3 +271,24 @@ def test_numpy_views_of_any_layout_give_the_contiguous_result(rng):
     a = cula.chunk_kda(q, k, v, shared, beta, use_qk_l2norm_in_kernel=True)
     b = cula.chunk_kda(q, k, v, np.ascontiguousarray(shared), beta, use_qk_l2norm_in_kernel=True)
     assert np.array_equal(a[0], b[0])
+
+
+def test_explain_names_the_kernel_and_why_the_rows_before_it_declined(rng):
+    B, T, H, K = 1, 40, 2, 32
+    q, k, v = (rng.standard_normal((B, T, H, K)).astype(np.float32) for _ in range(3))
+    g = -rng.uniform(0.01, 0.3, (B, T, H, K)).astype(np.float32)
+    beta = rng.uniform(0.1, 0.9, (B, T, H)).astype(np.float32)
+    e = cula.explain("chunk_fwd", "kda", q, k, v, g, beta)
+    assert e.kernel == "cpu" and e.declined == {}
+    cula.chunk_kda(q, k, v, g, beta)
+    assert cula.last_kernel() == e.kernel  # the answer is the kernel that runs the call
+    e64 = cula.explain("chunk_fwd", "kda", *(x.astype(np.float64) for x in (q, k, v, g, beta)))
+    assert e64.kernel == "reference" and "float64" in e64.declined["cpu"]
+    pool = rng.standard_normal((3, H, K, K)).astype(np.float32)
+    d = cula.explain("decode", q[:, :1], k[:, :1], v[:, :1], pool, mode="kda", g=g[:, :1], beta=beta[:, :1],
+                     state_indices=np.array([2], np.int32))
+    assert d.kernel == "cpu"
+    with pytest.raises(cula.CulaError, match="argument 'beta'"):  # validated as the op validates
+        cula.explain("chunk_fwd", "kda", q, k, v, g, beta[:, :3])
+    with pytest.raises(cula.CulaError, match="argument 'op'"):
+        cula.explain("chunk_bwd", "kda", q, k, v, g, beta)

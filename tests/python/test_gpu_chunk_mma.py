@@ -380,3 +380,19 @@ def test_gate_of_minus_infinity_is_a_reset_on_gpu(rng, family):
     errs = (rel(out.float().cpu().numpy(), ref[0].float().numpy()), rel(s.cpu().numpy(), ref[1].float().numpy()))
     print(family, errs)
     assert worst(errs) < TOL, errs
+
+
+def test_explain_says_why_the_chunk_engines_decline_on_gpu(rng):
+    """The capability answer on CUDA tensors: the row that runs the call and the engines' reasons."""
+    B, T, H, K = 1, 100, 2, 128
+    q, k, v = (torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    g, beta = torch.randn(B, T, H, K, device="cuda"), torch.rand(B, T, H, device="cuda")
+    A_log, dt_bias = torch.rand(H, device="cuda"), torch.zeros(H * K, device="cuda")
+    bounded = cula.explain("chunk_fwd", "kda", q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=True,
+                           safe_gate=True, lower_bound=-5.0)
+    assert bounded.kernel == "cuda_mma" and "delta rule" in bounded.declined["cuda_fused"]
+    unbounded = cula.explain("chunk_fwd", "kda", q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias,
+                             use_gate_in_kernel=True)
+    assert unbounded.kernel == "cuda" and "lower_bound" in unbounded.declined["cuda_mma"]
+    cula.chunk_fwd("kda", q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=True)
+    assert cula.last_kernel() == unbounded.kernel

@@ -6,11 +6,12 @@
 
 namespace cula {
 
-// Whether the tensor-core kernel takes this call (family, gate bound, head sizes, dtypes,
-// alignment, device); the dispatch table falls back to the recurrent kernel otherwise.
-bool chunk_fwd_mma_accepts(const Recurrence& r, const cula_chunk_fwd_args& a);
+// Why the tensor-core kernel declines this call (family, gate bound, head sizes, dtypes, alignment,
+// device), or nullptr when it takes it: the dispatch table's predicate and the capability answer
+// (cula_chunk_fwd_explain). The table falls back to the recurrent kernel when it declines.
+const char* chunk_fwd_mma_declines(const Recurrence& r, const cula_chunk_fwd_args& a);
 void cuda_chunk_fwd_mma(const Recurrence& r, const cula_chunk_fwd_args& a);
-bool chunk_fwd_fused_accepts(const Recurrence& r, const cula_chunk_fwd_args& a);
+const char* chunk_fwd_fused_declines(const Recurrence& r, const cula_chunk_fwd_args& a);
 void cuda_chunk_fwd_fused(const Recurrence& r, const cula_chunk_fwd_args& a);
 
 }  // namespace cula

@@ -29,23 +29,26 @@ int scan_bytes(const Recurrence& r, int vb) { return r.K == 64 ? scan_bytes<64>(
 
 using namespace chunk_prep_scan;
 
-bool chunk_fwd_mma_accepts(const Recurrence& r, const cula_chunk_fwd_args& a) {
-  if (!r.tr.delta && r.tr.gate != GateKind::PerChannel) return false;  // simple GLA, Lightning: chunk_fwd_fused
+const char* chunk_fwd_mma_declines(const Recurrence& r, const cula_chunk_fwd_args& a) {
+  if (!r.tr.delta && r.tr.gate != GateKind::PerChannel) return "scalar or constant decay without the delta rule (chunk_fused)";
   if (r.tr.gate == GateKind::PerChannel) {
     // KDA: the in-block exponent bound |G_i - G_j| <= 15 * |lower_bound| inside a 16-token block.
     // GLA needs none (every factor <= 1, steep diagonal blocks taken per element).
-    if (r.tr.delta && !(r.gate_in_kernel && r.has_lb && r.lb >= -5.0)) return false;
-    if ((a.g->dtype != CULA_BFLOAT16 && a.g->dtype != CULA_FLOAT32) || !chunk::aligned16(a.g)) return false;
+    if (r.tr.delta && !(r.gate_in_kernel && r.has_lb && r.lb >= -5.0))
+      return "KDA needs the gate in kernel with lower_bound >= -5 (the in-block exponent bound)";
+    if (a.g->dtype != CULA_BFLOAT16 && a.g->dtype != CULA_FLOAT32) return "g is neither bfloat16 nor float32";
+    if (!chunk::aligned16(a.g)) return "g is not 16-byte aligned";
   }
   // Scalar and constant gates: the exponent is taken per pair (any decay); g is read per element.
-  if (!head_size_supported(r.K) || !head_size_supported(r.V)) return false;
-  if (a.chunk_size != 0 && a.chunk_size != kChunk) return false;  // intermediate states are per 64 tokens
+  if (!head_size_supported(r.K) || !head_size_supported(r.V)) return "head sizes K and V other than 64 and 128";
+  if (a.chunk_size != 0 && a.chunk_size != kChunk) return "chunk_size other than 64 (intermediate states are per 64 tokens)";
   for (const cula_tensor* t : std::initializer_list<const cula_tensor*>{a.q, a.k, a.v, a.out})
-    if (t->dtype != CULA_BFLOAT16 || !chunk::aligned16(t)) return false;
-  if (first_unreadable_input(a).name) return false;
-  if (cuda_device_arch(a.q->device_id) < 80) return false;  // mma.sync bf16, ldmatrix, cp.async
+    if (t->dtype != CULA_BFLOAT16 || !chunk::aligned16(t)) return "q, k, v and out are not all 16-byte aligned bfloat16";
+  if (first_unreadable_input(a).name) return "an input the CUDA kernels cannot read (host offsets or slots, a strided parameter)";
+  if (cuda_device_arch(a.q->device_id) < 80) return "a device below sm_80 (mma.sync bf16, ldmatrix, cp.async)";
   // The scan's two stages must fit (at K = 128 the 32-column scans do on an A100, 163 KB per block)
-  return scan_bytes(r, 32) <= cuda_smem_per_block(a.q->device_id);
+  if (scan_bytes(r, 32) > cuda_smem_per_block(a.q->device_id)) return "the scan's shared memory exceeds the device's";
+  return nullptr;
 }
 
 // Three engines: per-channel gate with the delta rule (KDA), scalar gate with it (GDN), per-channel

@@ -300,7 +300,7 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
     // source chosen per load, the tile reads carried the global path's 64-bit offsets and dtype
     // branches (~2.8 K of a chunk's ~32 K warp instructions).
     // The dispatch takes KDA here only with the gate in the kernel and a lower bound lb >= -5
-    // (chunk_fwd_mma_accepts), so the log-decay is lb sigmoid(eA (x + dt_bias)), in [lb, 0]: the
+    // (chunk_fwd_mma_declines), so the log-decay is lb sigmoid(eA (x + dt_bias)), in [lb, 0]: the
     // chunk_log_decay clamp at -64 never acts and is left out. The pass works in log2 units (every
     // exponential an ex2 of its argument as it is): the sigmoid's exponent is one FMA of the raw
     // gate (eA log2 e and its product with dt_bias per channel, once), and the sums go back to
