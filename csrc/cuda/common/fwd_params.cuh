@@ -14,7 +14,7 @@ namespace cula {
 struct FwdParams {
   const void *q, *k, *v, *g, *beta;
   const void *decay, *A_log, *dt_bias;
-  int q_dt, k_dt, v_dt, g_dt, beta_dt, decay_dt, A_dt, bias_dt;
+  int q_dt, k_dt, v_dt, g_dt, beta_dt, decay_dt, A_log_dt, dt_bias_dt;  // DLPack dtype codes
   const void* cu;  // device cu_seqlens or null
   int cu64;
   const void* h0;
@@ -96,8 +96,8 @@ inline FwdParams make_fwd_params(const Recurrence& r, const cula_chunk_fwd_args&
   if (a.g) p.g = a.g->data, p.g_dt = a.g->dtype;
   if (a.beta) p.beta = a.beta->data, p.beta_dt = a.beta->dtype;
   if (a.decay) p.decay = a.decay->data, p.decay_dt = a.decay->dtype;
-  if (a.A_log) p.A_log = a.A_log->data, p.A_dt = a.A_log->dtype;
-  if (a.dt_bias) p.dt_bias = a.dt_bias->data, p.bias_dt = a.dt_bias->dtype;
+  if (a.A_log) p.A_log = a.A_log->data, p.A_log_dt = a.A_log->dtype;
+  if (a.dt_bias) p.dt_bias = a.dt_bias->data, p.dt_bias_dt = a.dt_bias->dtype;
   if (a.cu_seqlens) p.cu = a.cu_seqlens->data, p.cu64 = a.cu_seqlens->dtype == CULA_INT64;
   if (a.initial_state) p.h0 = a.initial_state->data, p.h0_dt = a.initial_state->dtype;
   if (a.final_state) p.ht = a.final_state->data, p.ht_dt = a.final_state->dtype;

@@ -68,12 +68,12 @@ struct DecodeParams {
   const float* A_log;
   const float* dt_bias;
   void* pool;
-  const int32_t* idx;
-  const int32_t* acc;
+  const int32_t* pool_idx;      // [N] or [N, T] slots, may be null
+  const int32_t* num_accepted;  // [N], may be null
   void* out;
-  int q_dtype, v_dtype, g_dtype, beta_dtype, out_dtype;
+  int q_dt, v_dt, g_dt, beta_dt, out_dt;  // DLPack dtype codes, as FwdParams
   int N, T, H, HV, K, V, P;
-  int per_token_slots;  // idx is [N, T]
+  int per_token_slots;  // pool_idx is [N, T]
   GateKind gate_kind;
   int delta, l2norm, gate_in_kernel, has_lb, beta_sigmoid, decay_heads, dt_bias_per_channel;
   float lb, beta_mult, scale;
@@ -118,11 +118,11 @@ __device__ __forceinline__ void store_row(S* p, const float* x) {
 }
 
 __device__ __forceinline__ int read_slot(const DecodeParams& p, int n) {
-  if (!p.idx) return n;
-  if (!p.per_token_slots) return p.idx[n];
-  int a = p.acc ? p.acc[n] : 1;
+  if (!p.pool_idx) return n;
+  if (!p.per_token_slots) return p.pool_idx[n];
+  int a = p.num_accepted ? p.num_accepted[n] : 1;
   a = min(max(a, 1), max(p.T, 1));
-  return p.idx[static_cast<int64_t>(n) * p.T + a - 1];
+  return p.pool_idx[static_cast<int64_t>(n) * p.T + a - 1];
 }
 
 // Shared memory: the CTA's state tile (K-last [R][K]; K-first [K][R + 4]) padded to 16 bytes,
@@ -166,7 +166,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
   };
   auto sto = [&](int64_t i, float x) {
     if constexpr (kServing) static_cast<__nv_bfloat16*>(p.out)[i] = __float2bfloat16_rn(x);
-    else st(p.out, p.out_dtype, i, x);
+    else st(p.out, p.out_dt, i, x);
   };
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int K = EPL * 32;
@@ -226,18 +226,18 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
       load_row<EPL, __nv_bfloat16>(static_cast<const __nv_bfloat16*>(p.k) + qk_off, rk);
     } else {
 #pragma unroll
-      for (int e = 0; e < EPL; ++e) rq[e] = ldx(p.q, p.q_dtype, qk_off + e), rk[e] = ldx(p.k, p.q_dtype, qk_off + e);
+      for (int e = 0; e < EPL; ++e) rq[e] = ldx(p.q, p.q_dt, qk_off + e), rk[e] = ldx(p.k, p.q_dt, qk_off + e);
     }
     if (kServing && gate_kind == GateKind::PerChannel) {
       load_row<EPL, float>(static_cast<const float*>(p.g) + (f * p.HV + hv) * K + k0, rg);
     } else {
 #pragma unroll
       for (int e = 0; e < EPL; ++e)
-        rg[e] = gate_kind == GateKind::PerChannel ? ldf(p.g, p.g_dtype, (f * p.HV + hv) * K + k0 + e)
-                : gate_kind == GateKind::Scalar ? ldf(p.g, p.g_dtype, f * p.HV + hv)
+        rg[e] = gate_kind == GateKind::PerChannel ? ldf(p.g, p.g_dt, (f * p.HV + hv) * K + k0 + e)
+                : gate_kind == GateKind::Scalar ? ldf(p.g, p.g_dt, f * p.HV + hv)
                                    : -p.decay[p.decay_heads == p.HV ? hv : h];
     }
-    if (delta && (kOneToken || lane == 0)) rbeta = ldf(p.beta, p.beta_dtype, f * p.HV + hv);
+    if (delta && (kOneToken || lane == 0)) rbeta = ldf(p.beta, p.beta_dt, f * p.HV + hv);
   };
   if (has_tok) load_token(my_t);
   // rows <= R <= the CTA's threads (launch_tile): thread j stores the outputs of row j0 + j (and
@@ -249,7 +249,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
   // stages it in shared memory with the later tokens': the extra register spills there.)
   constexpr bool kVInRegs = EPL <= 4;
   const int my_vrow = kVInRegs ? warp + kWarps * lane : tid;
-  const float rv = my_vrow < rows ? ldx(p.v, p.v_dtype, v_index(0) - tid + my_vrow) : 0.0f;
+  const float rv = my_vrow < rows ? ldx(p.v, p.v_dt, v_index(0) - tid + my_vrow) : 0.0f;
   if constexpr (kSlotPerCta) {
     __syncthreads();
     rs = shared_slot;
@@ -301,7 +301,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
   //    scale, gate activation, exp of the log-decay, beta) and stage v.
   if (has_v) {
     if (!kVInRegs) tok_v[tid] = rv;
-    for (int t = 1; t < p.T; ++t) tok_v[t * R + tid] = ldx(p.v, p.v_dtype, v_index(t));
+    for (int t = 1; t < p.T; ++t) tok_v[t * R + tid] = ldx(p.v, p.v_dt, v_index(t));
   }
   if (gate_in_kernel && p.A_log) eA = __expf(eA);
   // The token in rq, rk, rg, rbeta prepared: put(e, q, k, exp of the log-decay) per element e of
@@ -392,7 +392,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
       const int ob = dev::scatter_index<kBatch>(lane), o_row = r0 + ob * kWarps;  // the row whose output o is
       if (dev::scatter_leader<kBatch>(lane) && o_row < rows) tok_o[t * R + o_row] = o;
       if (p.per_token_slots) {
-        const int ws = p.idx[f];
+        const int ws = p.pool_idx[f];
         if (ws >= 0 && ws < p.P) store_to(ws);
       }
     }
@@ -463,8 +463,8 @@ void launch_tile(DecodeParams p, bool pdl, int sms, cudaStream_t stream) {
 template <int EPL>
 bool serving_inputs(const DecodeParams& p) {
   auto aligned = [](const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; };
-  return p.q_dtype == CULA_BFLOAT16 && p.v_dtype == CULA_BFLOAT16 && p.out_dtype == CULA_BFLOAT16 &&
-         (!p.g || p.g_dtype == CULA_FLOAT32) && (!p.beta || p.beta_dtype == CULA_FLOAT32) &&
+  return p.q_dt == CULA_BFLOAT16 && p.v_dt == CULA_BFLOAT16 && p.out_dt == CULA_BFLOAT16 &&
+         (!p.g || p.g_dt == CULA_FLOAT32) && (!p.beta || p.beta_dt == CULA_FLOAT32) &&
          aligned(p.q, EPL * 2) && aligned(p.k, EPL * 2) && (p.gate_kind != GateKind::PerChannel || !p.g || aligned(p.g, EPL * 4)) &&
          (!p.dt_bias || !p.dt_bias_per_channel || aligned(p.dt_bias, EPL * 4));
 }
@@ -534,14 +534,14 @@ void cuda_decode(const Recurrence& r, const cula_decode_args& a) {
   p.A_log = a.A_log ? static_cast<const float*>(a.A_log->data) : nullptr;
   p.dt_bias = a.dt_bias ? static_cast<const float*>(a.dt_bias->data) : nullptr;
   p.pool = a.state_pool->data;
-  p.idx = a.state_indices ? static_cast<const int32_t*>(a.state_indices->data) : nullptr;
-  p.acc = a.num_accepted_tokens ? static_cast<const int32_t*>(a.num_accepted_tokens->data) : nullptr;
+  p.pool_idx = a.state_indices ? static_cast<const int32_t*>(a.state_indices->data) : nullptr;
+  p.num_accepted = a.num_accepted_tokens ? static_cast<const int32_t*>(a.num_accepted_tokens->data) : nullptr;
   p.out = a.out->data;
-  p.q_dtype = a.q->dtype;
-  p.v_dtype = a.v->dtype;
-  p.g_dtype = a.g ? a.g->dtype : CULA_FLOAT32;
-  p.beta_dtype = a.beta ? a.beta->dtype : CULA_FLOAT32;
-  p.out_dtype = a.out->dtype;
+  p.q_dt = a.q->dtype;
+  p.v_dt = a.v->dtype;
+  p.g_dt = a.g ? a.g->dtype : CULA_FLOAT32;
+  p.beta_dt = a.beta ? a.beta->dtype : CULA_FLOAT32;
+  p.out_dt = a.out->dtype;
   p.N = static_cast<int>(r.N);
   p.T = static_cast<int>(r.T);
   p.H = static_cast<int>(r.H);

@@ -18,8 +18,8 @@ __global__ void __launch_bounds__(32 * kFactorWarps)
   const int64_t t0 = sq.bos + static_cast<int64_t>(ci) * kBT;
   const int Lc = static_cast<int>(min(int64_t{kBT}, sq.eos - t0));
   const int h = hv / (p.HV / p.H);
-  const float eA = (p.gate_in_kernel && p.A_log) ? __expf(dev::ld(p.A_log, p.A_dt, hv)) : 1.0f;
-  const float bias = (p.gate_in_kernel && p.dt_bias) ? dev::ld(p.dt_bias, p.bias_dt, hv) : 0.0f;
+  const float eA = (p.gate_in_kernel && p.A_log) ? __expf(dev::ld(p.A_log, p.A_log_dt, hv)) : 1.0f;
+  const float bias = (p.gate_in_kernel && p.dt_bias) ? dev::ld(p.dt_bias, p.dt_bias_dt, hv) : 0.0f;
   const float decay = p.gate_kind == GateKind::Constant ? constant_log_decay(p, hv, h) : 0.0f;
   float* f = fac + static_cast<int64_t>(pair) * kFactorFloats;
   float x[2], qsr[2], ksr[2];

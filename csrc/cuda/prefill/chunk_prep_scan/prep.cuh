@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
   unsigned char* blk = work + (static_cast<int64_t>(cidx) * p.HV + hv) * Wk::bytes;
 
   float eA = 1.0f;  // e^{A_log}, taken once the tiles are in (see below)
-  const float head_bias = (p.gate_in_kernel && p.dt_bias && !p.dt_bias_per_channel) ? dev::ld(p.dt_bias, p.bias_dt, hv) : 0.0f;
+  const float head_bias = (p.gate_in_kernel && p.dt_bias && !p.dt_bias_per_channel) ? dev::ld(p.dt_bias, p.dt_bias_dt, hv) : 0.0f;
   const float const_decay =
       p.gate_kind == GateKind::Constant ? -dev::ld(p.decay, p.decay_dt, p.decay_heads == p.HV ? hv : (hv / (p.HV / p.H))) : 0.0f;
   const uint4 zero4 = make_uint4(0, 0, 0, 0);
@@ -122,13 +122,13 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
   // stall samples), and issued after the copies the loads added their latency to the tiles'.
   const int64_t row_at = t0 + min(tid, kBT - 1);  // (tid >= kBT reads nothing per row)
   const bool row_loads = tid < kBT && tid < Lc;
-  const uint32_t alog_bits = p.gate_in_kernel && p.A_log ? dev::ld_bits(p.A_log, p.A_dt, hv) : 0u;
+  const uint32_t alog_bits = p.gate_in_kernel && p.A_log ? dev::ld_bits(p.A_log, p.A_log_dt, hv) : 0u;
   const uint32_t beta_bits =
       F::kDelta && row_loads ? dev::ld_bits(p.beta, p.beta_dt, b_row * p.beta_s[0] + row_at * p.beta_s[1] + hv * p.beta_s[2]) : 0u;
   const uint32_t gs_bits =
       F::kScalarGate && p.gate_kind == GateKind::Scalar && row_loads ? dev::ld_bits(p.g, p.g_dt, b_row * p.g_s[0] + row_at * p.g_s[1] + hv * p.g_s[2]) : 0u;
   const bool bias_per_channel = !F::kScalarGate && tid < K && p.gate_in_kernel && p.dt_bias && p.dt_bias_per_channel;
-  const uint32_t bias_bits = bias_per_channel ? dev::ld_bits(p.dt_bias, p.bias_dt, hv * K + tid) : 0u;
+  const uint32_t bias_bits = bias_per_channel ? dev::ld_bits(p.dt_bias, p.dt_bias_dt, hv * K + tid) : 0u;
 #if CULA_BULK_COPY
   // sm_90+: one bulk copy per tile row (thread tid: row tid % 64 of q, k or the gate tile), all
   // completing on one mbarrier; thread 0 arrives with the bytes to expect. Rows past the sequence
@@ -238,7 +238,7 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
 #else
   mma::cp_async_wait_all();
 #endif
-  if (p.gate_in_kernel && p.A_log) eA = __expf(dev::from_bits(alog_bits, p.A_dt));
+  if (p.gate_in_kernel && p.A_log) eA = __expf(dev::from_bits(alog_bits, p.A_log_dt));
   if (tid < kBT) {
     float b = 0.0f;
     if (F::kDelta && row_loads) {
@@ -248,7 +248,7 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
     beta_s[tid] = b;
     gs_s[tid] = F::kScalarGate && p.gate_kind == GateKind::Scalar && row_loads ? dev::from_bits(gs_bits, p.g_dt) : 0.0f;
   }
-  if (!F::kScalarGate && tid < K) bias_s[tid] = bias_per_channel ? dev::from_bits(bias_bits, p.bias_dt) : head_bias;
+  if (!F::kScalarGate && tid < K) bias_s[tid] = bias_per_channel ? dev::from_bits(bias_bits, p.dt_bias_dt) : head_bias;
   __syncthreads();  // B_a0: tiles landed
 
   if constexpr (F::kDelta && !F::kScalarGate) {

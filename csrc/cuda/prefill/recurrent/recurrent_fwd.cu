@@ -79,10 +79,10 @@ __global__ void __launch_bounds__(kWarps * 32) recurrent_fwd_kernel(const FwdPar
     }
 
   float eA = 1.0f, bias[EPL];
-  if (p.gate_in_kernel && p.A_log) eA = __expf(ld(p.A_log, p.A_dt, hv));
+  if (p.gate_in_kernel && p.A_log) eA = __expf(ld(p.A_log, p.A_log_dt, hv));
 #pragma unroll
   for (int e = 0; e < EPL; ++e)
-    bias[e] = (p.gate_in_kernel && p.dt_bias) ? ld(p.dt_bias, p.bias_dt, p.dt_bias_per_channel ? hv * K + k0 + e : hv)
+    bias[e] = (p.gate_in_kernel && p.dt_bias) ? ld(p.dt_bias, p.dt_bias_dt, p.dt_bias_per_channel ? hv * K + k0 + e : hv)
                                               : 0.0f;
   const float const_decay = p.gate_kind == GateKind::Constant ? -ld(p.decay, p.decay_dt, p.decay_heads == p.HV ? hv : h) : 0.0f;
 
