@@ -34,9 +34,6 @@ struct FwdParams {
   int k_last;
   GateKind gate_kind;
   int delta, l2norm, gate_in_kernel, has_lb, beta_sigmoid, decay_heads, dt_bias_per_channel;
-  // Only whole-block barriers in the KDA prep (CULA_BLOCK_BARRIERS_ONLY=1, for compute-sanitizer's
-  // racecheck, which misreads the block barriers that follow a barrier some warps only arrive at)
-  int block_barriers_only;
   float lb, beta_mult, scale;
   // strides (elements) of the tensors read per token: [B, T, H|HV, ...] may be strided
   int64_t q_s[4], k_s[4], v_s[4], g_s[4], beta_s[3], out_s[4];

@@ -16,7 +16,7 @@
 namespace cula {
 namespace chunk_prep_scan {
 
-template <int K, int VB, class F>
+template <int K, int VB, class F, bool kBlockBarriersOnly>
 void run(const Recurrence& r, const FwdParams& p, int device, cudaStream_t stream) {
   const int64_t max_chunks = chunk::max_chunks(p), base_bytes = chunk::base_bytes(p);
   const int64_t bytes = base_bytes + max_chunks * r.HV * Work<K, F>::bytes;
@@ -32,19 +32,19 @@ void run(const Recurrence& r, const FwdParams& p, int device, cudaStream_t strea
   if (p.cu) chunk::launch_chunk_base(p, chunk_base, stream);
   using Scan = ScanLayout<K, VB, F>;
   using Prep = PrepLayout<K, F>;
-  chunk::allow_smem(chunk_prep_kernel<K, F>, Prep::bytes);
-  chunk_prep_kernel<K, F>
+  chunk::allow_smem(chunk_prep_kernel<K, F, kBlockBarriersOnly>, Prep::bytes);
+  chunk_prep_kernel<K, F, kBlockBarriersOnly>
       <<<static_cast<unsigned>(prep_blocks), 32 * prep_warps<F>(), Prep::bytes, stream>>>(p, chunk_base, work);
-  chunk::allow_smem(chunk_scan_kernel<K, VB, F>, Scan::bytes);
-  chunk_scan_kernel<K, VB, F>
+  chunk::allow_smem(chunk_scan_kernel<K, VB, F, kBlockBarriersOnly>, Scan::bytes);
+  chunk_scan_kernel<K, VB, F, kBlockBarriersOnly>
       <<<static_cast<unsigned>(scan_blocks), 32 * scan_warps(VB), Scan::bytes, stream>>>(p, chunk_base, work);
   const cudaError_t launched = cudaGetLastError();
   chunk::check(cudaFreeAsync(ws, stream), "workspace release");
   chunk::check(launched, "kernel launch");
 }
 
-template <int K, class F>
-void run_vb(const Recurrence& r, const FwdParams& p, int device, cudaStream_t stream) {
+template <int K, class F, bool kBlockBarriersOnly>
+void run_vb_barriers(const Recurrence& r, const FwdParams& p, int device, cudaStream_t stream) {
   // The scan has one CTA per (sequence, head, V slice), one CTA per SM. Slices of 32 columns when
   // those still fit in one wave (or when 64 columns do not fit the device's shared memory). KDA and
   // GLA on equal-length sequences take all 128 columns in one CTA of 16 warps (the stage read once
@@ -62,17 +62,27 @@ void run_vb(const Recurrence& r, const FwdParams& p, int device, cudaStream_t st
   const bool fit64 = ScanLayout<K, 64, F>::bytes <= smem;
   if constexpr (!F::kScalarGate) {
     const bool wide = r.V == 128 && (forced ? forced == 128 : !p.cu && heads * (r.V / 64) > sms);
-    if (wide && ScanLayout<K, 128, F>::bytes <= smem) return run<K, 128, F>(r, p, device, stream);
+    if (wide && ScanLayout<K, 128, F>::bytes <= smem) return run<K, 128, F, kBlockBarriersOnly>(r, p, device, stream);
   }
   if (forced ? forced == 32 || !fit64 : heads * (r.V / 32) <= sms || !fit64)
-    run<K, 32, F>(r, p, device, stream);
+    run<K, 32, F, kBlockBarriersOnly>(r, p, device, stream);
   else
-    run<K, 64, F>(r, p, device, stream);
+    run<K, 64, F, kBlockBarriersOnly>(r, p, device, stream);
+}
+
+template <int K, class F>
+void run_vb(const Recurrence& r, const FwdParams& p, int device, cudaStream_t stream, bool block_barriers_only) {
+  // The debug instantiation exists for the families whose kernels have named barriers to replace
+  // (the delta rule's B2 in the scan, KDA's B_f in the prep).
+  if constexpr (F::kDelta) {
+    if (block_barriers_only) return run_vb_barriers<K, F, true>(r, p, device, stream);
+  }
+  run_vb_barriers<K, F, false>(r, p, device, stream);
 }
 
 // One translation unit per family and head size K instantiates this.
 #define CULA_CHUNK_PREP_SCAN_INSTANTIATE(K, F) \
-  template void run_vb<K, F>(const Recurrence&, const FwdParams&, int, cudaStream_t);
+  template void run_vb<K, F>(const Recurrence&, const FwdParams&, int, cudaStream_t, bool);
 
 }  // namespace chunk_prep_scan
 }  // namespace cula

@@ -54,26 +54,26 @@ const char* chunk_fwd_mma_declines(const Recurrence& r, const cula_chunk_fwd_arg
 // Three engines: per-channel gate with the delta rule (KDA), scalar gate with it (GDN), per-channel
 // gate without it (GLA).
 template <int K>
-void run_family(const Recurrence& r, const FwdParams& p, int device, cudaStream_t stream) {
-  if (!r.tr.delta) run_vb<K, Gla>(r, p, device, stream);
-  else if (r.tr.gate != GateKind::PerChannel) run_vb<K, Gdn>(r, p, device, stream);
-  else run_vb<K, Kda>(r, p, device, stream);
+void run_family(const Recurrence& r, const FwdParams& p, int device, cudaStream_t stream, bool block_barriers_only) {
+  if (!r.tr.delta) run_vb<K, Gla>(r, p, device, stream, block_barriers_only);
+  else if (r.tr.gate != GateKind::PerChannel) run_vb<K, Gdn>(r, p, device, stream, block_barriers_only);
+  else run_vb<K, Kda>(r, p, device, stream, block_barriers_only);
 }
 
 void cuda_chunk_fwd_mma(const Recurrence& r, const cula_chunk_fwd_args& a) {
-  // CULA_BLOCK_BARRIERS_ONLY=1 (read once per process): see FwdParams::block_barriers_only
-  static const int block_barriers_only = [] {
+  // CULA_BLOCK_BARRIERS_ONLY=1 (read once per process): the debug instantiation whose named
+  // barriers are block barriers, for compute-sanitizer's racecheck (DESIGN.md)
+  static const bool block_barriers_only = [] {
     const char* e = std::getenv("CULA_BLOCK_BARRIERS_ONLY");
     return e && *e && *e != '0' ? 1 : 0;
   }();
-  FwdParams p = make_fwd_params(r, a);
-  p.block_barriers_only = block_barriers_only;
+  const FwdParams p = make_fwd_params(r, a);
   if (r.N == 0) return;
   const int dev = a.q->device_id;
   chunk::check(cudaSetDevice(dev), "cudaSetDevice");
   const cudaStream_t stream = static_cast<cudaStream_t>(a.opt.stream);
-  if (r.K == 64) run_family<64>(r, p, dev, stream);
-  else run_family<128>(r, p, dev, stream);
+  if (r.K == 64) run_family<64>(r, p, dev, stream, block_barriers_only);
+  else run_family<128>(r, p, dev, stream, block_barriers_only);
 }
 
 }  // namespace cula

@@ -14,9 +14,10 @@ struct Kda;
 struct Gdn;
 struct Gla;
 
-// Workspace, prep and scan of family F at head size K on the stream (launch.cuh).
+// Workspace, prep and scan of family F at head size K on the stream (launch.cuh); block_barriers_only
+// runs the debug instantiation whose named barriers are block barriers (for racecheck).
 template <int K, class F>
-void run_vb(const Recurrence& r, const FwdParams& p, int device, cudaStream_t stream);
+void run_vb(const Recurrence& r, const FwdParams& p, int device, cudaStream_t stream, bool block_barriers_only);
 
 }  // namespace chunk_prep_scan
 }  // namespace cula

@@ -45,7 +45,8 @@ __device__ __forceinline__ uint4 scale8(uint4 v, const float (&f)[8]) {
   return v;
 }
 
-template <int K, class F>
+// kBlockBarriersOnly: the debug instantiation for racecheck (DESIGN.md), launched only on request.
+template <int K, class F, bool kBlockBarriersOnly = false>
 __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
     chunk_prep_kernel(const FwdParams p, const int32_t* __restrict__ chunk_base, unsigned char* __restrict__ work) {
   static_assert(F::kDelta || !F::kScalarGate, "scalar gates without the delta rule take chunk_fwd_fused");
@@ -748,9 +749,9 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
     if (lane < 16) reinterpret_cast<float*>(blk + Wk::oRF)[bI + lane] = beta_s[bI + lane];
     if (tid - 128 < K) reinterpret_cast<float*>(blk + Wk::oDL)[tid - 128] = tab[kTabLast * K + tid - 128];
   };
-  // With p.block_barriers_only (for racecheck, which misreads the block barriers after a barrier
-  // that some warps only arrive at) B_f is a block barrier and warps 4-7 start after it.
-  const bool overlap_w_kd = F::kDelta && !F::kScalarGate && !p.block_barriers_only;
+  // In the block-barriers-only instantiation (for racecheck, which misreads the block barriers after
+  // a barrier that some warps only arrive at) B_f is a block barrier and warps 4-7 start after it.
+  constexpr bool overlap_w_kd = F::kDelta && !F::kScalarGate && !kBlockBarriersOnly;
   if constexpr (F::kDelta && !F::kScalarGate) {
     if (overlap_w_kd && kh == 1) {
       mbar::named_arrive(1, 32 * NW);  // B_f

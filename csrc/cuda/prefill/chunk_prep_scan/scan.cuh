@@ -17,7 +17,8 @@
 namespace cula {
 namespace chunk_prep_scan {
 
-template <int K, int VB, class F>
+// kBlockBarriersOnly: the debug instantiation for racecheck (DESIGN.md), launched only on request.
+template <int K, int VB, class F, bool kBlockBarriersOnly = false>
 __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
     chunk_scan_kernel(const FwdParams p, const int32_t* __restrict__ chunk_base, const unsigned char* __restrict__ work) {
   using Ly = ScanLayout<K, VB, F>;
@@ -251,7 +252,7 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
             u32at(vin_s + (bI + g + 8 * hh) * LDV + hc0 + nt * 8 + 2 * t) = pack(vn[nt][2 * hh], vn[nt][2 * hh + 1]);
       // B2: Y visible to the warps of this column group, its only readers (the update and AM Y take
       // the group's own columns), so the two groups need not wait for each other here
-      if (p.block_barriers_only) __syncthreads();
+      if constexpr (kBlockBarriersOnly) __syncthreads();
       else mbar::named_sync(1 + warp / 4, 128);
     }
 
