@@ -41,6 +41,13 @@ def backend_for(op: str, device="cpu") -> str:
     return name
 
 
+def _require_backend(op: str, x, device) -> None:
+    """Raises before any work when no backend of this build runs op on x's device; skipped while
+    torch.compile traces the call (the op checks the call when it runs)."""
+    if not compiling():
+        backend_for(op, _device_of(x, device))
+
+
 def _int32_offsets(cu_seqlens):
     if cu_seqlens is None:
         return None
@@ -73,8 +80,7 @@ def cula_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_s
     States: K-last [N, H, V, K] float32. Returns (o, final_state) or (o, final_state, h)."""
     extra = {n: kwargs.pop(n) for n in list(kwargs) if n in _KDA_KW}
     reject_unknown("cula_kda", kwargs)
-    if not compiling():  # (the op checks the call when it runs)
-        backend_for("kda", _device_of(q, device))
+    _require_backend("kda", q, device)
     del disable_recompute
     family = "gdn" if len(g.shape) == 3 else "kda"
     B, T, H, K = (int(s) for s in q.shape)
@@ -94,8 +100,7 @@ def cula_lightning(Q, K, V, decay, *, scale=None, initial_state=None, output_fin
     With ``state_pool`` [P, H, V, K] and ``initial_state_indices`` [N] int32 the states are read
     from and written back to the pool in place, and the pool is returned as the final state."""
     reject_unknown("cula_lightning", kwargs)
-    if not compiling():  # (the op checks the call when it runs)
-        backend_for("lightning", _device_of(Q, device))
+    _require_backend("lightning", Q, device)
     B, T, H, Kd = (int(s) for s in Q.shape)
     HV, Vd = int(V.shape[2]), int(V.shape[3])
     n = B if cu_seqlens is None else int(cu_seqlens.shape[0]) - 1
@@ -125,8 +130,7 @@ def cula_decode(q, k, v, state, *, mode="kda", state_indices=None, scale=None, d
     reject_unknown("cula_decode", kwargs)
     if mode not in ("kda", "gdn", "lightning"):
         raise CulaError(f"cula_decode: argument 'mode': expected 'kda', 'gdn' or 'lightning', got {mode!r}")
-    if not compiling():  # (the op checks the call when it runs)
-        backend_for("decode", _device_of(q, device))
+    _require_backend("decode", q, device)
     packed = int(q.shape[0]) == 1 and int(q.shape[1]) > 1 and state_indices is not None \
         and len(state_indices.shape) == 1 and int(state_indices.shape[0]) == int(q.shape[1])
     if packed:  # [1, N, ...] -> [N, 1, ...]

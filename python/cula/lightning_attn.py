@@ -13,6 +13,11 @@ from ._tensor import is_torch
 __all__ = ["chunk_lightning_attn", "fused_recurrent_lightning_attn", "lightning_decay"]
 
 
+def _decay_rate(num_heads: int, layer_idx: int, num_layers: int) -> float:
+    """FLA's per-layer slope factor: head h of the layer decays by h times this per token."""
+    return 8 / num_heads * (1 - layer_idx / num_layers)
+
+
 def lightning_decay(num_heads: int, layer_idx: int, num_layers: int, like=None):
     """FLA's per-head decay rate for a layer: (8 / H) (1 - layer_idx / num_layers) * h (cula's
     `decay`, i.e. -g_gamma)."""
@@ -20,10 +25,10 @@ def lightning_decay(num_heads: int, layer_idx: int, num_layers: int, like=None):
         if compiling():  # traced: torch ops in the graph instead of the host cache below
             import torch
 
-            rate = 8 / num_heads * (1 - layer_idx / num_layers)
-            return torch.arange(num_heads, dtype=torch.float32, device=like.device) * rate
+            return torch.arange(num_heads, dtype=torch.float32, device=like.device) * _decay_rate(
+                num_heads, layer_idx, num_layers)
         return _device_decay(num_heads, layer_idx, num_layers, like.device)  # cached: no host work per call
-    return np.arange(num_heads, dtype=np.float32) * np.float32(8 / num_heads * (1 - layer_idx / num_layers))
+    return np.arange(num_heads, dtype=np.float32) * np.float32(_decay_rate(num_heads, layer_idx, num_layers))
 
 
 @functools.lru_cache(maxsize=256)

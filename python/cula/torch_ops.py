@@ -60,12 +60,6 @@ def _chunk_fwd(family: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     return o, final if final is not None else q.new_empty(0, dtype=torch.float32)
 
 
-def _final_state_shape(q, v, cu_seqlens, state_layout):
-    n = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    K, HV, V = q.shape[3], v.shape[2], v.shape[3]
-    return (n, HV, V, K) if state_layout == "k_last" else (n, HV, K, V)
-
-
 @_chunk_fwd.register_fake
 def _chunk_fwd_fake(family, q, k, v, g, beta, decay, initial_state, A_log, dt_bias, cu_seqlens, scale,
                     use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate,
@@ -75,7 +69,8 @@ def _chunk_fwd_fake(family, q, k, v, g, beta, decay, initial_state, A_log, dt_bi
         return o, q.new_empty(0, dtype=torch.float32)
     dt = getattr(torch, state_dtype) if state_dtype else (
         initial_state.dtype if initial_state is not None else torch.float32)
-    return o, q.new_empty(_final_state_shape(q, v, cu_seqlens, state_layout), dtype=dt)
+    n = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return o, q.new_empty(ops._state_shape(n, v.shape[2], q.shape[3], v.shape[3], state_layout), dtype=dt)
 
 
 def decode(q, k, v, state_pool, *, mode="kda", g=None, beta=None, decay=None, state_indices=None,
