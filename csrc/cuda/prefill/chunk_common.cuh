@@ -117,5 +117,10 @@ inline bool aligned16(const cula_tensor* t) {
   return t->strides[t->ndim - 1] == 1;
 }
 
+// Why the tensor-core chunk engines (all of them) decline a call, or nullptr: the rules they share
+// (chunk length, bf16 16-byte aligned q, k, v and out, inputs the CUDA kernels can read, sm_80).
+// Each engine's own rules (families, head sizes, shared memory) come in its declines predicate.
+const char* tensor_core_declines(const cula_chunk_fwd_args& a);
+
 }  // namespace chunk
 }  // namespace cula

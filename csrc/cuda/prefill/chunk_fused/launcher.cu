@@ -3,7 +3,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <initializer_list>
 
 #include "common/error.h"
 #include "cuda/prefill/chunk_engines.h"
@@ -48,12 +47,7 @@ using namespace chunk_fused;
 const char* chunk_fwd_fused_declines(const Recurrence& r, const cula_chunk_fwd_args& a) {
   if (r.tr.delta || r.tr.gate == GateKind::PerChannel) return "the delta rule or a per-channel gate (chunk_prep_scan)";
   if (!head_size_supported(r.K) || !head_size_supported(r.V)) return "head sizes K and V other than 64 and 128";
-  if (a.chunk_size != 0 && a.chunk_size != kBT) return "chunk_size other than 64 (intermediate states are per 64 tokens)";
-  for (const cula_tensor* t : std::initializer_list<const cula_tensor*>{a.q, a.k, a.v, a.out})
-    if (t->dtype != CULA_BFLOAT16 || !chunk::aligned16(t)) return "q, k, v and out are not all 16-byte aligned bfloat16";
-  if (first_unreadable_input(a).name) return "an input the CUDA kernels cannot read (host offsets or slots, a strided parameter)";
-  if (cuda_device_arch(a.q->device_id) < 80) return "a device below sm_80 (mma.sync bf16, ldmatrix, cp.async)";
-  return nullptr;
+  return chunk::tensor_core_declines(a);
 }
 
 void cuda_chunk_fwd_fused(const Recurrence& r, const cula_chunk_fwd_args& a) {

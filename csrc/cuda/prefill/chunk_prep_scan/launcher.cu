@@ -3,7 +3,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdlib>
-#include <initializer_list>
 
 #include "common/error.h"
 #include "cuda/prefill/chunk_engines.h"
@@ -41,11 +40,7 @@ const char* chunk_fwd_mma_declines(const Recurrence& r, const cula_chunk_fwd_arg
   }
   // Scalar and constant gates: the exponent is taken per pair (any decay); g is read per element.
   if (!head_size_supported(r.K) || !head_size_supported(r.V)) return "head sizes K and V other than 64 and 128";
-  if (a.chunk_size != 0 && a.chunk_size != kChunk) return "chunk_size other than 64 (intermediate states are per 64 tokens)";
-  for (const cula_tensor* t : std::initializer_list<const cula_tensor*>{a.q, a.k, a.v, a.out})
-    if (t->dtype != CULA_BFLOAT16 || !chunk::aligned16(t)) return "q, k, v and out are not all 16-byte aligned bfloat16";
-  if (first_unreadable_input(a).name) return "an input the CUDA kernels cannot read (host offsets or slots, a strided parameter)";
-  if (cuda_device_arch(a.q->device_id) < 80) return "a device below sm_80 (mma.sync bf16, ldmatrix, cp.async)";
+  if (const char* why = chunk::tensor_core_declines(a)) return why;
   // The scan's two stages must fit (at K = 128 the 32-column scans do on an A100, 163 KB per block)
   if (scan_bytes(r, 32) > cuda_smem_per_block(a.q->device_id)) return "the scan's shared memory exceeds the device's";
   return nullptr;
