@@ -92,26 +92,30 @@ const Kernel<Args>* select(const Kernel<Args> (&table)[N], const char* op, const
                                                       : "host tensors"));
 }
 
+thread_local const char* g_last_kernel = "";
 // The last explain call's answer on this thread (cula_explained_kernel, cula_explained_declines).
 thread_local std::string g_explained_kernel, g_explained_declines;
 
-template <typename Args, size_t N>
-void explain(const Kernel<Args> (&table)[N], const char* op, const Recurrence& r, const Args& args, int32_t backend,
-             int32_t device_type) {
-  std::string declined;
-  const Kernel<Args>* k = select(table, op, r, args, backend, device_type, &declined);
-  g_explained_kernel = k->name;
-  g_explained_declines = declined;
-}
+enum class Entry { Run, Explain };
 
-thread_local const char* g_last_kernel = "";
-
+// An op's C entry: the arguments checked and validated, then the table's row for the call run
+// (Run) or only named, with why each row before it declined (Explain).
 template <typename Args, size_t N>
-void dispatch(const Kernel<Args> (&table)[N], const char* op, const Recurrence& r, const Args& args, int32_t backend,
-              int32_t device_type) {
-  const Kernel<Args>* k = select(table, op, r, args, backend, device_type);
-  k->run(r, args);
-  g_last_kernel = k->name;
+cula_status enter(const Kernel<Args> (&table)[N], const char* op, const char* args_type, const Args* args,
+                  Recurrence (*validate)(const Args&), Entry what) {
+  return guarded([&] {
+    if (!args) throw_arg(op, "args", std::string("a pointer to ") + args_type, "NULL");
+    const Recurrence r = validate(*args);
+    if (what == Entry::Explain) {
+      std::string declined;
+      g_explained_kernel = select(table, op, r, *args, args->opt.backend, args->q->device_type, &declined)->name;
+      g_explained_declines = declined;
+      return;
+    }
+    const Kernel<Args>* k = select(table, op, r, *args, args->opt.backend, args->q->device_type);
+    k->run(r, *args);
+    g_last_kernel = k->name;
+  });
 }
 
 template <typename Args, size_t N>
@@ -131,46 +135,26 @@ using namespace cula;
 extern "C" {
 
 cula_status cula_chunk_fwd(const cula_chunk_fwd_args* args) {
-  return guarded([&] {
-    if (!args) throw_arg("chunk_fwd", "args", "a pointer to cula_chunk_fwd_args", "NULL");
-    const Recurrence r = validate_chunk_fwd(*args);
-    dispatch(kChunkFwd, "chunk_fwd", r, *args, args->opt.backend, args->q->device_type);
-  });
+  return enter(kChunkFwd, "chunk_fwd", "cula_chunk_fwd_args", args, validate_chunk_fwd, Entry::Run);
 }
 
 cula_status cula_decode(const cula_decode_args* args) {
-  return guarded([&] {
-    if (!args) throw_arg("decode", "args", "a pointer to cula_decode_args", "NULL");
-    const Recurrence r = validate_decode(*args);
-    dispatch(kDecode, "decode", r, *args, args->opt.backend, args->q->device_type);
-  });
+  return enter(kDecode, "decode", "cula_decode_args", args, validate_decode, Entry::Run);
 }
 
 cula_status cula_chunk_fwd_explain(const cula_chunk_fwd_args* args) {
-  return guarded([&] {
-    if (!args) throw_arg("chunk_fwd", "args", "a pointer to cula_chunk_fwd_args", "NULL");
-    const Recurrence r = validate_chunk_fwd(*args);
-    explain(kChunkFwd, "chunk_fwd", r, *args, args->opt.backend, args->q->device_type);
-  });
+  return enter(kChunkFwd, "chunk_fwd", "cula_chunk_fwd_args", args, validate_chunk_fwd, Entry::Explain);
 }
 
 cula_status cula_decode_explain(const cula_decode_args* args) {
-  return guarded([&] {
-    if (!args) throw_arg("decode", "args", "a pointer to cula_decode_args", "NULL");
-    const Recurrence r = validate_decode(*args);
-    explain(kDecode, "decode", r, *args, args->opt.backend, args->q->device_type);
-  });
+  return enter(kDecode, "decode", "cula_decode_args", args, validate_decode, Entry::Explain);
 }
 
 const char* cula_explained_kernel(void) { return g_explained_kernel.c_str(); }
 const char* cula_explained_declines(void) { return g_explained_declines.c_str(); }
 
 cula_status cula_chunk_bwd(const cula_chunk_bwd_args* args) {
-  return guarded([&] {
-    if (!args) throw_arg("chunk_bwd", "args", "a pointer to cula_chunk_bwd_args", "NULL");
-    const Recurrence r = validate_chunk_bwd(*args);
-    dispatch(kChunkBwd, "chunk_bwd", r, *args, args->opt.backend, args->q->device_type);
-  });
+  return enter(kChunkBwd, "chunk_bwd", "cula_chunk_bwd_args", args, validate_chunk_bwd, Entry::Run);
 }
 
 cula_status cula_kda_gate(const cula_kda_gate_args* args) {
