@@ -3,7 +3,8 @@
 # installs the wheels that travel in .whl/ (fla-core), runs the C++ tests, the whole pytest
 # suite (GPU tests and the FLA convention checks included) and compute-sanitizer memcheck and
 # racecheck on small shapes of the CUDA kernels; with a second argument "bench", the GPU
-# benchmarks as well ("bench-kda": the KDA chunked forward benchmark only; "bench-fwd": the GDN,
+# benchmarks as well ("bench-kda": the KDA chunked forward benchmark only; "bench-coverage": the
+# model configurations against FLA only; "bench-fwd": the GDN,
 # GLA, simple GLA and Lightning chunked forward benchmarks only). Logs and results go to the
 # directory given (default: logs/).
 set -uo pipefail
@@ -56,6 +57,9 @@ if [ "${2:-}" = "bench" ] || [ "${2:-}" = "bench-fwd" ]; then
   for fam in gdn gla simple_gla lightning; do
     python3 -m cula bench "$fam" --out "$LOG/results" 2>&1 | tee "$LOG/bench_$fam.txt" | tail -12 || status=1
   done
+fi
+if [ "${2:-}" = "bench" ] || [ "${2:-}" = "bench-coverage" ]; then
+  python3 -m cula bench coverage --out "$LOG/results" 2>&1 | tee "$LOG/bench_coverage.txt" | tail -40 || status=1
 fi
 if [ -n "$(ls -A "$TRITON_CACHE_DIR")" ]; then
   mkdir -p "$LOG/triton_cache"

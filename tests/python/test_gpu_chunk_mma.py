@@ -1,6 +1,6 @@
 """The tensor-core chunked forwards (cuda_mma, cuda_fused) against the float64 reference over a randomized grid
-of shapes, options and families (KDA with a bounded gate; GDN, GLA, simple GLA and Lightning with any
-decay), with poisoned outputs and states. Skipped without a CUDA device."""
+of shapes, options and families (KDA with its three gate forms, GDN, GLA, simple GLA and Lightning, all with
+any decay), with poisoned outputs and states. Skipped without a CUDA device."""
 
 import numpy as np
 import pytest
@@ -27,12 +27,13 @@ def _draw(rng, family="kda"):
     if sum(seqlens) == 0:
         seqlens.append(64)  # at least one token, so there is something to dispatch
     return dict(
-        family=family, gin=bool(rng.random() < 0.5), K=K, V=int(rng.choice([64, 128])), H=int(rng.choice([1, 2])), group=int(rng.choice([1, 2])),
+        family=family, gin=bool(rng.random() < 0.5), K=K, V=int(rng.choice([64, 128, 256])), H=int(rng.choice([1, 2])), group=int(rng.choice([1, 2])),
         seqlens=seqlens if varlen else None,
         B=int(rng.integers(1, 3)), T=int(rng.choice([1, 17, 64, 100, 192, 257])),
         layout=str(rng.choice(["k_last", "k_first"])), sdt=rng.choice([torch.float32, torch.bfloat16]),
         gdt=rng.choice([torch.float32, torch.bfloat16]), l2=bool(rng.random() < 0.8), bsig=bool(rng.random() < 0.7),
-        lb=float(rng.choice([-5.0, -2.0, -0.5])), h0=bool(rng.random() < 0.7),
+        lb=float(rng.choice([-5.0, -2.0, -0.5, -10.0])), h0=bool(rng.random() < 0.7),
+        kgate=str(rng.choice(["bounded", "softplus", "log_decay"])),
         inter=(not varlen) and bool(rng.random() < 0.4),
     )
 
@@ -85,7 +86,28 @@ def _inputs(rng, c):
               return_intermediate_states=c["inter"])
     if c.get("family", "kda") != "kda":
         _family_inputs(rng, c, d, kw, B, T, HV)
+    else:
+        _kda_gate(rng, c, d, kw, B, T, HV)
     return d, cu, kw
+
+
+def _kda_gate(rng, c, d, kw, B, T, HV):
+    """KDA's gate forms: bounded (lower_bound, safe_gate), softplus without a bound (e^{A_log} up to
+    20, so some 16-token blocks fall by hundreds), or a precomputed log-decay reaching -30 per token."""
+    form = c.get("kgate", "bounded")
+    if form == "bounded" and c["lb"] < -5.0:  # safe_gate takes lower bounds in [-5, 0)
+        kw["safe_gate"] = False
+    if form == "softplus":
+        kw.update(lower_bound=None, safe_gate=False)
+        d["A_log"] = torch.from_numpy(rng.uniform(-1, 3.0, HV).astype(np.float32))
+    elif form == "log_decay":
+        for n in ("A_log", "dt_bias"):
+            d.pop(n)
+        kw.update(use_gate_in_kernel=False, lower_bound=None, safe_gate=False)
+        shape = (B, T, HV, c["K"])
+        g = -rng.exponential(rng.choice([0.05, 0.5, 3.0]), shape)
+        g[rng.random(shape) < 0.02] = -30.0
+        d["g"] = torch.from_numpy(g.astype(np.float32)).to(c["gdt"])
 
 
 def _check(rng, c):
@@ -130,7 +152,7 @@ def test_mma_forward_gdn_single_token_within_tolerance():
 
 
 @pytest.mark.sanitize
-@pytest.mark.parametrize("K,V", [(64, 64), (128, 128), (64, 128), (128, 64)])
+@pytest.mark.parametrize("K,V", [(64, 64), (128, 128), (64, 128), (128, 64), (128, 256), (64, 192)])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_mma_forward_head_sizes_with_varlen_and_gva(rng, family, K, V):
     _check(rng, dict(family=family, gin=True, K=K, V=V, H=2, group=2, seqlens=[65, 0, 1, 200, 64], B=1, T=0, layout="k_last",
@@ -190,13 +212,16 @@ def test_mma_forward_long_sequence_at_lower_bound(rng):
     _finite_and_equal_to_recurrent(lambda vv: cula.chunk_kda(q, k, vv, g, beta, **kw), v, "cuda_mma")
 
 
-@pytest.mark.parametrize("family", ["gdn", "gla", "lightning"])
+@pytest.mark.parametrize("family", ["kda", "gdn", "gla", "lightning"])
 def test_mma_forward_long_sequence_with_steep_decay(rng, family):
     """32k tokens whose decay empties the state within a few tokens: finite, and equal to the
     recurrent kernel (which the unaligned v view selects)."""
     T, H, K = 32768, 2, 128
     q, k, v = (torch.randn(1, T, H, K, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    if family == "gdn":
+    if family == "kda":
+        args = dict(g=-torch.rand(1, T, H, K, device="cuda") * 40.0, beta=torch.rand(1, T, H, device="cuda"),
+                    use_qk_l2norm_in_kernel=True)
+    elif family == "gdn":
         g = -torch.rand(1, T, H, device="cuda") * 40.0
         args = dict(g=g, beta=torch.rand(1, T, H, device="cuda"), use_qk_l2norm_in_kernel=True)
     elif family == "gla":
@@ -238,28 +263,58 @@ def test_mma_forward_state_pool_in_place_other_families(rng, family):
     assert rel(pool_dev[[3, 0]].cpu().numpy(), pool_ref[[3, 0]].numpy()) < TOL
 
 
+def test_mma_kda_unbounded_gate_32k_tokens_against_oracle(rng):
+    """Kimi-Linear's gate, -e^{A_log} softplus(g + dt_bias) with no lower bound, over 32k tokens:
+    half the channels gentle (dt_bias -6), half steep (dt_bias 0, e^{A_log} = 16: log-decays down to
+    the -64 floor per token), with GVA; the tensor-core kernel against the float64 oracle."""
+    B, T, H, HV, K, V = 1, 32768, 1, 2, 128, 128
+    t = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32))  # noqa: E731
+    q, k, v = t(B, T, H, K).bfloat16(), t(B, T, H, K).bfloat16(), t(B, T, HV, V).bfloat16()
+    g = t(B, T, HV, K) * 2.0
+    beta = t(B, T, HV)
+    A_log = torch.full((HV,), float(np.log(16.0)))
+    dt_bias = torch.cat([torch.full((HV, K // 2), -6.0), torch.zeros(HV, K // 2)], dim=1).reshape(-1)
+    kw = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+              output_final_state=True)
+    ref = cula.chunk_fwd("kda", q.float(), k.float(), v.float(), g=g, beta=beta, A_log=A_log, dt_bias=dt_bias,
+                         backend="reference", **kw)
+    out = torch.full((B, T, HV, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+    o, s = cula.chunk_fwd("kda", q.cuda(), k.cuda(), v.cuda(), g=g.cuda(), beta=beta.cuda(), A_log=A_log.cuda(),
+                          dt_bias=dt_bias.cuda(), out=out, **kw)
+    torch.cuda.synchronize()
+    assert cula.last_kernel() == "cuda_mma"
+    assert torch.isfinite(out.float()).all() and torch.isfinite(s).all()
+    errs = (rel(out.float().cpu().numpy(), ref[0].float().numpy()), rel(s.cpu().numpy(), ref[1].float().numpy()))
+    print(errs)
+    assert worst(errs) < TOL, errs
+
+
 @pytest.mark.sanitize
-@pytest.mark.parametrize("span", [3.0, 10.0, 60.0])
-def test_mma_gla_steep_and_gentle_blocks(rng, span):
-    """GLA with per-channel decays where some 16-token blocks fall by more than the exact-path
-    threshold (64) and others do not, within one chunk, one head, one channel: the steep diagonal
-    blocks are summed per element, the rest on tensor cores; both against float64."""
+@pytest.mark.parametrize("span", [3.0, 10.0, 60.0, 200.0])
+@pytest.mark.parametrize("family", ["kda", "gla"])
+def test_mma_steep_and_gentle_blocks(rng, family, span):
+    """Per-channel decays where some 16-token blocks fall by more than the exact-path threshold
+    (GLA 64, KDA 80) and others do not, within one chunk, one head, one channel: the steep diagonal
+    blocks are summed per element, the rest on tensor cores (KDA: the steep channels' right operands
+    through their block's last row); both against float64."""
     B, T, H, K, V = 1, 320, 2, 128, 128
     t = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32))  # noqa: E731
     q, k, v = t(B, T, H, K).bfloat16(), (t(B, T, H, K) * K ** -0.5).bfloat16(), t(B, T, H, V).bfloat16()
     rate = rng.uniform(0.0, span / 8.0, (B, T // 16, H, K)).repeat(16, axis=1)  # per block and channel
     g = torch.from_numpy((-rng.uniform(0.0, 1.0, (B, T, H, K)) * rate).astype(np.float32))
     h0 = t(B, H, V, K) * 0.3  # K-last
-    ref = cula.chunk_fwd("gla", q.float(), k.float(), v.float(), g=g, initial_state=h0, output_final_state=True,
-                         backend="reference")
+    extra = dict(beta=torch.rand(B, T, H), use_qk_l2norm_in_kernel=True) if family == "kda" else {}
+    ref = cula.chunk_fwd(family, q.float(), k.float(), v.float(), g=g, initial_state=h0, output_final_state=True,
+                         backend="reference", **extra)
     out = torch.full((B, T, H, V), float("nan"), dtype=torch.bfloat16, device="cuda")
-    o, s = cula.chunk_fwd("gla", q.cuda(), k.cuda(), v.cuda(), g=g.cuda(), initial_state=h0.cuda(),
-                          output_final_state=True, out=out)
+    o, s = cula.chunk_fwd(family, q.cuda(), k.cuda(), v.cuda(), g=g.cuda(), initial_state=h0.cuda(),
+                          output_final_state=True, out=out, **{n: x.cuda() if torch.is_tensor(x) else x
+                                                               for n, x in extra.items()})
     torch.cuda.synchronize()
     assert cula.last_kernel() == "cuda_mma"
     assert torch.isfinite(out.float()).all() and torch.isfinite(s).all()
     errs = (rel(out.float().cpu().numpy(), ref[0].float().numpy()), rel(s.cpu().numpy(), ref[1].float().numpy()))
-    print(span, errs)
+    print(family, span, errs)
     assert worst(errs) < TOL, errs
 
 
@@ -359,8 +414,7 @@ def test_fused_split_sequences(rng, family, layout):
 def test_gate_of_minus_infinity_is_a_reset_on_gpu(rng, family):
     """Raw log-decays of -inf (log 0: forget everything) at some tokens, in one 16-token block,
     across a chunk boundary and at the last token: finite and equal to float64, where the state
-    restarts (the chunked kernels sum log-decays; -inf - (-inf) must not become NaN). A raw KDA
-    gate takes the recurrent kernel."""
+    restarts (the chunked kernels sum log-decays; -inf - (-inf) must not become NaN)."""
     B, T, H, K, V = 1, 200, 2, 128, 64
     t = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32))  # noqa: E731
     q, k, v = t(B, T, H, K).bfloat16(), (t(B, T, H, K) * K ** -0.5).bfloat16(), t(B, T, H, V).bfloat16()
@@ -375,7 +429,7 @@ def test_gate_of_minus_infinity_is_a_reset_on_gpu(rng, family):
     o, s = cula.chunk_fwd(family, q.cuda(), k.cuda(), v.cuda(), g=g.cuda(), beta=None if beta is None else beta.cuda(),
                           initial_state=h0.cuda(), output_final_state=True, out=out)
     torch.cuda.synchronize()
-    assert cula.last_kernel() == ("cuda" if family == "kda" else KERNEL[family])
+    assert cula.last_kernel() == KERNEL[family]
     assert torch.isfinite(out.float()).all() and torch.isfinite(s).all()
     errs = (rel(out.float().cpu().numpy(), ref[0].float().numpy()), rel(s.cpu().numpy(), ref[1].float().numpy()))
     print(family, errs)
@@ -393,6 +447,9 @@ def test_explain_says_why_the_chunk_engines_decline_on_gpu(rng):
     assert bounded.kernel == "cuda_mma" and "delta rule" in bounded.declined["cuda_fused"]
     unbounded = cula.explain("chunk_fwd", "kda", q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias,
                              use_gate_in_kernel=True)
-    assert unbounded.kernel == "cuda" and "lower_bound" in unbounded.declined["cuda_mma"]
-    cula.chunk_fwd("kda", q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=True)
-    assert cula.last_kernel() == unbounded.kernel
+    assert unbounded.kernel == "cuda_mma"
+    q2, k2 = (torch.randn(B, T, H, 256, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    wide = cula.explain("chunk_fwd", "kda", q2, k2, v, torch.randn(B, T, H, 256, device="cuda"), beta)
+    assert wide.kernel == "cuda" and "K other than 64 and 128" in wide.declined["cuda_mma"]
+    cula.chunk_fwd("kda", q2, k2, v, torch.randn(B, T, H, 256, device="cuda"), beta)
+    assert cula.last_kernel() == wide.kernel

@@ -65,6 +65,12 @@ __device__ __forceinline__ float ex2_ftz(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x));
   return e;
 }
+// log2(x) by lg2.approx.ftz, one instruction.
+__device__ __forceinline__ float lg2_ftz(float x) {
+  float l;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(l) : "f"(x));
+  return l;
+}
 // e^x by ex2.approx.ftz: 2 instructions where __expf takes 5 (its path for results below the
 // normal range, which this flushes to 0). Identical to __expf wherever e^x is a normal float.
 __device__ __forceinline__ float exp_ftz(float x) { return ex2_ftz(x * 1.4426950408889634f); }

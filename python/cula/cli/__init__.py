@@ -33,10 +33,12 @@ def main(argv=None) -> int:
     demo = sub.add_parser("demo", help="run every family on the best backend, check it, show linear vs softmax cost")
     demo.add_argument("--quick", action="store_true", help="smaller sizes (for tests)")
     bench = sub.add_parser("bench", help="benchmarks")
-    bench.add_argument("suite", choices=["cpu", "decode", "kda", "gdn", "gla", "simple_gla", "lightning", "replot"],
+    bench.add_argument("suite", choices=["cpu", "decode", "kda", "gdn", "gla", "simple_gla", "lightning", "coverage",
+                                          "replot"],
                        help="cpu: fast CPU path vs the float64 reference; decode: CUDA decode vs FLA; kda: KDA chunked "
                        "forward vs FLA, FlashKDA and SDPA; gdn, gla, simple_gla, lightning: that family's chunked "
-                       "forward vs FLA and SDPA (GPU suites need torch + a GPU); replot: re-draw the PNG beside "
+                       "forward vs FLA and SDPA; coverage: the configurations real models run (Kimi-Linear, Qwen3-Next, "
+                       "FLA's default layers, fp16) vs FLA (GPU suites need torch + a GPU); replot: re-draw the PNG beside "
                        "every results JSON in --out (needs matplotlib)")
     bench.add_argument("--only", default=None, help="chunked-forward suites: comma-separated config names to run "
                        "(default: all)")
@@ -67,6 +69,10 @@ def main(argv=None) -> int:
 
             return bench_kda(args.out or "bench/results/gpu", configs=[c for c in CONFIGS if not only or c[0] in only],
                              resume=args.resume)
+        if args.suite == "coverage":
+            from ..bench.coverage import CONFIGS, bench_coverage
+
+            return bench_coverage(args.out or "bench/results/gpu", configs=[c for c in CONFIGS if not only or c[0] in only])
         if args.suite in ("gdn", "gla", "simple_gla", "lightning"):
             from ..bench.fwd import CONFIGS, bench_fwd
 

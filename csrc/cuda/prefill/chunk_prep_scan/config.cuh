@@ -99,22 +99,34 @@ struct PrepLayout {
   static constexpr int oQK = oGS + kBT * 4;  // q.k of each row, fp32 (the diagonal of A_qk)
   // KDA: the row scales qs, ks of the gate pass
   static constexpr int oNRM = oQK + kBT * 4;
-  // the mbarrier on which the tiles' bulk copies complete (sm_90+)
+  // the mbarrier on which the tiles' bulk copies complete (sm_90+), then the steep blocks' bits
+  // (per-channel gates: bit I set where block I has a steep channel)
   static constexpr int oMBAR = F::kScalarGate ? oTAB : oNRM + (F::kDelta ? 2 * kBT * 4 : 0);
+  static constexpr int oSTEEP = oMBAR + 8;
   static constexpr int bytes = oMBAR + 16;
   static_assert(!F::kScalarGate || oQK + kBT * 4 <= oTAB, "per-row values fit TB");
   static_assert(oMBAR % 16 == 0, "aligned mbarrier slot");
-  // Without the delta rule TB (no Minv) holds the exact path of steep diagonal blocks: per warp the
-  // local gate (16 x 16 fp32) and raw q, k (16 x 16 bf16) of one k-step; then the row factors of
-  // q and k and a steep flag per block.
-  static constexpr int oXS = oTB, oRQ = oXS + 4 * 2048, oRK = oRQ + kBT * 4, oSTEEP = oRK + kBT * 4;
-  static_assert(oSTEEP + 16 <= oTAB, "exact-path scratch fits the Minv buffer");
+  // TB holds the exact path of steep diagonal blocks while the pair products run (KDA: between the
+  // gate tile and Minv): per warp that takes diagonal pairs (GLA: all four; KDA: warps 6, 7) the
+  // local gate (16 x 16 fp32) and raw q, k (16 x 16 bf16) of one k-step; then GLA's row factors of
+  // q and k (KDA's are in NRM).
+  static constexpr int oXS = oTB, oRQ = oXS + 4 * 2048, oRK = oRQ + kBT * 4;
+  static_assert(oRK + kBT * 4 <= oTAB, "exact-path scratch fits the Minv buffer");
 };
 
 // A diagonal block (no delta rule) is steep when some channel decays by more than this inside it:
 // its left factor e^{G_bI - G_eI} could overflow there, so its pair products are taken per element
 // instead (exact for any decay).
 constexpr float kSteepSpan = 64.0f;
+// KDA keeps Kr = k ks e^{G_bI - G_i} (>= 1) for its diagonal pair products: a channel is steep in a
+// block where it decays by more than this inside it (Kr would approach fp32's limit e^88); a
+// bounded gate (lower_bound >= -5: at most 75 in a block) never is. first, sum: the block's first
+// log-decay and its total, as the gate pass stores them (the table decides from the same floats).
+constexpr float kKdaSteepSpan = 80.0f;
+// The KDA gate that never makes a block steep: in the kernel with lower_bound >= -5 (the
+// prep's kAnyDecay = false instantiation).
+inline bool kda_bounded_gate(const Recurrence& r) { return r.gate_in_kernel && r.has_lb && r.lb >= -5.0; }
+__device__ __forceinline__ bool kda_steep(float first, float sum) { return first - sum > kKdaSteepSpan; }
 
 // sU holds the v slice read from the input, replaced in place by Y with the delta rule (sm_80; on
 // sm_90a Y^T takes a buffer of its own, oYT, for KDA at VB >= 64, so that Qg S, which reads S^T,
@@ -137,8 +149,11 @@ struct ScanLayout {
   static_assert(sQ % 1024 == 0 && sKd % 1024 == 0 && VB * K * 2 <= K * LDV * 2, "swizzled tiles fit their slots");
 };
 
-// Head sizes with kernels (the instantiations/ folder holds one translation unit per family and K).
+// Key head sizes with kernels (the instantiations/ folder holds one translation unit per family and
+// K). The value head size is no template parameter: the scan slices V into VB-column CTAs, so any
+// multiple of 64 runs (FLA's default GatedDeltaNet has V = 2K).
 constexpr bool head_size_supported(int64_t n) { return n == 64 || n == 128; }
+constexpr bool value_size_supported(int64_t v) { return v >= 64 && v % 64 == 0; }
 
 __device__ __forceinline__ uint32_t& u32at(bf16* p) { return *reinterpret_cast<uint32_t*>(p); }
 __device__ __forceinline__ float2 bf2(const bf16* p) { return unpack(*reinterpret_cast<const uint32_t*>(p)); }

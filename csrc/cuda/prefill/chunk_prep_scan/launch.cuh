@@ -32,9 +32,17 @@ void run(const Recurrence& r, const FwdParams& p, int device, cudaStream_t strea
   if (p.cu) chunk::launch_chunk_base(p, chunk_base, stream);
   using Scan = ScanLayout<K, VB, F>;
   using Prep = PrepLayout<K, F>;
-  chunk::allow_smem(chunk_prep_kernel<K, F, kBlockBarriersOnly>, Prep::bytes);
-  chunk_prep_kernel<K, F, kBlockBarriersOnly>
-      <<<static_cast<unsigned>(prep_blocks), 32 * prep_warps<F>(), Prep::bytes, stream>>>(p, chunk_base, work);
+  auto prep = [&](auto kernel) {
+    chunk::allow_smem(kernel, Prep::bytes);
+    kernel<<<static_cast<unsigned>(prep_blocks), 32 * prep_warps<F>(), Prep::bytes, stream>>>(p, chunk_base, work);
+  };
+  // KDA: the prep without the steep-block machinery for the bounded in-kernel gate
+  if constexpr (F::kDelta && !F::kScalarGate) {
+    if (kda_bounded_gate(r)) prep(chunk_prep_kernel<K, F, false, kBlockBarriersOnly>);
+    else prep(chunk_prep_kernel<K, F, true, kBlockBarriersOnly>);
+  } else {
+    prep(chunk_prep_kernel<K, F, false, kBlockBarriersOnly>);
+  }
   chunk::allow_smem(chunk_scan_kernel<K, VB, F, kBlockBarriersOnly>, Scan::bytes);
   chunk_scan_kernel<K, VB, F, kBlockBarriersOnly>
       <<<static_cast<unsigned>(scan_blocks), 32 * scan_warps(VB), Scan::bytes, stream>>>(p, chunk_base, work);
@@ -53,6 +61,7 @@ void run_vb_barriers(const Recurrence& r, const FwdParams& p, int device, cudaSt
   // GDN's 16-warp scan was slower, and varlen calls, whose lengths the host does not know, lost
   // where one long sequence started late). Else 64.
   // CULA_SCAN_VB=32|64|128 (read once per process) forces a width where it fits, for benchmarks.
+  // (V is a multiple of 64: value_size_supported; 128 columns where V is a multiple of 128.)
   static const int forced = [] {
     const char* e = std::getenv("CULA_SCAN_VB");
     return e ? std::atoi(e) : 0;
@@ -61,7 +70,7 @@ void run_vb_barriers(const Recurrence& r, const FwdParams& p, int device, cudaSt
   const int64_t heads = static_cast<int64_t>(r.N) * r.HV;
   const bool fit64 = ScanLayout<K, 64, F>::bytes <= smem;
   if constexpr (!F::kScalarGate) {
-    const bool wide = r.V == 128 && (forced ? forced == 128 : !p.cu && heads * (r.V / 64) > sms);
+    const bool wide = r.V % 128 == 0 && (forced ? forced == 128 : !p.cu && heads * (r.V / 64) > sms);
     if (wide && ScanLayout<K, 128, F>::bytes <= smem) return run<K, 128, F, kBlockBarriersOnly>(r, p, device, stream);
   }
   if (forced ? forced == 32 || !fit64 : heads * (r.V / 32) <= sms || !fit64)

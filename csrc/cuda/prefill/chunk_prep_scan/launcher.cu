@@ -31,15 +31,13 @@ using namespace chunk_prep_scan;
 const char* chunk_fwd_mma_declines(const Recurrence& r, const cula_chunk_fwd_args& a) {
   if (!r.tr.delta && r.tr.gate != GateKind::PerChannel) return "scalar or constant decay without the delta rule (chunk_fused)";
   if (r.tr.gate == GateKind::PerChannel) {
-    // KDA: the in-block exponent bound |G_i - G_j| <= 15 * |lower_bound| inside a 16-token block.
-    // GLA needs none (every factor <= 1, steep diagonal blocks taken per element).
-    if (r.tr.delta && !(r.gate_in_kernel && r.has_lb && r.lb >= -5.0))
-      return "KDA needs the gate in kernel with lower_bound >= -5 (the in-block exponent bound)";
+    // Any decay: factors <= 1 off the diagonal, steep diagonal blocks taken per element (DESIGN.md)
     if (a.g->dtype != CULA_BFLOAT16 && a.g->dtype != CULA_FLOAT32) return "g is neither bfloat16 nor float32";
     if (!chunk::aligned16(a.g)) return "g is not 16-byte aligned";
   }
   // Scalar and constant gates: the exponent is taken per pair (any decay); g is read per element.
-  if (!head_size_supported(r.K) || !head_size_supported(r.V)) return "head sizes K and V other than 64 and 128";
+  if (!head_size_supported(r.K)) return "key head size K other than 64 and 128";
+  if (!value_size_supported(r.V)) return "value head size V not a multiple of 64";
   if (const char* why = chunk::tensor_core_declines(a)) return why;
   // The scan's two stages must fit (at K = 128 the 32-column scans do on an A100, 163 KB per block)
   if (scan_bytes(r, 32) > cuda_smem_per_block(a.q->device_id)) return "the scan's shared memory exceeds the device's";

@@ -22,6 +22,10 @@ constexpr int kTabEb = 6;     // + I: e^{G_bI}
 constexpr int kTabEd = 10;    // + J: e^{G_last - G_bJ}
 constexpr int kTabLast = 14;  // e^{G_last}
 
+// The forms of KDA's gate pass: lb sigmoid(eA (x + dt_bias)) (use_gate_in_kernel with a lower
+// bound), -eA softplus(x + dt_bias) (without one), or a precomputed log-decay g.
+enum KdaGateForm : int { kBoundedGate, kSoftplusGate, kLogDecay };
+
 // Block pair number m >= 0 of the lower triangle, (0,0) (1,0) (1,1) (2,0) ... (3,3) for m = 0..9, as
 // (I, J); I = J = -1 for m >= 10.
 __device__ __forceinline__ void pair_of(int m, int& I, int& J) {
@@ -45,11 +49,17 @@ __device__ __forceinline__ uint4 scale8(uint4 v, const float (&f)[8]) {
   return v;
 }
 
-// kBlockBarriersOnly: the debug instantiation for racecheck (DESIGN.md), launched only on request.
-template <int K, class F, bool kBlockBarriersOnly = false>
+// kAnyDecay (KDA): any gate form and decay, with the steep-block machinery; without it (the bounded
+// in-kernel gate, lower_bound >= -5: kda_bounded_gate) the pass and the pair products carry none
+// of it (it cost the bounded path 3-5% where compiled in). GLA always has its steep path; GDN needs
+// none. kBlockBarriersOnly: the debug instantiation for racecheck (DESIGN.md), launched only on
+// request.
+template <int K, class F, bool kAnyDecay, bool kBlockBarriersOnly = false>
 __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
     chunk_prep_kernel(const FwdParams p, const int32_t* __restrict__ chunk_base, unsigned char* __restrict__ work) {
   static_assert(F::kDelta || !F::kScalarGate, "scalar gates without the delta rule take chunk_fwd_fused");
+  static_assert(!kAnyDecay || (F::kDelta && !F::kScalarGate), "kAnyDecay: KDA");
+  constexpr bool kSteep = !F::kDelta || kAnyDecay;  // steep diagonal blocks taken per element
   using Ly = PrepLayout<K, F>;
   using Wk = Work<K, F>;
   constexpr int LDK = Ly::LDK, LDT = Ly::LDT, MS = Ly::MS;
@@ -77,7 +87,8 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
   // no delta rule: the exact path of steep diagonal blocks (TB is free: no Minv)
   float* rowq_s = reinterpret_cast<float*>(smem + Ly::oRQ);
   float* rowk_s = reinterpret_cast<float*>(smem + Ly::oRK);
-  int* steep_s = reinterpret_cast<int*>(smem + Ly::oSTEEP);
+  // per-channel gates: bit I set where diagonal block I has a steep channel (exact_diagonal)
+  unsigned* steep_bits = reinterpret_cast<unsigned*>(smem + Ly::oSTEEP);
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   // row block I of this warp; with 8 warps kh is which of the row block's two warps it is (the
@@ -97,6 +108,7 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
   const int h = hv / (p.HV / p.H);
   unsigned char* blk = work + (static_cast<int64_t>(cidx) * p.HV + hv) * Wk::bytes;
 
+  if (kSteep && tid == 0) *steep_bits = 0u;  // (set by the gate pass, after B_a0)
   float eA = 1.0f;  // e^{A_log}, taken once the tiles are in (see below)
   const float head_bias = (p.gate_in_kernel && p.dt_bias && !p.dt_bias_per_channel) ? dev::ld(p.dt_bias, p.dt_bias_dt, hv) : 0.0f;
   const float const_decay =
@@ -297,48 +309,75 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
     // log-decay, its running sum d_i = G_i - G_bI (<= 0) with no shuffles; Kr = k ks e^{-d} (KR)
     // and in place Kl = k ks e^d, Ql = q qs e^d; the block's first gate and total per channel.
     // Rows go four at a time (a rolled loop keeps the code small), their raw gates loaded a step
-    // ahead. The pass is compiled once per gate source (from_tile: std::bool_constant): with the
-    // source chosen per load, the tile reads carried the global path's 64-bit offsets and dtype
-    // branches (~2.8 K of a chunk's ~32 K warp instructions).
-    // The dispatch takes KDA here only with the gate in the kernel and a lower bound lb >= -5
-    // (chunk_fwd_mma_declines), so the log-decay is lb sigmoid(eA (x + dt_bias)), in [lb, 0]: the
-    // chunk_log_decay clamp at -64 never acts and is left out. The pass works in log2 units (every
-    // exponential an ex2 of its argument as it is): the sigmoid's exponent is one FMA of the raw
-    // gate (eA log2 e and its product with dt_bias per channel, once), and the sums go back to
-    // natural units once per channel at the end.
-    auto gate_pass = [&](auto from_tile) {
+    // ahead. The pass is compiled once per gate source (from_tile) and gate form (form: std::
+    // integral_constant): with the source chosen per load, the tile reads carried the global
+    // path's 64-bit offsets and dtype branches (~2.8 K of a chunk's ~32 K warp instructions).
+    // The pass works in log2 units (every exponential an ex2 of its argument as it is): the
+    // bounded form lb sigmoid(eA (x + dt_bias)) is an ex2 of one FMA of the raw gate (eA log2 e
+    // and its product with dt_bias per channel, once) and a divide; the softplus form
+    // -eA softplus(x + dt_bias) is -eA lg2(1 + ex2(.)); a precomputed log-decay is scaled only.
+    // The sums go back to natural units once per channel at the end.
+    // Steep channels (decay past kKdaSteepSpan inside the block; a bounded gate never is) would
+    // take Kr out of fp32's range: for them a second pass over the block, which re-reads their k,
+    // takes Kr through the block's last row instead (Kt = k ks e^{G_eI - G_i} <= 1), the table
+    // takes their factors through e_I, and the block's diagonal pair products are taken per
+    // element (exact_diagonal).
+    auto gate_pass = [&](auto from_tile, auto form) {
+      constexpr int kForm = decltype(form)::value;
       constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+      constexpr float kFloor2 = kMinChunkLogDecay * kLog2e, kLinear2 = 20.0f * kLog2e;
       const float neg_ea2 = -eA * kLog2e, lb2 = p.lb * kLog2e;
+      // the bounded form's exponent -eA log2(e) (x + dt_bias) = neg_ea2 x + nb; softplus's argument
+      // log2(e) (x + dt_bias) = log2(e) x + nb
+      const float bias_mult = kForm == kBoundedGate ? neg_ea2 : kLog2e;
+      // log2-unit log-decays of raw gates in two halves: the exponential before the next rows'
+      // loads go out, the rest after them (u: softplus's argument)
+      auto decay_begin = [&](float xn, float nb, float& u) {
+        u = kForm == kBoundedGate ? 0.0f : fmaf(kLog2e, xn, nb);
+        if constexpr (kForm == kBoundedGate) return dev::ex2_ftz(fmaf(neg_ea2, xn, nb));
+        else if constexpr (kForm == kSoftplusGate) return dev::ex2_ftz(u > kLinear2 ? kLinear2 : u);
+        else return u;
+      };
+      auto decay_end = [&](float y, float u) {
+        float x;
+        if constexpr (kForm == kBoundedGate) x = __fdividef(lb2, 1.0f + y);
+        else if constexpr (kForm == kSoftplusGate) x = -eA * (u > kLinear2 ? u : dev::lg2_ftz(1.0f + y));
+        else x = y;
+        // chunk_log_decay's floor (not fmaxf: a NaN stays NaN); a bounded gate needs none (finite)
+        return kForm == kBoundedGate || !(x < kFloor2) ? x : kFloor2;
+      };
+      auto load_row = [&](int row, int c0) {
+        if constexpr (decltype(from_tile)::value) return row < Lc ? bf2(gate_at(row, c0)) : make_float2(0.0f, 0.0f);
+        else return raw_gate(row, c0);
+      };
+      bool steep = false;
       for (int cp = 32 * kh + lane; cp < K / 2; cp += 64) {
         const int c0 = 2 * cp;
         auto load_rows = [&](int i0, float (&x)[8]) {
 #pragma unroll
           for (int ii = 0; ii < 4; ++ii) {
-            const int row = bI + i0 + ii;
-            float2 v;
-            if constexpr (decltype(from_tile)::value) v = row < Lc ? bf2(gate_at(row, c0)) : make_float2(0.0f, 0.0f);
-            else v = raw_gate(row, c0);
+            const float2 v = load_row(bI + i0 + ii, c0);
             x[2 * ii] = v.x, x[2 * ii + 1] = v.y;
           }
         };
-        // -eA log2(e) (x + dt_bias) = neg_ea2 x + nb
-        const float nb0 = neg_ea2 * bias_s[c0], nb1 = neg_ea2 * bias_s[c0 + 1];
+        const float nb0 = bias_mult * bias_s[c0], nb1 = bias_mult * bias_s[c0 + 1];
         float run0 = 0.0f, run1 = 0.0f, first0 = 0.0f, first1 = 0.0f, xn[8];
         load_rows(0, xn);
 #pragma unroll 1
         for (int i0 = 0; i0 < 16; i0 += 4) {
-          float x[8];
+          float x[8], u[8];
 #pragma unroll
-          for (int e = 0; e < 8; ++e) x[e] = dev::ex2_ftz(fmaf(neg_ea2, xn[e], (e & 1) ? nb1 : nb0));
+          for (int e = 0; e < 8; ++e) x[e] = decay_begin(xn[e], (e & 1) ? nb1 : nb0, u[e]);
           if (i0 + 4 < 16) load_rows(i0 + 4, xn);
 #pragma unroll
-          for (int e = 0; e < 8; ++e) x[e] = bI + i0 + (e >> 1) < Lc ? __fdividef(lb2, 1.0f + x[e]) : 0.0f;
+          for (int e = 0; e < 8; ++e) x[e] = bI + i0 + (e >> 1) < Lc ? decay_end(x[e], u[e]) : 0.0f;
           if (i0 == 0) first0 = x[0], first1 = x[1];
 #pragma unroll
           for (int ii = 0; ii < 4; ++ii) {
             const int row = bI + i0 + ii;
             run0 += x[2 * ii], run1 += x[2 * ii + 1];
-            // |d| <= 15 |lower_bound| log2 e <= 109: every factor a normal float
+            // |d| <= 15 |lower_bound| log2 e <= 109 for a bounded gate: every factor a normal float.
+            // (A steep channel's Kr may overflow here: the pass below writes all of its rows again.)
             const float e0 = dev::ex2_ftz(run0 - first0), e1 = dev::ex2_ftz(run1 - first1);
             const float r0 = dev::ex2_ftz(first0 - run0), r1 = dev::ex2_ftz(first1 - run1);
             const float qsr = rs_s[row], ksr = rs_s[kBT + row];
@@ -348,12 +387,48 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
             u32at(q_s + row * LDK + c0) = pack(qv.x * qsr * e0, qv.y * qsr * e1);
           }
         }
-        bsum_s[I * K + c0] = run0 * kLn2, bsum_s[I * K + c0 + 1] = run1 * kLn2;
-        bfirst_s[I * K + c0] = first0 * kLn2, bfirst_s[I * K + c0 + 1] = first1 * kLn2;
+        const float sum0 = run0 * kLn2, sum1 = run1 * kLn2, f0 = first0 * kLn2, f1 = first1 * kLn2;
+        bsum_s[I * K + c0] = sum0, bsum_s[I * K + c0 + 1] = sum1;
+        bfirst_s[I * K + c0] = f0, bfirst_s[I * K + c0 + 1] = f1;
+        const bool steep0 = kAnyDecay && kda_steep(f0, sum0), steep1 = kAnyDecay && kda_steep(f1, sum1);
+        if (steep0 || steep1) {
+          // Kr of this pair again, the steep channel(s) through the block's last row: k ks
+          // e^{G_eI - G_i} (<= 1), the raw k re-read (Kl is in its place)
+          steep = true;
+          float r[2] = {0.0f, 0.0f};
+#pragma unroll 1
+          for (int i = 0; i < 16; ++i) {
+            const int row = bI + i;
+            float2 kv = make_float2(0.0f, 0.0f);
+            if (row < Lc) {
+              const float2 v = load_row(row, c0);
+              float u0, u1;
+              const float y0 = decay_begin(v.x, nb0, u0), y1 = decay_begin(v.y, nb1, u1);
+              r[0] += decay_end(y0, u0), r[1] += decay_end(y1, u1);
+              kv = bf2(static_cast<const bf16*>(p.k) + b_row * p.k_s[0] + (t0 + row) * p.k_s[1] + h * p.k_s[2] + c0);
+            }
+            const float x0 = steep0 ? run0 - r[0] : first0 - r[0], x1 = steep1 ? run1 - r[1] : first1 - r[1];
+            const float ksr = rs_s[kBT + row];
+            u32at(kr_s + row * LDK + c0) = pack(kv.x * ksr * dev::ex2_ftz(x0), kv.y * ksr * dev::ex2_ftz(x1));
+          }
+        }
+      }
+      if constexpr (kAnyDecay) {
+        steep = __any_sync(0xffffffffu, steep);
+        if (steep && lane == 0) atomicOr(steep_bits, 1u << I);
       }
     };
-    if (gate_tile) gate_pass(std::true_type{});
-    else gate_pass(std::false_type{});
+    auto gate_forms = [&](auto from_tile) {
+      if constexpr (!kAnyDecay) {
+        gate_pass(from_tile, std::integral_constant<int, kBoundedGate>{});
+      } else {
+        if (!p.gate_in_kernel) gate_pass(from_tile, std::integral_constant<int, kLogDecay>{});
+        else if (p.has_lb) gate_pass(from_tile, std::integral_constant<int, kBoundedGate>{});
+        else gate_pass(from_tile, std::integral_constant<int, kSoftplusGate>{});
+      }
+    };
+    if (gate_tile) gate_forms(std::true_type{});
+    else gate_forms(std::false_type{});
     __syncthreads();  // B_b: block sums visible
   } else {
     // ---- row norms of this warp's rows (before the tiles are scaled in place)
@@ -461,13 +536,14 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
         bfirst_s[I * K + c0] = first[0], bfirst_s[I * K + c0 + 1] = first[1];
       }
       steep = __any_sync(0xffffffffu, steep);
-      if (lane == 0) steep_s[I] = steep;
+      if (steep && lane == 0) atomicOr(steep_bits, 1u << I);
       __syncthreads();  // B_b: block sums visible
     }
   }
   if constexpr (!F::kScalarGate) {
-    // ---- per-channel exponent table; without the delta rule the right operands (Kt) are taken
-    // through the last row of their block, so the pair and Kd factors are too (all <= 1)
+    // ---- per-channel exponent table; without the delta rule (and for KDA's steep channels) the
+    // right operands (Kt) are taken through the last row of their block, so the pair and Kd
+    // factors are too (all <= 1)
     // (8 warps: the pair rows by the first K threads, the others by the next K)
     if (tid < KH * K) {
       const int c = tid % K;
@@ -476,7 +552,9 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
       for (int b = 0; b < 4; ++b) {
         gb[b] = gl + bfirst_s[b * K + c];
         gl += bsum_s[b * K + c];
-        ge[b] = F::kDelta ? gb[b] : gl;
+        // the row the right operands of block b are taken through: its last (GLA; KDA's steep
+        // channels) or its first (KDA's Kr)
+        ge[b] = !F::kDelta || (kAnyDecay && kda_steep(bfirst_s[b * K + c], bsum_s[b * K + c])) ? gl : gb[b];
       }
       if (KH == 1 || tid < K)
 #pragma unroll
@@ -495,14 +573,23 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
     __syncthreads();  // B_c: Kr and the table visible
   }
 
-  // Exact A_qk of diagonal block Ib (no delta rule): sum_c q_i k_j e^{G_i - G_j} per element
-  // (j < i), the local gate recomputed from the raw one and raw q, k re-read, one k-step at a time
-  // through this warp's scratch; acc in the mma C-fragment layout.
+  // Exact A_qk of a steep diagonal block Ib into acc (the mma C-fragment layout) and, with the
+  // delta rule, its A_kk straight into M (m_s: this warp wrote the block's entries just before, so
+  // KDA calls it once its A_kk accumulators are spent): sum_c q_i k_j e^{G_i - G_j} (k_i k_j ...)
+  // per element (j < i), the local gate recomputed from the raw one and raw q, k re-read, one
+  // k-step at a time through this warp's scratch (slot: the warps that take diagonal pairs). Row
+  // scales: GLA's in RQ, RK; KDA's in NRM.
+  const float* rowq = F::kDelta ? reinterpret_cast<const float*>(smem + Ly::oNRM) : rowq_s;
+  const float* rowk = F::kDelta ? reinterpret_cast<const float*>(smem + Ly::oNRM) + kBT : rowk_s;
   auto exact_diagonal = [&](int Ib, float (&acc)[2][4]) {
-    float* xs = reinterpret_cast<float*>(smem + Ly::oXS + warp * 2048);
-    bf16* qr = reinterpret_cast<bf16*>(smem + Ly::oXS + warp * 2048 + 1024);
+    const int slot = NW == 8 ? warp - 6 : warp;
+    float* xs = reinterpret_cast<float*>(smem + Ly::oXS + slot * 2048);
+    bf16* qr = reinterpret_cast<bf16*>(smem + Ly::oXS + slot * 2048 + 1024);
     bf16* kr = qr + 256;
     const int r0 = 16 * Ib;
+    float acck[8];  // element r as acc's
+#pragma unroll
+    for (int r = 0; r < 8; ++r) acck[r] = 0.0f;
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -530,18 +617,23 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
       for (int r = 0; r < 8; ++r) {
         const int i = g + 8 * (r >> 2), j = 8 * ((r >> 1) & 1) + 2 * t + (r & 1);
         if (j >= i) continue;
-        float sum = 0.0f;
+        float sum = 0.0f, sumk = 0.0f;
 #pragma unroll 4
-        for (int c = 0; c < 16; ++c)
-          sum += __bfloat162float(qr[i * 16 + c]) * __bfloat162float(kr[j * 16 + c]) * __expf(xs[i * 16 + c] - xs[j * 16 + c]);
+        for (int c = 0; c < 16; ++c) {
+          const float e = __expf(xs[i * 16 + c] - xs[j * 16 + c]), kj = __bfloat162float(kr[j * 16 + c]);
+          sum += __bfloat162float(qr[i * 16 + c]) * kj * e;
+          if (F::kDelta) sumk += __bfloat162float(kr[i * 16 + c]) * kj * e;
+        }
         acc[(r >> 1) & 1][(r & 1) + 2 * (r >> 2)] += sum;
+        if (F::kDelta) acck[r] += sumk;
       }
       __syncwarp();
     }
 #pragma unroll
     for (int r = 0; r < 8; ++r) {
       const int i = g + 8 * (r >> 2), j = 8 * ((r >> 1) & 1) + 2 * t + (r & 1);
-      acc[(r >> 1) & 1][(r & 1) + 2 * (r >> 2)] *= rowq_s[r0 + i] * rowk_s[r0 + j];
+      acc[(r >> 1) & 1][(r & 1) + 2 * (r >> 2)] *= rowq[r0 + i] * rowk[r0 + j];
+      if (F::kDelta && j < i) m_s[(r0 + i) * MS + r0 + j] = beta_s[r0 + i] * (acck[r] * (rowk[r0 + i] * rowk[r0 + j]));
     }
   };
 
@@ -627,13 +719,15 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
       mma::mma16816(aqk[q][1], aq, b[2], b[3]);
     }
   }
-  if constexpr (!F::kDelta) {
-    // Steep diagonal blocks: the left factor e^{G_bI - G_eI} may have overflowed there, so their
-    // products are replaced by sums taken per element, each pair with its own exponent.
+  // Steep diagonal blocks: a factor of their products may have left fp32's range (GLA's left
+  // e^{G_bI - G_eI}, KDA's Kr), so they are replaced by sums taken per element, each pair with its
+  // own exponent (KDA: once M is written, below).
+  auto exact_steep_diagonals = [&] {
 #pragma unroll
     for (int q = 0; q < QP; ++q)
-      if (pi[q] >= 0 && pi[q] == pj[q] && steep_s[pi[q]]) exact_diagonal(pi[q], aqk[q]);
-  }
+      if (pi[q] >= 0 && pi[q] == pj[q] && ((*steep_bits >> pi[q]) & 1u)) exact_diagonal(pi[q], aqk[q]);
+  };
+  if constexpr (!F::kDelta) exact_steep_diagonals();
   __syncthreads();  // B_c2: every warp done with the k el tile (it becomes Kd next)
   if constexpr (F::kScalarGate) {
     // This warp's rows, 16 bytes at a time: F = diag(ks e^{G_last - G_i}) k in place (Kt's right
@@ -712,6 +806,7 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
       m_s[gi * MS + gj] = gj < gi ? b * akk[q][nt][2 * hh] : (gj == gi ? 1.0f : 0.0f);
       m_s[gi * MS + gj + 1] = gj + 1 < gi ? b * akk[q][nt][2 * hh + 1] : (gj + 1 == gi ? 1.0f : 0.0f);
     });
+    if constexpr (kAnyDecay) exact_steep_diagonals();
   } else if constexpr (!F::kDelta) {
     bf16* aqo = reinterpret_cast<bf16*>(blk + Wk::oA);
     each_pair([&](int q, int nt, int hh, int gi, int gj) {

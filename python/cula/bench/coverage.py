@@ -1,0 +1,164 @@
+"""``cula bench coverage``: the configurations real models run, each side by side in one process with
+FLA's Triton kernel called with the same arguments as cula's drop-in (FLA_FLASH_KDA=0), and torch
+SDPA (causal softmax attention, the baseline). A drop-in promises never to be slower than FLA on a
+configuration FLA runs; this grid is that promise's check, so it holds the model configurations
+(not only the ones that suit cula), including those that still leave the tensor-core kernels.
+
+Rows: Kimi-Linear KDA (FLA's KimiDeltaAttention gate: -e^{A_log} softplus(g + dt_bias) with no lower
+bound, A_log = log U(1, 16) and dt_bias at the layer's initialisation, q/k L2 norm and beta sigmoid in
+kernel), dense, with grouped value heads, and varlen; KDA with lower bound -5 (safe gate); KDA at
+K = V = 64; Qwen3-Next GDN (16 q/k heads, 32 value heads, K = V = 128); GDN with V = 2K = 256
+(a GatedDeltaNet layer with head_dim 128 and FLA's expand_v = 2); FLA's default GatedDeltaNet layer
+(head_dim 256, expand_v 2: K = 256, V = 512, 6 heads); fp16 inputs. bf16 unless the row says fp16.
+Timing as ``cula bench kda``: single synchronized calls, then queued calls (the GPU's time per call).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import time
+
+from .common import (PEERS_AND_BASELINE_METHOD, QUEUED_METHOD, REPS, causal_sdpa, time_peers_and_baseline,
+                     write_report)
+from .decode import _version, cuda_device
+from .. import _lib
+from ..cli.demo import Progress
+
+VARLEN = [1300, 547, 2048, 963, 271, 3063]
+# (name, family, B, T, H, HV, K, V, seqlens, dtype, gate): gate "softplus" (Kimi-Linear), "bounded"
+# (lower bound -5) for KDA; GDN's gate is always the log-sigmoid of a random projection
+CONFIGS = [
+    ("Kimi-Linear KDA 1x8192 H32", "kda", 1, 8192, 32, 32, 128, 128, None, "bfloat16", "softplus"),
+    ("Kimi-Linear KDA GVA 1x8192 H16/HV32", "kda", 1, 8192, 16, 32, 128, 128, None, "bfloat16", "softplus"),
+    ("Kimi-Linear KDA 2x4096 H32", "kda", 2, 4096, 32, 32, 128, 128, None, "bfloat16", "softplus"),
+    ("Kimi-Linear KDA varlen6 H32", "kda", 1, None, 32, 32, 128, 128, VARLEN, "bfloat16", "softplus"),
+    ("KDA lower bound -5 1x8192 H32", "kda", 1, 8192, 32, 32, 128, 128, None, "bfloat16", "bounded"),
+    ("KDA K=V=64 1x8192 H32", "kda", 1, 8192, 32, 32, 64, 64, None, "bfloat16", "softplus"),
+    ("KDA fp16 1x8192 H32", "kda", 1, 8192, 32, 32, 128, 128, None, "float16", "softplus"),
+    ("Qwen3-Next GDN 1x8192 H16/HV32", "gdn", 1, 8192, 16, 32, 128, 128, None, "bfloat16", None),
+    ("Qwen3-Next GDN varlen6 H16/HV32", "gdn", 1, None, 16, 32, 128, 128, VARLEN, "bfloat16", None),
+    ("GDN K=128 V=256 1x8192 H16", "gdn", 1, 8192, 16, 16, 128, 256, None, "bfloat16", None),
+    ("GDN K=128 V=256 2x4096 H16", "gdn", 2, 4096, 16, 16, 128, 256, None, "bfloat16", None),
+    ("FLA-default GDN K=256 V=512 1x8192 H6", "gdn", 1, 8192, 6, 6, 256, 512, None, "bfloat16", None),
+    ("GDN fp16 1x8192 H16/HV32", "gdn", 1, 8192, 16, 32, 128, 128, None, "float16", None),
+]
+
+
+def _fns(family):
+    if family == "kda":
+        from fla.ops.kda import chunk_kda as fla_fn
+
+        from ..kda import chunk_kda as cula_fn
+    else:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_fn
+
+        from ..gated_delta_rule import chunk_gated_delta_rule as cula_fn
+    return cula_fn, fla_fn
+
+
+def _inputs(torch, family, B, T, H, HV, K, V, dtype, dev):
+    import torch.nn.functional as F
+
+    dt = getattr(torch, dtype)
+    x = dict(q=torch.randn(B, T, H, K, device=dev, dtype=dt), k=torch.randn(B, T, H, K, device=dev, dtype=dt),
+             v=torch.randn(B, T, HV, V, device=dev, dtype=dt))
+    if family == "kda":
+        x["g"] = torch.randn(B, T, HV, K, device=dev, dtype=dt)
+        x["beta"] = torch.randn(B, T, HV, device=dev, dtype=dt)
+    else:
+        x["g"] = F.logsigmoid(torch.randn(B, T, HV, device=dev))
+        x["beta"] = torch.rand(B, T, HV, device=dev, dtype=dt)
+    return x
+
+
+def _kda_gate(torch, gate, HV, K, dev):
+    """The gate arguments: KimiDeltaAttention's initialisation (A_log = log U(1, 16), dt_bias the
+    inverse softplus of dt = e^{U(log 1e-3, log 0.1)}) with no lower bound, or its safe gate (A_log 0,
+    lower bound -5)."""
+    dt = torch.exp(torch.rand(HV * K, device=dev) * (math.log(0.1) - math.log(0.001)) + math.log(0.001)).clamp(min=1e-4)
+    dt_bias = dt + torch.log(-torch.expm1(-dt))
+    kw = dict(use_gate_in_kernel=True, dt_bias=dt_bias, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    if gate == "bounded":
+        return dict(kw, A_log=torch.zeros(HV, device=dev), safe_gate=True, lower_bound=-5.0)
+    return dict(kw, A_log=torch.log(torch.empty(HV, device=dev).uniform_(1, 16)))
+
+
+def bench_coverage(out_dir: str, gpu_name: str | None = None, configs=None) -> int:
+    os.environ["FLA_FLASH_KDA"] = "0"
+    import torch
+
+    from .. import ops
+
+    dev, props, bw = cuda_device(torch)
+    configs = configs or CONFIGS
+    op = "fwd_coverage"
+    title = "Model configurations, chunked forward: cula's drop-ins against FLA Triton"
+    meta = dict(gpu=gpu_name or props.name, copy_gb_per_s=round(bw, 1), torch=torch.__version__,
+                fla=_version("fla-core"), date=time.strftime("%Y-%m-%d"), binding=_lib.binding(),
+                method=PEERS_AND_BASELINE_METHOD + "; cula's FLA drop-in and FLA called with the same arguments, "
+                "under torch.inference_mode", queued_method=QUEUED_METHOD)
+    records, rows, queued_rows = [], [], []
+    prog = Progress(len(configs), "bench coverage")
+    for name, family, B, T, H, HV, K, V, seqlens, dtype, gate in configs:
+        if seqlens:
+            T = sum(seqlens)
+        cula_fn, fla_fn = _fns(family)
+        sets = [_inputs(torch, family, B, T, H, HV, K, V, dtype, dev) for _ in range(2)]
+        cu = torch.tensor([0] + list(itertools.accumulate(seqlens)), device=dev, dtype=torch.int32) if seqlens else None
+        kw = dict(scale=K ** -0.5, cu_seqlens=cu)
+        kw.update(_kda_gate(torch, gate, HV, K, dev) if family == "kda" else dict(use_qk_l2norm_in_kernel=True))
+
+        def call(fn, i, s=sets, kw=kw):
+            x = s[i % 2]
+            return fn(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
+
+        def run_sdpa(i, s=sets):
+            causal_sdpa({n: s[i % 2][n] for n in "qkv"} if H == HV and K == V else
+                        {"q": s[i % 2]["v"], "k": s[i % 2]["v"], "v": s[i % 2]["v"]}, seqlens)
+
+        config = dict(name=name, family=family, B=B, T=T, H=H, HV=HV, K=K, V=V, seqlens=seqlens, dtype=dtype,
+                      gate=gate)
+        impls = [("cula", lambda i: call(cula_fn, i))]
+        check, fla_error = {}, None
+        with torch.inference_mode():
+            try:  # a configuration FLA refuses is recorded as its refusal
+                call(fla_fn, 0)
+                impls.append(("fla_triton", lambda i: call(fla_fn, i)))
+            except Exception as e:
+                fla_error = f"{type(e).__name__}: {e}"[:300]
+            res = time_peers_and_baseline(torch, impls, ("torch_sdpa", run_sdpa))
+            resq = time_peers_and_baseline(torch, impls, ("torch_sdpa", run_sdpa), queued=True)
+            for impl in res:
+                records.append(dict(op=op, config=config, impl=impl, median_ms=round(res[impl], 4),
+                                    median_ms_queued=round(resq[impl], 4), reps=REPS))
+            o_cula = call(cula_fn, 0)[0]
+            kernel = ops.last_kernel()
+            if fla_error is None:
+                o_fla = call(fla_fn, 0)[0]
+                torch.cuda.synchronize()
+                a, b = o_cula.float(), o_fla.float()
+                check["rel_vs_fla"] = float((a - b).norm() / b.norm())
+        if fla_error:
+            records.append(dict(op=op, config=config, impl="fla_triton", refused=fla_error))
+        isz = 2 if dtype != "float32" else 4
+        gate_bytes = isz * K + isz if family == "kda" else 4 + isz
+        nbytes = B * T * (H * 2 * K * isz + HV * (V * isz * 2 + gate_bytes))
+        floor = nbytes / (bw * 1e9) * 1e3
+        records.append(dict(op=op, config=config, impl="floor", median_ms=round(floor, 4),
+                            note="q, k, v, gate and beta read, o written, at the copy bandwidth"))
+        for peer in ("fla_triton", "torch_sdpa"):
+            if peer in res:
+                records.append(dict(op=op, config=config, impl=f"ratio_{peer}_over_cula",
+                                    ratio=round(res[peer] / res["cula"], 3), ratio_queued=round(resq[peer] / resq["cula"], 3)))
+        records.append(dict(op=op, config=config, impl="cula_kernel", name=kernel, **check))
+        rows.append((name, res, floor, kernel, check))
+        queued_rows.append((name, resq, floor, kernel, {}))
+        prog.step(f"{name}: cula {res['cula']:.3f} ms (queued {resq['cula']:.3f}) on {kernel}")
+        del sets
+        torch.cuda.empty_cache()
+        write_report(out_dir, op, title, meta, rows, records, ["fla_triton", "torch_sdpa"], quiet=True,
+                     queued_rows=queued_rows)  # a run cut short keeps what it measured
+    write_report(out_dir, op, title, meta, rows, records, ["fla_triton", "torch_sdpa"], queued_rows=queued_rows)
+    return 0
