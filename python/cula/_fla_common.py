@@ -30,6 +30,36 @@ def offsets_for(q, cu_seqlens, cu_seqlens_cpu):
     return cu_seqlens if is_torch(q) and q.is_cuda else cu_seqlens_cpu
 
 
+def gate_param(x):
+    """A_log / dt_bias as the kernels take them, flat: FLA accepts any shape holding HV (A_log) or HV
+    or HV * K (dt_bias) values ([1, 1, HV, 1], [HV, K], ...); a contiguous tensor is reshaped in place
+    (no copy), another copied once. The count is checked by the op."""
+    if x is None or not is_torch(x):
+        return x if x is None else np.ascontiguousarray(x).reshape(-1)
+    return x.contiguous().reshape(-1)
+
+
+# FLA's chunk_size rules per drop-in: the accepted values, and its ValueError's message
+_CHUNK_SIZES = {
+    "chunk_kda": ((32, 64), "`chunk_size` must be either 32 or 64 for KDA, got {}."),
+    "chunk_gated_delta_rule": ((16, 32, 64), "`chunk_size` must be 16, 32, or 64 for Gated Delta Rule, got {}."),
+}
+
+
+def fla_chunk_size(fn_name: str, chunk_size, return_intermediate_states: bool = False) -> int:
+    """The chunk length a drop-in passes on, after FLA's check of its ``chunk_size`` keyword (the same
+    ValueError for the values FLA refuses: 32 or 64 for KDA, 16, 32 or 64 for GDN, a power of 2 for
+    simple GLA and Lightning). The function computed does not depend on it, so every accepted value
+    runs the engines' 64-token chunks; only the intermediate states (one per chunk) follow it."""
+    if fn_name in _CHUNK_SIZES:
+        allowed, msg = _CHUNK_SIZES[fn_name]
+        if chunk_size not in allowed:
+            raise ValueError(msg.format(chunk_size))
+    elif chunk_size is not None and chunk_size != 2 ** (chunk_size.bit_length() - 1):
+        raise ValueError(f"`chunk_size` must be a power of 2, got {chunk_size}.")
+    return int(chunk_size) if return_intermediate_states and chunk_size is not None else 64
+
+
 def contiguous(x):
     """x itself when contiguous (or not a torch tensor), else a contiguous copy: FLA's input_guard,
     for the arguments cula's CUDA kernels read without strides (parameters, decode inputs)."""
@@ -69,7 +99,7 @@ def recurrent_dropin(fn_name, family, q, k, v, g, beta, *, A_log, dt_bias, scale
     layout = "k_last" if state_v_first else "k_first"
     common = dict(scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
                   use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-                  lower_bound=lower_bound, A_log=contiguous(A_log), dt_bias=contiguous(dt_bias), state_layout=layout)
+                  lower_bound=lower_bound, A_log=gate_param(A_log), dt_bias=gate_param(dt_bias), state_layout=layout)
     if inplace or idx is not None:
         if initial_state is None:
             raise ValueError(f"{fn_name}: in-place state updates need initial_state (the state pool)")

@@ -223,6 +223,8 @@ def options(family, *, scale=None, l2norm=False, gate_in_kernel=False, safe_gate
         raise CulaError(f"argument 'backend': expected one of {sorted(BACKENDS)}, got {backend!r}")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise CulaError(f"argument 'scale': expected a float or None, got {type(scale).__name__}")
+    if scale is not None and math.isnan(scale):  # (NaN is the C ABI's "None": K^-0.5)
+        raise CulaError("argument 'scale': expected a finite number (or None for K^-0.5), got nan")
     if lower_bound is not None and (isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float))):
         raise CulaError(f"argument 'lower_bound': expected a float or None, got {type(lower_bound).__name__}")
     # In the field order of Options (OPTIONS_PACK); stream: a cudaStream_t as an int, 0 for none.

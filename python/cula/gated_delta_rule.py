@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ._fla_common import contiguous, offsets_for, per_token_head, recurrent_dropin, resolve_state_layout, unsupported
+from ._fla_common import fla_chunk_size, gate_param, offsets_for, per_token_head, recurrent_dropin, resolve_state_layout, unsupported
 from ._front import chunk, reject_unknown
 
 __all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"]
@@ -16,7 +16,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     """FLA ``chunk_gated_delta_rule``: scalar log-gate g [B, T, HV], beta [B, T, HV]; like FLA it also
     takes ``use_gate_in_kernel`` with ``A_log`` [HV] and ``dt_bias`` [HV] through its keywords (g raw)."""
     state_v_first = resolve_state_layout("chunk_gated_delta_rule", state_v_first, kwargs)
-    chunk_size = kwargs.pop("chunk_size", 64)
+    chunk_size = fla_chunk_size("chunk_gated_delta_rule", kwargs.pop("chunk_size", 64))
     use_gate_in_kernel = kwargs.pop("use_gate_in_kernel", False)
     A_log, dt_bias = kwargs.pop("A_log", None), kwargs.pop("dt_bias", None)
     reject_unknown("chunk_gated_delta_rule", kwargs)
@@ -27,7 +27,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                  use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
                  chunk_size=chunk_size, cu_seqlens=offsets_for(q, cu_seqlens, cu_seqlens_cpu),
                  state_layout="k_last" if state_v_first else "k_first", use_gate_in_kernel=use_gate_in_kernel,
-                 A_log=contiguous(A_log), dt_bias=contiguous(dt_bias))
+                 A_log=gate_param(A_log), dt_bias=gate_param(dt_bias))
 
 
 def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None, initial_state=None,

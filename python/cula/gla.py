@@ -12,8 +12,7 @@ def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=Fal
               cu_seqlens=None, cu_seqlens_cpu=None, **kwargs):
     """FLA ``chunk_gla``: per-channel log-gate g [B, T, H, K]."""
     state_v_first = resolve_state_layout("chunk_gla", state_v_first, kwargs)
-    chunk_size = kwargs.pop("chunk_size", 64)
-    reject_unknown("chunk_gla", kwargs)
+    reject_unknown("chunk_gla", kwargs)  # (FLA's chunk_gla takes no chunk_size either)
     return chunk("gla", q, k, v, g, initial_state=initial_state, scale=scale, output_final_state=output_final_state,
-                 chunk_size=chunk_size, cu_seqlens=offsets_for(q, cu_seqlens, cu_seqlens_cpu),
+                 cu_seqlens=offsets_for(q, cu_seqlens, cu_seqlens_cpu),
                  state_layout="k_last" if state_v_first else "k_first")

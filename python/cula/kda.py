@@ -5,7 +5,7 @@ the same names. Arguments cula cannot honour raise an error instead of being ign
 
 from __future__ import annotations
 
-from ._fla_common import contiguous, offsets_for, recurrent_dropin, resolve_state_layout, unsupported
+from ._fla_common import fla_chunk_size, gate_param, offsets_for, recurrent_dropin, resolve_state_layout, unsupported
 from ._front import chunk, reject_unknown
 
 __all__ = ["chunk_kda", "fused_recurrent_kda"]
@@ -20,11 +20,11 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     ``A_log``, ``dt_bias`` and ``chunk_size`` come as keyword arguments, as in FLA."""
     state_v_first = resolve_state_layout("chunk_kda", state_v_first, kwargs)
     A_log, dt_bias = kwargs.pop("A_log", None), kwargs.pop("dt_bias", None)
-    chunk_size = kwargs.pop("chunk_size", 64)
+    chunk_size = fla_chunk_size("chunk_kda", kwargs.pop("chunk_size", 64), return_intermediate_states)
     reject_unknown("chunk_kda", kwargs)
     unsupported("chunk_kda", cp_context=cp_context, use_graph=use_graph, max_num_seqs=max_num_seqs)
     del disable_recompute  # a memory/recompute trade-off of FLA's backward: no effect on results here
-    return chunk("kda", q, k, v, g, beta, A_log=contiguous(A_log), dt_bias=contiguous(dt_bias),
+    return chunk("kda", q, k, v, g, beta, A_log=gate_param(A_log), dt_bias=gate_param(dt_bias),
                  initial_state=initial_state, scale=scale, output_final_state=output_final_state,
                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
                  use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,

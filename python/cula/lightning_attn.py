@@ -7,6 +7,7 @@ import functools
 
 import numpy as np
 
+from ._fla_common import fla_chunk_size
 from ._front import chunk, compiling, reject_unknown
 from ._tensor import is_torch
 
@@ -45,7 +46,7 @@ def chunk_lightning_attn(q, k, v, layer_idx, num_layers, scale=None, initial_sta
     """FLA ``chunk_lightning_attn``: K-first states [N, H, K, V]."""
     if "head_first" in kwargs:
         raise DeprecationWarning("head_first has been removed. Inputs must be in `[B, T, H, ...]` format.")
-    chunk_size = kwargs.pop("chunk_size", None) or 64
+    chunk_size = fla_chunk_size("chunk_lightning_attn", kwargs.pop("chunk_size", None))
     reject_unknown("chunk_lightning_attn", kwargs)
     decay = lightning_decay(q.shape[2], layer_idx, num_layers, like=q)
     return chunk("lightning", q, k, v, decay=decay, initial_state=initial_state, scale=scale,

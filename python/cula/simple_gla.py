@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._fla_common import offsets_for, resolve_state_layout
+from ._fla_common import fla_chunk_size, offsets_for, resolve_state_layout
 from ._front import chunk, reject_unknown
 from ._tensor import is_torch
 
@@ -14,7 +14,7 @@ def chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=No
     """FLA ``chunk_simple_gla``: a scalar log-gate g [B, T, H], or a constant per-head g_gamma [H]
     (then it is Lightning attention with decay = -g_gamma)."""
     state_v_first = resolve_state_layout("chunk_simple_gla", state_v_first, kwargs)
-    chunk_size = kwargs.pop("chunk_size", None) or 64
+    chunk_size = fla_chunk_size("chunk_simple_gla", kwargs.pop("chunk_size", None))
     reject_unknown("chunk_simple_gla", kwargs)
     if (g is None) == (g_gamma is None):
         raise ValueError("chunk_simple_gla: exactly one of 'g' and 'g_gamma' must be given")

@@ -1,0 +1,96 @@
+"""The FLA drop-ins take and refuse FLA's arguments as FLA 0.6.0 does: chunk_size per op (FLA's
+exception type and message), A_log / dt_bias in any shape holding their values, T = 0, a NaN scale. Host arrays run everywhere; the CUDA cases skip without a
+device."""
+
+import numpy as np
+import pytest
+from conftest import rel
+
+import cula
+import cula.gated_delta_rule
+import cula.gla
+import cula.kda
+import cula.lightning_attn
+import cula.simple_gla
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+HAS_CUDA = torch.cuda.is_available() and cula._lib.LIB.cula_cuda_device_count() > 0
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device"))]
+
+
+def _kda_inputs(rng, device, B=1, T=40, H=2, K=64, V=64, dtype=None):
+    t = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32)).to(device)  # noqa: E731
+    dt = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
+    return (t(B, T, H, K).to(dt), (t(B, T, H, K) * K ** -0.5).to(dt), t(B, T, H, V).to(dt), t(B, T, H, K),
+            torch.rand(B, T, H, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_chunk_size_accepted_and_refused_as_fla(rng, device):
+    q, k, v, g, beta = _kda_inputs(rng, device)
+    base = cula.kda.chunk_kda(q, k, v, -g.abs(), beta)[0]
+    same = cula.kda.chunk_kda(q, k, v, -g.abs(), beta, chunk_size=32)[0]
+    assert torch.equal(base, same), "KDA's chunk_size=32 computes the same function (cula runs 64-token chunks)"
+    with pytest.raises(ValueError, match=r"^`chunk_size` must be either 32 or 64 for KDA, got 16\.$"):
+        cula.kda.chunk_kda(q, k, v, -g.abs(), beta, chunk_size=16)
+    gs = -g[..., 0].abs()
+    for cs in (16, 32, 64):
+        cula.gated_delta_rule.chunk_gated_delta_rule(q, k, v, gs, beta, chunk_size=cs)
+    with pytest.raises(ValueError, match=r"^`chunk_size` must be 16, 32, or 64 for Gated Delta Rule, got 128\.$"):
+        cula.gated_delta_rule.chunk_gated_delta_rule(q, k, v, gs, beta, chunk_size=128)
+    cula.simple_gla.chunk_simple_gla(q, k, v, gs, chunk_size=128)
+    with pytest.raises(ValueError, match=r"^`chunk_size` must be a power of 2, got 48\.$"):
+        cula.simple_gla.chunk_simple_gla(q, k, v, gs, chunk_size=48)
+    with pytest.raises(ValueError, match=r"^`chunk_size` must be a power of 2, got 48\.$"):
+        cula.lightning_attn.chunk_lightning_attn(q, k, v, 1, 4, chunk_size=48)
+    with pytest.raises(TypeError, match="chunk_size"):  # FLA's chunk_gla takes no chunk_size at all
+        cula.gla.chunk_gla(q, k, v, -g.abs(), chunk_size=64)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kda_chunk_size_32_intermediate_states_follow_it(rng, device):
+    """Intermediate states are one per chunk: with chunk_size=32 they are FLA's 32-token ones."""
+    q, k, v, g, beta = _kda_inputs(rng, device, T=70)
+    o, _, inter = cula.kda.chunk_kda(q, k, v, -g.abs(), beta, chunk_size=32, return_intermediate_states=True)
+    assert inter.shape[1] == 3, inter.shape
+    _, _, inter64 = cula.kda.chunk_kda(q, k, v, -g.abs(), beta, return_intermediate_states=True)
+    assert inter64.shape[1] == 2
+    # state before chunk 2 of 32 tokens (64 tokens in) = state before chunk 1 of 64 tokens
+    assert rel(inter[:, 2].float().cpu().numpy(), inter64[:, 1].float().cpu().numpy()) < 1e-2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gate_parameters_in_any_shape_holding_their_values(rng, device):
+    q, k, v, g, beta = _kda_inputs(rng, device)
+    H, K = q.shape[2], q.shape[3]
+    A_log = torch.rand(H, device=device)
+    dt_bias = torch.randn(H * K, device=device) * 0.1
+    kw = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True)
+    flat = cula.kda.chunk_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, **kw)[0]
+    shaped = cula.kda.chunk_kda(q, k, v, g, beta, A_log=A_log.view(1, 1, H, 1), dt_bias=dt_bias.view(H, K), **kw)[0]
+    assert torch.equal(flat, shaped)
+    gs = g[..., 0]
+    gflat = cula.gated_delta_rule.chunk_gated_delta_rule(q, k, v, gs, beta, use_gate_in_kernel=True, A_log=A_log,
+                                                         dt_bias=dt_bias[:H])[0]
+    gshaped = cula.gated_delta_rule.chunk_gated_delta_rule(q, k, v, gs, beta, use_gate_in_kernel=True,
+                                                           A_log=A_log.view(1, H), dt_bias=dt_bias[:H].view(H, 1))[0]
+    assert torch.equal(gflat, gshaped)
+    with pytest.raises(cula.CulaError, match="A_log"):  # a count that is not HV still fails, naming it
+        cula.kda.chunk_kda(q, k, v, g, beta, A_log=torch.rand(H + 1, device=device), **kw)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_sequence_returns_empty_outputs(rng, device):
+    """T = 0: an empty o, and the final state is the initial one (zeros without one)."""
+    q, k, v, g, beta = _kda_inputs(rng, device, T=0)
+    h0 = torch.randn(1, 2, 64, 64, device=device)
+    o, s = cula.kda.chunk_kda(q, k, v, -g.abs(), beta, initial_state=h0, output_final_state=True)
+    assert o.shape == (1, 0, 2, 64) and torch.equal(s, h0)
+    o, s = cula.gated_delta_rule.chunk_gated_delta_rule(q, k, v, -g[..., 0].abs(), beta, output_final_state=True)
+    assert o.shape == (1, 0, 2, 64) and s.shape == (1, 2, 64, 64) and not s.abs().any()
+
+
+def test_nan_scale_is_refused(rng):
+    q, k, v, g, beta = _kda_inputs(rng, "cpu")
+    with pytest.raises(cula.CulaError, match=r"argument 'scale': expected a finite number.*got nan"):
+        cula.kda.chunk_kda(q, k, v, -g.abs(), beta, scale=float("nan"))
