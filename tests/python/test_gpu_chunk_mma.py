@@ -34,6 +34,8 @@ def _draw(rng, family="kda"):
         gdt=rng.choice([torch.float32, torch.bfloat16]), l2=bool(rng.random() < 0.8), bsig=bool(rng.random() < 0.7),
         lb=float(rng.choice([-5.0, -2.0, -0.5, -10.0])), h0=bool(rng.random() < 0.7),
         kgate=str(rng.choice(["bounded", "softplus", "log_decay"])),
+        # input dtype: fp16 on the prep + scan engine (KDA, GDN, GLA), bf16 everywhere
+        idt=rng.choice([torch.bfloat16, torch.float16]) if family in ("kda", "gdn", "gla") else torch.bfloat16,
         inter=(not varlen) and bool(rng.random() < 0.4),
     )
 
@@ -73,7 +75,8 @@ def _inputs(rng, c):
         B, T, N = c["B"], c["T"], c["B"]
     t = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32))  # noqa: E731
     kscale = 1.0 if c["l2"] else K ** -0.5  # keep the delta rule contractive without normalisation
-    d = dict(q=t(B, T, H, K).bfloat16(), k=(t(B, T, H, K) * kscale).bfloat16(), v=t(B, T, HV, V).bfloat16(),
+    idt = c.get("idt", torch.bfloat16)
+    d = dict(q=t(B, T, H, K).to(idt), k=(t(B, T, H, K) * kscale).to(idt), v=t(B, T, HV, V).to(idt),
              g=t(B, T, HV, K).to(c["gdt"]),
              beta=t(B, T, HV) if c["bsig"] else torch.from_numpy(rng.uniform(0.05, 1.0, (B, T, HV)).astype(np.float32)),
              A_log=torch.from_numpy(rng.uniform(-1, 0.5, HV).astype(np.float32)), dt_bias=t(HV * K) * 0.5)
@@ -116,7 +119,7 @@ def _check(rng, c):
     ref = cula.chunk_fwd(fam, **{n: (x.float() if n in "qkv" else x) for n, x in d.items()}, cu_seqlens=cu,
                          backend="reference", **kw)
     dev = {n: x.cuda() for n, x in d.items()}
-    out = torch.full(d["v"].shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = torch.full(d["v"].shape, float("nan"), dtype=d["v"].dtype, device="cuda")
     final = torch.full(ref[1].shape, float("nan"), dtype=c["sdt"] if not c["h0"] else d["initial_state"].dtype,
                        device="cuda")
     inter = None
@@ -157,6 +160,18 @@ def test_mma_forward_gdn_single_token_within_tolerance():
 def test_mma_forward_head_sizes_with_varlen_and_gva(rng, family, K, V):
     _check(rng, dict(family=family, gin=True, K=K, V=V, H=2, group=2, seqlens=[65, 0, 1, 200, 64], B=1, T=0, layout="k_last",
                      sdt=torch.float32, gdt=torch.bfloat16, l2=True, bsig=True, lb=-5.0, h0=True, inter=False))
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("kgate", ["bounded", "softplus"])
+@pytest.mark.parametrize("family", ["kda", "gdn", "gla"])
+def test_mma_forward_fp16_inputs(rng, family, kgate):
+    """fp16 q, k, v and gate (and an fp16 output) on the tensor-core engine: converted to bf16 where
+    the tiles land, written back as fp16; varlen, GVA, dense with intermediate states, both layouts."""
+    base = dict(family=family, gin=True, K=128, V=128, H=2, group=2, l2=True, bsig=True, lb=-5.0, h0=True,
+                idt=torch.float16, gdt=torch.float16, sdt=torch.float32, kgate=kgate)
+    _check(rng, dict(base, seqlens=[65, 0, 1, 200, 64], B=1, T=0, layout="k_last", inter=False))
+    _check(rng, dict(base, seqlens=None, B=2, T=257, layout="k_first", inter=True))
 
 
 @pytest.mark.sanitize

@@ -32,13 +32,14 @@ const char* chunk_fwd_mma_declines(const Recurrence& r, const cula_chunk_fwd_arg
   if (!r.tr.delta && r.tr.gate != GateKind::PerChannel) return "scalar or constant decay without the delta rule (chunk_fused)";
   if (r.tr.gate == GateKind::PerChannel) {
     // Any decay: factors <= 1 off the diagonal, steep diagonal blocks taken per element (DESIGN.md)
-    if (a.g->dtype != CULA_BFLOAT16 && a.g->dtype != CULA_FLOAT32) return "g is neither bfloat16 nor float32";
+    if (a.g->dtype != CULA_BFLOAT16 && a.g->dtype != CULA_FLOAT16 && a.g->dtype != CULA_FLOAT32)
+      return "g is not bfloat16, float16 or float32";
     if (!chunk::aligned16(a.g)) return "g is not 16-byte aligned";
   }
   // Scalar and constant gates: the exponent is taken per pair (any decay); g is read per element.
   if (!head_size_supported(r.K)) return "key head size K other than 64 and 128";
   if (!value_size_supported(r.V)) return "value head size V not a multiple of 64";
-  if (const char* why = chunk::tensor_core_declines(a)) return why;
+  if (const char* why = chunk::tensor_core_declines(a, /*half=*/true)) return why;
   // The scan's two stages must fit (at K = 128 the 32-column scans do on an A100, 163 KB per block)
   if (scan_bytes(r, 32) > cuda_smem_per_block(a.q->device_id)) return "the scan's shared memory exceeds the device's";
   return nullptr;

@@ -206,7 +206,7 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
     if (!F::kScalarGate && row < Lc) {
       const int64_t off = b_row * p.g_s[0] + (t0 + row) * p.g_s[1] + hv * p.g_s[2] + col;
       v = p.g_dt == CULA_FLOAT32 ? *reinterpret_cast<const float2*>(static_cast<const float*>(p.g) + off)
-                                 : bf2(static_cast<const bf16*>(p.g) + off);
+                                 : ld2(static_cast<const bf16*>(p.g) + off, p.g_dt == CULA_FLOAT16);
     }
     return v;
   };
@@ -246,10 +246,26 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
         x -= first[cs][hc], y -= first[cs][hc];
       }
   };
+  const bool half_in = p.q_dt == CULA_FLOAT16;  // fp16 q, k (and v): bf16 tiles from here on
 #if CULA_BULK_COPY
   mbar::wait(tiles_in, 0);
+  if (half_in)  // every thread sees the landed tiles
+    for (int idx = tid; idx < 2 * kBT * (K / 8); idx += NT) {
+      const int r = (idx / (K / 8)) % kBT, c8 = (idx % (K / 8)) * 8;
+      if (r < Lc) half8_to_bf16_at((idx < kBT * (K / 8) ? q_s : k_s) + r * LDK + c8);
+    }
 #else
   mma::cp_async_wait_all();
+  if (half_in) {  // this thread's own copies
+    using CopyK = chunk::TileCopy<kBT, K, NT>;
+    const CopyK ck(tid);
+#pragma unroll
+    for (int j = 0; j < CopyK::J; ++j)
+      if (ck.row(j) < Lc) {
+        half8_to_bf16_at(q_s + ck.row(j) * LDK + ck.c8);
+        half8_to_bf16_at(k_s + ck.row(j) * LDK + ck.c8);
+      }
+  }
 #endif
   if (p.gate_in_kernel && p.A_log) eA = __expf(dev::from_bits(alog_bits, p.A_log_dt));
   if (tid < kBT) {
@@ -405,7 +421,7 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
               float u0, u1;
               const float y0 = decay_begin(v.x, nb0, u0), y1 = decay_begin(v.y, nb1, u1);
               r[0] += decay_end(y0, u0), r[1] += decay_end(y1, u1);
-              kv = bf2(static_cast<const bf16*>(p.k) + b_row * p.k_s[0] + (t0 + row) * p.k_s[1] + h * p.k_s[2] + c0);
+              kv = ld2(static_cast<const bf16*>(p.k) + b_row * p.k_s[0] + (t0 + row) * p.k_s[1] + h * p.k_s[2] + c0, half_in);
             }
             const float x0 = steep0 ? run0 - r[0] : first0 - r[0], x1 = steep1 ? run1 - r[1] : first1 - r[1];
             const float ksr = rs_s[kBT + row];
@@ -506,7 +522,7 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
           if (bI + i < Lc) {
             const int64_t off = b_row * p.g_s[0] + (t0 + bI + i) * p.g_s[1] + hv * p.g_s[2] + c0;
             v = p.g_dt == CULA_FLOAT32 ? *reinterpret_cast<const float2*>(static_cast<const float*>(p.g) + off)
-                                       : bf2(static_cast<const bf16*>(p.g) + off);
+                                       : ld2(static_cast<const bf16*>(p.g) + off, p.g_dt == CULA_FLOAT16);
           }
           x[2 * i] = v.x + bias_s[c0], x[2 * i + 1] = v.y + bias_s[c0 + 1];
         }
@@ -609,8 +625,8 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
           qv = *reinterpret_cast<const uint4*>(static_cast<const bf16*>(p.q) + b_row * p.q_s[0] + tok * p.q_s[1] + h * p.q_s[2] + 16 * kk + c8);
           kv = *reinterpret_cast<const uint4*>(static_cast<const bf16*>(p.k) + b_row * p.k_s[0] + tok * p.k_s[1] + h * p.k_s[2] + 16 * kk + c8);
         }
-        *reinterpret_cast<uint4*>(qr + row * 16 + c8) = qv;
-        *reinterpret_cast<uint4*>(kr + row * 16 + c8) = kv;
+        *reinterpret_cast<uint4*>(qr + row * 16 + c8) = half_in ? half8_to_bf16(qv) : qv;
+        *reinterpret_cast<uint4*>(kr + row * 16 + c8) = half_in ? half8_to_bf16(kv) : kv;
       }
       __syncwarp();
 #pragma unroll

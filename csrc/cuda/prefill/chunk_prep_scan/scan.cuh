@@ -130,7 +130,8 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
   stage_in(0, 0);
   stage_in(1, 1);
   if (F::kDelta) state_to_smem();
-  bf16* og = static_cast<bf16*>(p.out);
+  bf16* og = static_cast<bf16*>(p.out);  // (fp16 when the inputs are: pack_out)
+  const bool half_in = p.v_dt == CULA_FLOAT16;
   for (int c = 0; c < nchunks; ++c) {
     const int st = c & 1;
     const unsigned char* base = smem + st * Ly::stage;
@@ -150,6 +151,19 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
     if (!F::kDelta) state_to_smem();
     if (p.inter) S.store(p, p.inter, p.inter_dt, cbase + c, hv);
     mma::cp_async_wait_pending(1);
+    if (half_in) {  // fp16 inputs: this thread's own copies of the stage to bf16 in place
+#pragma unroll
+      for (int j = 0; j < CopyV::J; ++j)
+        if (cv.row(j) < Lc) half8_to_bf16_at(vin_s + cv.row(j) * LDV + cv.c8);
+      if constexpr (F::kRawQK) {
+#pragma unroll
+        for (int j = 0; j < CopyK::J; ++j)
+          if (ck.row(j) < Lc) {
+            half8_to_bf16_at(smem + st * Ly::stage + Ly::sQ + left_at(ck.row(j), ck.c8));
+            half8_to_bf16_at(smem + st * Ly::stage + Ly::sKd + left_at(ck.row(j), ck.c8));
+          }
+      }
+    }
     if constexpr (kWg) wg::fence_proxy_async();  // the stage and S, written by this thread, to wgmma
     __syncthreads();  // B1: this chunk's stage landed; S visible
 
@@ -305,7 +319,7 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
       if (row >= Lc) continue;
       bf16* dst = og + sq.b_row * p.out_s[0] + (t0 + row) * p.out_s[1] + hv * p.out_s[2] + v0 + hc0 + 2 * t;
 #pragma unroll
-      for (int nt = 0; nt < NTH; ++nt) u32at(dst + nt * 8) = pack(o[nt][2 * hh], o[nt][2 * hh + 1]);
+      for (int nt = 0; nt < NTH; ++nt) u32at(dst + nt * 8) = pack_out(o[nt][2 * hh], o[nt][2 * hh + 1], half_in);
     }
     __syncthreads();  // B3: stage st (and S without the delta rule, Y^T on sm_90a) no longer read
     stage_in(c + 2, st);
