@@ -143,7 +143,9 @@ struct ScanLayout {
   // 128-byte swizzle, wgmma.cuh)
   // (VB = 32 keeps Y^T in S^T: its A100 KDA scan at K = 128 has no 4 KB to spare)
   static constexpr bool kYtOwn = F::kDelta && !F::kRawQK && VB >= 64;
-  static constexpr int oS = 2 * stage, oYT = oS + K * LDV * 2, bytes = oYT + (kYtOwn ? VB * kBT * 2 : 0);
+  // stages streamed: two (one chunk ahead) up to K = 128; one at K = 256 (a stage is ~124 KB)
+  static constexpr int kStages = K <= 128 ? 2 : 1;
+  static constexpr int oS = kStages * stage, oYT = oS + K * LDV * 2, bytes = oYT + (kYtOwn ? VB * kBT * 2 : 0);
   static_assert(oYT % 1024 == 0, "Y^T on a 1024-byte boundary (128-byte swizzle)");
   static constexpr int sKt = F::kRawQK ? sW : sKd;  // Kt^T [K][64] (delta rule), in the 128-byte swizzle
   static_assert(sKt % 1024 == 0 && K * kBT * 2 <= kBT * LDK * 2, "Kt^T fits its slot");
@@ -153,7 +155,7 @@ struct ScanLayout {
 // Key head sizes with kernels (the instantiations/ folder holds one translation unit per family and
 // K). The value head size is no template parameter: the scan slices V into VB-column CTAs, so any
 // multiple of 64 runs (FLA's default GatedDeltaNet has V = 2K).
-constexpr bool head_size_supported(int64_t n) { return n == 64 || n == 128; }
+constexpr bool head_size_supported(int64_t n) { return n == 64 || n == 128 || n == 256; }
 constexpr bool value_size_supported(int64_t v) { return v >= 64 && v % 64 == 0; }
 
 __device__ __forceinline__ uint32_t& u32at(bf16* p) { return *reinterpret_cast<uint32_t*>(p); }

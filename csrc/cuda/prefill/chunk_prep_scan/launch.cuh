@@ -66,6 +66,9 @@ void run_vb_barriers(const Recurrence& r, const FwdParams& p, int device, cudaSt
     const char* e = std::getenv("CULA_SCAN_VB");
     return e ? std::atoi(e) : 0;
   }();
+  if constexpr (K > 128) {
+    return run<K, 32, F, kBlockBarriersOnly>(r, p, device, stream);  // (one stage of 32 columns fits)
+  } else {
   const int sms = cuda_sm_count(device), smem = cuda_smem_per_block(device);
   const int64_t heads = static_cast<int64_t>(r.N) * r.HV;
   const bool fit64 = ScanLayout<K, 64, F>::bytes <= smem;
@@ -77,6 +80,7 @@ void run_vb_barriers(const Recurrence& r, const FwdParams& p, int device, cudaSt
     run<K, 32, F, kBlockBarriersOnly>(r, p, device, stream);
   else
     run<K, 64, F, kBlockBarriersOnly>(r, p, device, stream);
+  }
 }
 
 template <int K, class F>

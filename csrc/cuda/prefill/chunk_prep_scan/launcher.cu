@@ -21,7 +21,9 @@ int scan_bytes(const Recurrence& r, int vb) {
   if (r.tr.gate != GateKind::PerChannel) return vb == 32 ? ScanLayout<K, 32, Gdn>::bytes : ScanLayout<K, 64, Gdn>::bytes;
   return vb == 32 ? ScanLayout<K, 32, Kda>::bytes : ScanLayout<K, 64, Kda>::bytes;
 }
-int scan_bytes(const Recurrence& r, int vb) { return r.K == 64 ? scan_bytes<64>(r, vb) : scan_bytes<128>(r, vb); }
+int scan_bytes(const Recurrence& r, int vb) {
+  return r.K == 64 ? scan_bytes<64>(r, vb) : r.K == 128 ? scan_bytes<128>(r, vb) : scan_bytes<256>(r, vb);
+}
 
 }  // namespace
 }  // namespace chunk_prep_scan
@@ -37,7 +39,7 @@ const char* chunk_fwd_mma_declines(const Recurrence& r, const cula_chunk_fwd_arg
     if (!chunk::aligned16(a.g)) return "g is not 16-byte aligned";
   }
   // Scalar and constant gates: the exponent is taken per pair (any decay); g is read per element.
-  if (!head_size_supported(r.K)) return "key head size K other than 64 and 128";
+  if (!head_size_supported(r.K)) return "key head size K other than 64, 128 and 256";
   if (!value_size_supported(r.V)) return "value head size V not a multiple of 64";
   if (const char* why = chunk::tensor_core_declines(a, /*half=*/true)) return why;
   // The scan's two stages must fit (at K = 128 the 32-column scans do on an A100, 163 KB per block)
@@ -67,7 +69,8 @@ void cuda_chunk_fwd_mma(const Recurrence& r, const cula_chunk_fwd_args& a) {
   chunk::check(cudaSetDevice(dev), "cudaSetDevice");
   const cudaStream_t stream = static_cast<cudaStream_t>(a.opt.stream);
   if (r.K == 64) run_family<64>(r, p, dev, stream, block_barriers_only);
-  else run_family<128>(r, p, dev, stream, block_barriers_only);
+  else if (r.K == 128) run_family<128>(r, p, dev, stream, block_barriers_only);
+  else run_family<256>(r, p, dev, stream, block_barriers_only);
 }
 
 }  // namespace cula

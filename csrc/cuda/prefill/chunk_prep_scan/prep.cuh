@@ -33,6 +33,15 @@ __device__ __forceinline__ void pair_of(int m, int& I, int& J) {
   J = I < 0 ? -1 : m - I * (I + 1) / 2;
 }
 
+// fn(i) for i = tid, tid + NT, ... below N: one guarded call where N <= NT (K = 256 has more
+// channels than GDN's and GLA's 128 threads).
+template <int N, int NT, class Fn>
+__device__ __forceinline__ void for_strided(int tid, Fn&& fn) {
+#pragma unroll
+  for (int j = 0; j < (N + NT - 1) / NT; ++j)
+    if (tid + j * NT < N) fn(tid + j * NT);
+}
+
 // Eight consecutive per-channel factors (two 16-byte loads from shared memory).
 __device__ __forceinline__ void load8(const float* p, float (&f)[8]) {
   *reinterpret_cast<float4*>(f) = *reinterpret_cast<const float4*>(p);
@@ -140,8 +149,12 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
       F::kDelta && row_loads ? dev::ld_bits(p.beta, p.beta_dt, b_row * p.beta_s[0] + row_at * p.beta_s[1] + hv * p.beta_s[2]) : 0u;
   const uint32_t gs_bits =
       F::kScalarGate && p.gate_kind == GateKind::Scalar && row_loads ? dev::ld_bits(p.g, p.g_dt, b_row * p.g_s[0] + row_at * p.g_s[1] + hv * p.g_s[2]) : 0u;
-  const bool bias_per_channel = !F::kScalarGate && tid < K && p.gate_in_kernel && p.dt_bias && p.dt_bias_per_channel;
-  const uint32_t bias_bits = bias_per_channel ? dev::ld_bits(p.dt_bias, p.dt_bias_dt, hv * K + tid) : 0u;
+  const bool bias_per_channel = !F::kScalarGate && p.gate_in_kernel && p.dt_bias && p.dt_bias_per_channel;
+  constexpr int kChannelsPerThread = (K + NT - 1) / NT;
+  uint32_t bias_bits[kChannelsPerThread];  // channel tid + j NT
+#pragma unroll
+  for (int j = 0; j < kChannelsPerThread; ++j)
+    bias_bits[j] = bias_per_channel && tid + j * NT < K ? dev::ld_bits(p.dt_bias, p.dt_bias_dt, hv * K + tid + j * NT) : 0u;
 #if CULA_BULK_COPY
   // sm_90+: one bulk copy per tile row (thread tid: row tid % 64 of q, k or the gate tile), all
   // completing on one mbarrier; thread 0 arrives with the bytes to expect. Rows past the sequence
@@ -277,7 +290,8 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
     beta_s[tid] = b;
     gs_s[tid] = F::kScalarGate && p.gate_kind == GateKind::Scalar && row_loads ? dev::from_bits(gs_bits, p.g_dt) : 0.0f;
   }
-  if (!F::kScalarGate && tid < K) bias_s[tid] = bias_per_channel ? dev::from_bits(bias_bits, p.dt_bias_dt) : head_bias;
+  if constexpr (!F::kScalarGate)
+    for_strided<K, NT>(tid, [&](int c) { bias_s[c] = bias_per_channel ? dev::from_bits(bias_bits[(c - tid) / NT], p.dt_bias_dt) : head_bias; });
   __syncthreads();  // B_a0: tiles landed
 
   if constexpr (F::kDelta && !F::kScalarGate) {
@@ -561,8 +575,8 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
     // right operands (Kt) are taken through the last row of their block, so the pair and Kd
     // factors are too (all <= 1)
     // (8 warps: the pair rows by the first K threads, the others by the next K)
-    if (tid < KH * K) {
-      const int c = tid % K;
+    for_strided<KH * K, NT>(tid, [&](int i) {
+      const int c = i % K;
       float gb[4], ge[4], gl = 0.0f;
 #pragma unroll
       for (int b = 0; b < 4; ++b) {
@@ -572,12 +586,12 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
         // channels) or its first (KDA's Kr)
         ge[b] = !F::kDelta || (kAnyDecay && kda_steep(bfirst_s[b * K + c], bsum_s[b * K + c])) ? gl : gb[b];
       }
-      if (KH == 1 || tid < K)
+      if (KH == 1 || i < K)
 #pragma unroll
         for (int b = 1; b < 4; ++b)
 #pragma unroll
           for (int a = 0; a < b; ++a) tab[tab_pair(b, a) * K + c] = dev::exp_ftz(gb[b] - ge[a]);
-      if (KH == 1 || tid >= K) {
+      if (KH == 1 || i >= K) {
 #pragma unroll
         for (int b = 0; b < 4; ++b) {
           tab[(kTabEb + b) * K + c] = dev::exp_ftz(gb[b]);
@@ -585,7 +599,7 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
         }
         tab[kTabLast * K + c] = dev::exp_ftz(gl);
       }
-    }
+    });
     __syncthreads();  // B_c: Kr and the table visible
   }
 
@@ -771,7 +785,7 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
       }
       *reinterpret_cast<uint4*>(ck_s + row * LDK + c8) = ow;
     }
-    if (tid < K) reinterpret_cast<float*>(blk + Wk::oDL)[tid] = __expf(glast);
+    for_strided<K, NT>(tid, [&](int c) { reinterpret_cast<float*>(blk + Wk::oDL)[c] = __expf(glast); });
   } else if constexpr (F::kDelta) {
     // KDA: W' and Kd are written by warps 4-7 while warps 0-3 invert M (below)
   } else {
@@ -784,7 +798,7 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
       const int row = bI + idx / (K / 8);
       *reinterpret_cast<uint4*>(kdo + row * K + c8) = scale8(*reinterpret_cast<const uint4*>(k_s + row * LDK + c8), ed);
     }
-    if (tid < K) reinterpret_cast<float*>(blk + Wk::oDL)[tid] = tab[kTabLast * K + tid];
+    for_strided<K, NT>(tid, [&](int c) { reinterpret_cast<float*>(blk + Wk::oDL)[c] = tab[kTabLast * K + c]; });
   }
   // ---- M = I + diag(beta) strict_lower(A_kk) for this warp's pairs into R1 (the q el tile, free
   // since B_c2); tril(A_qk) out (its blocks above the diagonal are not written).
@@ -858,7 +872,7 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
       *reinterpret_cast<uint4*>(ck_s + row * LDK + c8) = scale8(*reinterpret_cast<const uint4*>(kr_s + row * LDK + c8), ed);
     }
     if (lane < 16) reinterpret_cast<float*>(blk + Wk::oRF)[bI + lane] = beta_s[bI + lane];
-    if (tid - 128 < K) reinterpret_cast<float*>(blk + Wk::oDL)[tid - 128] = tab[kTabLast * K + tid - 128];
+    for_strided<K, 128>(tid - 128, [&](int c) { reinterpret_cast<float*>(blk + Wk::oDL)[c] = tab[kTabLast * K + c]; });
   };
   // In the block-barriers-only instantiation (for racecheck, which misreads the block barriers after
   // a barrier that some warps only arrive at) B_f is a block barrier and warps 4-7 start after it.

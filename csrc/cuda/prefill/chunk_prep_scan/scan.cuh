@@ -127,13 +127,16 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
   };
 
   if (kWg && tid == 0 && (mma::smem_addr(smem) & 1023)) __trap();  // the swizzle needs 1024-byte panels
+  // Two stages, one chunk ahead; at K = 256 one stage fits (ScanLayout::kStages): the next chunk's
+  // copies go out once this one's stage is free
+  constexpr int kStages = Ly::kStages;
   stage_in(0, 0);
-  stage_in(1, 1);
+  if (kStages == 2) stage_in(1, 1);
   if (F::kDelta) state_to_smem();
   bf16* og = static_cast<bf16*>(p.out);  // (fp16 when the inputs are: pack_out)
   const bool half_in = p.v_dt == CULA_FLOAT16;
   for (int c = 0; c < nchunks; ++c) {
-    const int st = c & 1;
+    const int st = kStages == 2 ? c & 1 : 0;
     const unsigned char* base = smem + st * Ly::stage;
     const bf16* w_s = reinterpret_cast<const bf16*>(base + Ly::sW);
     const bf16* qg_s = reinterpret_cast<const bf16*>(base + Ly::sQ);
@@ -150,7 +153,7 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
     // intermediate state (chunk start)
     if (!F::kDelta) state_to_smem();
     if (p.inter) S.store(p, p.inter, p.inter_dt, cbase + c, hv);
-    mma::cp_async_wait_pending(1);
+    mma::cp_async_wait_pending(kStages - 1);
     if (half_in) {  // fp16 inputs: this thread's own copies of the stage to bf16 in place
 #pragma unroll
       for (int j = 0; j < CopyV::J; ++j)
@@ -322,7 +325,7 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
       for (int nt = 0; nt < NTH; ++nt) u32at(dst + nt * 8) = pack_out(o[nt][2 * hh], o[nt][2 * hh + 1], half_in);
     }
     __syncthreads();  // B3: stage st (and S without the delta rule, Y^T on sm_90a) no longer read
-    stage_in(c + 2, st);
+    stage_in(c + kStages, st);
     if constexpr (kWgUpdate) state_to_smem();
   }
 
