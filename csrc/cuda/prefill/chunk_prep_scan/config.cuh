@@ -4,12 +4,12 @@
 #pragma once
 
 #include <cuda_bf16.h>
-#include <cuda_fp16.h>
 
 #include <cstdint>
 
 #include "cuda/kerutils/mma.cuh"
 #include "cuda/prefill/chunk_common.cuh"
+#include "cuda/prefill/half_inputs.cuh"
 
 namespace cula {
 namespace chunk_prep_scan {
@@ -161,30 +161,10 @@ constexpr bool value_size_supported(int64_t v) { return v >= 64 && v % 64 == 0; 
 __device__ __forceinline__ uint32_t& u32at(bf16* p) { return *reinterpret_cast<uint32_t*>(p); }
 __device__ __forceinline__ float2 bf2(const bf16* p) { return unpack(*reinterpret_cast<const uint32_t*>(p)); }
 
-// fp16 inputs: the engine computes on bf16 tiles (its intermediates are bf16 either way), so fp16 q,
-// k, v are turned into bf16 where they land in shared memory, 16 bytes at a time, and the output is
-// written back as fp16 (pack_out). Two 16-bit values of either type from global memory: ld2.
-__device__ __forceinline__ uint4 half8_to_bf16(uint4 v) {
-  uint32_t* w = reinterpret_cast<uint32_t*>(&v);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[j]));
-    w[j] = pack(f.x, f.y);
-  }
-  return v;
-}
-__device__ __forceinline__ void half8_to_bf16_at(void* p) {
-  *reinterpret_cast<uint4*>(p) = half8_to_bf16(*reinterpret_cast<const uint4*>(p));
-}
-__device__ __forceinline__ float2 ld2(const void* p, bool half) {
-  const uint32_t w = *reinterpret_cast<const uint32_t*>(p);
-  return half ? __half22float2(*reinterpret_cast<const __half2*>(&w)) : unpack(w);
-}
-__device__ __forceinline__ uint32_t pack_out(float a, float b, bool half) {
-  if (!half) return pack(a, b);
-  const __half2 h = __floats2half2_rn(a, b);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
+using chunk::half8_to_bf16;
+using chunk::half8_to_bf16_at;
+using chunk::ld2;
+using chunk::pack_out;
 
 }  // namespace chunk_prep_scan
 }  // namespace cula
