@@ -275,12 +275,22 @@ void check_pool_indices(const Checker& c, const cula_tensor* idx, const std::str
   if (idx->device_type != CULA_CPU) return;
   const int64_t n = numel(*idx);
   const int64_t cols = idx->ndim == 2 ? idx->shape[1] : 1;
+  // Every read sees the pool as it was before the call, so two sequences naming one slot would race
+  // on it: the sequence (row) that names each slot first, -1 for none
+  std::vector<int64_t> owner;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t off = idx->ndim == 2 ? (i / cols) * idx->strides[0] + (i % cols) * idx->strides[1] : i * idx->strides[0];
     const int64_t s = static_cast<const int32_t*>(idx->data)[off];
     if (s >= pool_size)
       c.fail(name, "slot indices < pool size P = " + std::to_string(pool_size) + " (negative = padding)",
              name + "[" + std::to_string(i) + "] = " + std::to_string(s));
+    if (s < 0) continue;
+    if (owner.empty()) owner.assign(static_cast<size_t>(pool_size), -1);
+    const int64_t seq = i / cols;
+    if (owner[s] >= 0 && owner[s] != seq)
+      c.fail(name, "slots of different sequences distinct (a slot is read and written by one sequence per call)",
+             "slot " + std::to_string(s) + " named by sequences " + std::to_string(owner[s]) + " and " + std::to_string(seq));
+    owner[s] = seq;
   }
 }
 

@@ -307,9 +307,27 @@ TEST(Validation, NoCudaBackwardYet) {
 TEST(Validation, DecodeSpeculativeIndicesNeedTwoDimensions) {
   Problem p = base();
   HostTensor pool(p.state_shape(4), CULA_FLOAT32), idx({p.B}, CULA_INT32), acc({p.B}, CULA_INT32);
+  for (int64_t n = 0; n < p.B; ++n) idx.set(n, static_cast<double>(n));
   cula_decode_args d = p.decode_args(CULA_BACKEND_AUTO, pool, &idx, &acc, p.out);
   EXPECT_EQ(cula_decode(&d), CULA_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(cula_last_error()).find("argument 'num_accepted_tokens'"), std::string::npos) << cula_last_error();
+}
+
+TEST(Validation, SequencesNamingOneSlotAreRefused) {
+  // Every read sees the pool as it was before the call: two sequences on one slot would race. Host
+  // indices are checked (padding, -1, may repeat); the message names both sequences.
+  Problem p = base();
+  ASSERT_GE(p.B, 2);
+  HostTensor pool(p.state_shape(4), CULA_FLOAT32), idx({p.B}, CULA_INT32);
+  pool.fill(0.0);
+  for (int64_t n = 0; n < p.B; ++n) idx.set(n, -1.0);
+  cula_decode_args ok = p.decode_args(CULA_BACKEND_AUTO, pool, &idx, nullptr, p.out);
+  EXPECT_EQ(cula_decode(&ok), CULA_OK) << cula_last_error();
+  idx.set(0, 2.0);
+  idx.set(1, 2.0);
+  cula_decode_args d = p.decode_args(CULA_BACKEND_AUTO, pool, &idx, nullptr, p.out);
+  EXPECT_EQ(cula_decode(&d), CULA_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(cula_last_error()).find("slot 2 named by sequences 0 and 1"), std::string::npos) << cula_last_error();
 }
 
 TEST(Validation, KdaGateChecksItsArguments) {
