@@ -7,7 +7,7 @@ import warnings
 import numpy as np
 
 from . import ops
-from ._front import chunk, compiling, reject_unknown
+from ._front import chunk, reject_unknown
 from ._tensor import is_torch
 
 

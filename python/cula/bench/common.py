@@ -71,6 +71,42 @@ def time_peers_and_baseline(torch, impls, baseline, reps=REPS, queued=False):
     return res
 
 
+def measure_config(torch, op, name, config, impls, baseline, floor, floor_note, records, rows, queued_rows, *,
+                   cula_out, fla_out=None, peers=("fla_triton", "torch_sdpa"), ratio_queued=False):
+    """One configuration of a forward benchmark against its peers: single and queued calls timed
+    (time_peers_and_baseline), then cula's output (cula_out(): runs cula once and returns o) against
+    FLA's (fla_out(), when FLA runs the configuration), the floor, the peers' ratios and the kernel
+    cula ran, appended to records, rows and queued_rows (write_report's inputs). Returns (single,
+    queued, kernel)."""
+    from .. import ops
+
+    check = {}
+    with torch.inference_mode():
+        res = time_peers_and_baseline(torch, impls, baseline)
+        resq = time_peers_and_baseline(torch, impls, baseline, queued=True)
+        for impl in res:
+            records.append(dict(op=op, config=config, impl=impl, median_ms=round(res[impl], 4),
+                                median_ms_queued=round(resq[impl], 4), reps=REPS))
+        o_cula = cula_out()
+        kernel = ops.last_kernel()
+        if fla_out is not None:  # same inputs through FLA: agreement of the outputs
+            o_fla = fla_out()
+            torch.cuda.synchronize()
+            a, b = o_cula.float(), o_fla.float()
+            check["rel_vs_fla"] = float((a - b).norm() / b.norm())
+    records.append(dict(op=op, config=config, impl="floor", median_ms=round(floor, 4), note=floor_note))
+    for peer in peers:
+        if peer in res:
+            ratio = dict(ratio=round(res[peer] / res["cula"], 3))
+            if ratio_queued:
+                ratio["ratio_queued"] = round(resq[peer] / resq["cula"], 3)
+            records.append(dict(op=op, config=config, impl=f"ratio_{peer}_over_cula", **ratio))
+    records.append(dict(op=op, config=config, impl="cula_kernel", name=kernel, **check))
+    rows.append((name, res, floor, kernel, check))
+    queued_rows.append((name, resq, floor, kernel, {}))
+    return res, resq, kernel
+
+
 def causal_sdpa(x, seqlens=None):
     """torch SDPA, causal, on the q, k, v of input set x ([B, T, H, D]); one call per sequence for
     varlen inputs (the softmax baseline of the forward benchmarks)."""

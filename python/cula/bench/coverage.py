@@ -20,8 +20,7 @@ import math
 import os
 import time
 
-from .common import (PEERS_AND_BASELINE_METHOD, QUEUED_METHOD, REPS, causal_sdpa, time_peers_and_baseline,
-                     write_report)
+from .common import PEERS_AND_BASELINE_METHOD, QUEUED_METHOD, causal_sdpa, measure_config, write_report
 from .decode import _version, cuda_device
 from .. import _lib
 from ..cli.demo import Progress
@@ -89,8 +88,6 @@ def bench_coverage(out_dir: str, gpu_name: str | None = None, configs=None) -> i
     os.environ["FLA_FLASH_KDA"] = "0"
     import torch
 
-    from .. import ops
-
     dev, props, bw = cuda_device(torch)
     configs = configs or CONFIGS
     op = "fwd_coverage"
@@ -121,40 +118,23 @@ def bench_coverage(out_dir: str, gpu_name: str | None = None, configs=None) -> i
         config = dict(name=name, family=family, B=B, T=T, H=H, HV=HV, K=K, V=V, seqlens=seqlens, dtype=dtype,
                       gate=gate)
         impls = [("cula", lambda i: call(cula_fn, i))]
-        check, fla_error = {}, None
-        with torch.inference_mode():
-            try:  # a configuration FLA refuses is recorded as its refusal
+        fla_error = None
+        try:  # a configuration FLA refuses is recorded as its refusal
+            with torch.inference_mode():
                 call(fla_fn, 0)
-                impls.append(("fla_triton", lambda i: call(fla_fn, i)))
-            except Exception as e:
-                fla_error = f"{type(e).__name__}: {e}"[:300]
-            res = time_peers_and_baseline(torch, impls, ("torch_sdpa", run_sdpa))
-            resq = time_peers_and_baseline(torch, impls, ("torch_sdpa", run_sdpa), queued=True)
-            for impl in res:
-                records.append(dict(op=op, config=config, impl=impl, median_ms=round(res[impl], 4),
-                                    median_ms_queued=round(resq[impl], 4), reps=REPS))
-            o_cula = call(cula_fn, 0)[0]
-            kernel = ops.last_kernel()
-            if fla_error is None:
-                o_fla = call(fla_fn, 0)[0]
-                torch.cuda.synchronize()
-                a, b = o_cula.float(), o_fla.float()
-                check["rel_vs_fla"] = float((a - b).norm() / b.norm())
-        if fla_error:
+            impls.append(("fla_triton", lambda i: call(fla_fn, i)))
+        except Exception as e:
+            fla_error = f"{type(e).__name__}: {e}"[:300]
             records.append(dict(op=op, config=config, impl="fla_triton", refused=fla_error))
         isz = 2 if dtype != "float32" else 4
         gate_bytes = isz * K + isz if family == "kda" else 4 + isz
         nbytes = B * T * (H * 2 * K * isz + HV * (V * isz * 2 + gate_bytes))
         floor = nbytes / (bw * 1e9) * 1e3
-        records.append(dict(op=op, config=config, impl="floor", median_ms=round(floor, 4),
-                            note="q, k, v, gate and beta read, o written, at the copy bandwidth"))
-        for peer in ("fla_triton", "torch_sdpa"):
-            if peer in res:
-                records.append(dict(op=op, config=config, impl=f"ratio_{peer}_over_cula",
-                                    ratio=round(res[peer] / res["cula"], 3), ratio_queued=round(resq[peer] / resq["cula"], 3)))
-        records.append(dict(op=op, config=config, impl="cula_kernel", name=kernel, **check))
-        rows.append((name, res, floor, kernel, check))
-        queued_rows.append((name, resq, floor, kernel, {}))
+        res, resq, kernel = measure_config(
+            torch, op, name, config, impls, ("torch_sdpa", run_sdpa), floor,
+            "q, k, v, gate and beta read, o written, at the copy bandwidth", records, rows, queued_rows,
+            cula_out=lambda: call(cula_fn, 0)[0], fla_out=None if fla_error else (lambda: call(fla_fn, 0)[0]),
+            ratio_queued=True)
         prog.step(f"{name}: cula {res['cula']:.3f} ms (queued {resq['cula']:.3f}) on {kernel}")
         del sets
         torch.cuda.empty_cache()

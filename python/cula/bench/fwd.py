@@ -19,8 +19,7 @@ import itertools
 import os
 import time
 
-from .common import (PEERS_AND_BASELINE_METHOD, QUEUED_METHOD, REPS, causal_sdpa, time_peers_and_baseline,
-                           write_report)
+from .common import PEERS_AND_BASELINE_METHOD, QUEUED_METHOD, causal_sdpa, measure_config, write_report
 from .decode import _version, cuda_device
 from .. import _lib
 from ..cli.demo import Progress
@@ -74,8 +73,6 @@ def bench_fwd(family: str, out_dir: str, gpu_name: str | None = None, configs=No
     os.environ["FLA_FLASH_KDA"] = "0"
     import torch
 
-    from .. import ops
-
     module, fname, title = FAMILIES[family]
     cula_fn = getattr(importlib.import_module(f"cula.{module}"), fname)
     try:
@@ -110,32 +107,13 @@ def bench_fwd(family: str, out_dir: str, gpu_name: str | None = None, configs=No
 
         impls = [("cula", run_cula)] + ([("fla_triton", run_fla)] if fla_fn else [])
         config = dict(name=name, B=B, T=T, H=H, K=K, V=V, seqlens=seqlens, dtype="bfloat16", family=family)
-        check = {}
-        with torch.inference_mode():
-            res = time_peers_and_baseline(torch, impls, ("torch_sdpa", run_sdpa))
-            resq = time_peers_and_baseline(torch, impls, ("torch_sdpa", run_sdpa), queued=True)
-            for impl in res:
-                records.append(dict(op=op, config=config, impl=impl, median_ms=round(res[impl], 4),
-                                    median_ms_queued=round(resq[impl], 4), reps=REPS))
-            o_cula = run_cula(0)[0]
-            kernel = ops.last_kernel()
-            if fla_fn:  # same inputs through FLA: agreement of the outputs
-                o_fla = run_fla(0)[0]
-                torch.cuda.synchronize()
-                a, b = o_cula.float(), o_fla.float()
-                check["rel_vs_fla"] = float((a - b).norm() / b.norm())
         gate_bytes = {"gdn": 4 + 2, "gla": 4 * K, "simple_gla": 4, "lightning": 0}[family]
         nbytes = B * T * H * (3 * K * 2 + gate_bytes + V * 2)
         floor = nbytes / (bw * 1e9) * 1e3
-        records.append(dict(op=op, config=config, impl="floor", median_ms=round(floor, 4),
-                            note="q, k, v (bf16), gate and beta read, o written, at the copy bandwidth"))
-        for peer in ("fla_triton", "torch_sdpa"):
-            if peer in res:
-                records.append(dict(op=op, config=config, impl=f"ratio_{peer}_over_cula",
-                                    ratio=round(res[peer] / res["cula"], 3)))
-        records.append(dict(op=op, config=config, impl="cula_kernel", name=kernel, **check))
-        rows.append((name, res, floor, kernel, check))
-        queued_rows.append((name, resq, floor, kernel, {}))
+        res, resq, kernel = measure_config(
+            torch, op, name, config, impls, ("torch_sdpa", run_sdpa), floor,
+            "q, k, v (bf16), gate and beta read, o written, at the copy bandwidth", records, rows, queued_rows,
+            cula_out=lambda: run_cula(0)[0], fla_out=(lambda: run_fla(0)[0]) if fla_fn else None)
         prog.step(f"{name}: cula {res['cula']:.3f} ms (queued {resq['cula']:.3f})")
         del sets
         torch.cuda.empty_cache()

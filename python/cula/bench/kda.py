@@ -18,8 +18,7 @@ import json
 import os
 import time
 
-from .common import (PEERS_AND_BASELINE_METHOD, QUEUED_METHOD, REPS, causal_sdpa, time_peers_and_baseline,
-                           write_report)
+from .common import PEERS_AND_BASELINE_METHOD, QUEUED_METHOD, causal_sdpa, measure_config, write_report
 from .decode import _version, cuda_device
 from .. import _lib
 from ..cli.demo import Progress
@@ -165,31 +164,13 @@ def bench_kda(out_dir: str, gpu_name: str | None = None, configs=None, resume=Fa
             impls.append(("flashkda", run_flash))
         config = dict(name=name, B=B, T=T, H=H, K=K, V=V, seqlens=seqlens, dtype="bfloat16", gate="in_kernel",
                       safe_gate=True, lower_bound=LOWER_BOUND, l2norm=True, beta_sigmoid=True)
-        with torch.inference_mode():
-            res = time_peers_and_baseline(torch, impls, ("torch_sdpa", run_sdpa))
-            resq = time_peers_and_baseline(torch, impls, ("torch_sdpa", run_sdpa), queued=True)
-            for impl in res:
-                records.append(dict(op="kda_fwd", config=config, impl=impl, median_ms=round(res[impl], 4),
-                                    median_ms_queued=round(resq[impl], 4), reps=REPS))
-            run_cula(0)
-            kernel = ops.last_kernel()
-            check = {}
-            if fla_fn:  # same inputs through FLA: agreement of the outputs
-                o_fla = run_fla(0)[0]
-                torch.cuda.synchronize()
-                a, b = sets[0]["out"].float(), o_fla.float()
-                check["rel_vs_fla"] = float((a - b).norm() / b.norm())
         nbytes = B * T * H * (4 * K * 2 + 2 + V * 2)
         floor = nbytes / (bw * 1e9) * 1e3
-        records.append(dict(op="kda_fwd", config=config, impl="floor", median_ms=round(floor, 4),
-                            note="q, k, v, g (bf16) and beta read, o written, at the copy bandwidth"))
-        for peer in ("fla_triton", "flashkda", "torch_sdpa"):
-            if peer in res:
-                records.append(dict(op="kda_fwd", config=config, impl=f"ratio_{peer}_over_cula",
-                                    ratio=round(res[peer] / res["cula"], 3)))
-        records.append(dict(op="kda_fwd", config=config, impl="cula_kernel", name=kernel, **check))
-        rows.append((name, res, floor, kernel, check))
-        queued_rows.append((name, resq, floor, kernel, {}))
+        res, resq, kernel = measure_config(
+            torch, "kda_fwd", name, config, impls, ("torch_sdpa", run_sdpa), floor,
+            "q, k, v, g (bf16) and beta read, o written, at the copy bandwidth", records, rows, queued_rows,
+            cula_out=lambda s=sets: (run_cula(0), s[0]["out"])[1], fla_out=(lambda: run_fla(0)[0]) if fla_fn else None,
+            peers=("fla_triton", "flashkda", "torch_sdpa"))
         prog.step(f"{name}: cula {res['cula']:.3f} ms (queued {resq['cula']:.3f})")
         del sets
         torch.cuda.empty_cache()
