@@ -1,8 +1,11 @@
 // Argument validation for every recurrence entry (SPEC §4): each check names the argument,
 // what was expected and what was given.
+#include <algorithm>
 #include <cmath>
 #include <sstream>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "common/error.h"
 #include "common/problem.h"
@@ -276,22 +279,23 @@ void check_pool_indices(const Checker& c, const cula_tensor* idx, const std::str
   const int64_t n = numel(*idx);
   const int64_t cols = idx->ndim == 2 ? idx->shape[1] : 1;
   // Every read sees the pool as it was before the call, so two sequences naming one slot would race
-  // on it: the sequence (row) that names each slot first, -1 for none
-  std::vector<int64_t> owner;
+  // on it: the named slots with their sequence (row), sorted, so that a slot's sequences are adjacent
+  // (work in the indices' count, not the pool's size)
+  std::vector<std::pair<int64_t, int64_t>> named;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t off = idx->ndim == 2 ? (i / cols) * idx->strides[0] + (i % cols) * idx->strides[1] : i * idx->strides[0];
     const int64_t s = static_cast<const int32_t*>(idx->data)[off];
     if (s >= pool_size)
       c.fail(name, "slot indices < pool size P = " + std::to_string(pool_size) + " (negative = padding)",
              name + "[" + std::to_string(i) + "] = " + std::to_string(s));
-    if (s < 0) continue;
-    if (owner.empty()) owner.assign(static_cast<size_t>(pool_size), -1);
-    const int64_t seq = i / cols;
-    if (owner[s] >= 0 && owner[s] != seq)
-      c.fail(name, "slots of different sequences distinct (a slot is read and written by one sequence per call)",
-             "slot " + std::to_string(s) + " named by sequences " + std::to_string(owner[s]) + " and " + std::to_string(seq));
-    owner[s] = seq;
+    if (s >= 0) named.emplace_back(s, i / cols);
   }
+  std::sort(named.begin(), named.end());
+  for (size_t j = 1; j < named.size(); ++j)
+    if (named[j].first == named[j - 1].first && named[j].second != named[j - 1].second)
+      c.fail(name, "slots of different sequences distinct (a slot is read and written by one sequence per call)",
+             "slot " + std::to_string(named[j].first) + " named by sequences " + std::to_string(named[j - 1].second) +
+                 " and " + std::to_string(named[j].second));
 }
 
 }  // namespace
