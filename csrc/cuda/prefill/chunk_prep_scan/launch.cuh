@@ -61,7 +61,7 @@ void run_vb_barriers(const Recurrence& r, const FwdParams& p, int device, cudaSt
   // GDN's 16-warp scan was slower, and varlen calls, whose lengths the host does not know, lost
   // where one long sequence started late). Else 64.
   // CULA_SCAN_VB=32|64|128 (read once per process) forces a width where it fits, for benchmarks.
-  // (V is a multiple of 64: value_size_supported; 128 columns where V is a multiple of 128.)
+  // (V is a multiple of 64: chunk::tensor_core_declines; 128 columns where V is a multiple of 128.)
   static const int forced = [] {
     const char* e = std::getenv("CULA_SCAN_VB");
     return e ? std::atoi(e) : 0;
@@ -69,17 +69,17 @@ void run_vb_barriers(const Recurrence& r, const FwdParams& p, int device, cudaSt
   if constexpr (K > 128) {
     return run<K, 32, F, kBlockBarriersOnly>(r, p, device, stream);  // (one stage of 32 columns fits)
   } else {
-  const int sms = cuda_sm_count(device), smem = cuda_smem_per_block(device);
-  const int64_t heads = static_cast<int64_t>(r.N) * r.HV;
-  const bool fit64 = ScanLayout<K, 64, F>::bytes <= smem;
-  if constexpr (!F::kScalarGate) {
-    const bool wide = r.V % 128 == 0 && (forced ? forced == 128 : !p.cu && heads * (r.V / 64) > sms);
-    if (wide && ScanLayout<K, 128, F>::bytes <= smem) return run<K, 128, F, kBlockBarriersOnly>(r, p, device, stream);
-  }
-  if (forced ? forced == 32 || !fit64 : heads * (r.V / 32) <= sms || !fit64)
-    run<K, 32, F, kBlockBarriersOnly>(r, p, device, stream);
-  else
-    run<K, 64, F, kBlockBarriersOnly>(r, p, device, stream);
+    const int sms = cuda_sm_count(device), smem = cuda_smem_per_block(device);
+    const int64_t heads = static_cast<int64_t>(r.N) * r.HV;
+    const bool fit64 = ScanLayout<K, 64, F>::bytes <= smem;
+    if constexpr (!F::kScalarGate) {
+      const bool wide = r.V % 128 == 0 && (forced ? forced == 128 : !p.cu && heads * (r.V / 64) > sms);
+      if (wide && ScanLayout<K, 128, F>::bytes <= smem) return run<K, 128, F, kBlockBarriersOnly>(r, p, device, stream);
+    }
+    if (forced ? forced == 32 || !fit64 : heads * (r.V / 32) <= sms || !fit64)
+      run<K, 32, F, kBlockBarriersOnly>(r, p, device, stream);
+    else
+      run<K, 64, F, kBlockBarriersOnly>(r, p, device, stream);
   }
 }
 
