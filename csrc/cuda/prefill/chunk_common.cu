@@ -61,6 +61,9 @@ cudaMemPool_t chunk_workspace_pool(int device) {
 }
 
 const char* chunk::tensor_core_declines(const cula_chunk_fwd_args& a, bool half) {
+  // both engines cut V into 32- or 64-column slices, one CTA each
+  const int64_t V = a.v->shape[3];
+  if (V < 64 || V % 64 != 0) return "value head size V not a multiple of 64";
   if (a.chunk_size != 0 && a.chunk_size != kChunk) return "chunk_size other than 64 (intermediate states are per 64 tokens)";
   const int dt = half && a.q->dtype == CULA_FLOAT16 ? CULA_FLOAT16 : CULA_BFLOAT16;
   for (const cula_tensor* t : std::initializer_list<const cula_tensor*>{a.q, a.k, a.v, a.out})

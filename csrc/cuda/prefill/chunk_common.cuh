@@ -118,10 +118,9 @@ inline bool aligned16(const cula_tensor* t) {
 }
 
 // Why the tensor-core chunk engines (all of them) decline a call, or nullptr: the rules they share
-// (chunk length, bf16 16-byte aligned q, k, v and out, inputs the CUDA kernels can read, sm_80).
-// Each engine's own rules (families, head sizes, shared memory) come in its declines predicate.
-// The rules both tensor-core engines share (chunk length, aligned 16-bit q/k/v/out, readable inputs,
-// sm_80); half: fp16 q/k/v/out (all four the same type) are taken as well as bf16.
+// (V a multiple of 64, chunk length, 16-byte aligned bf16 q, k, v and out, inputs the CUDA kernels
+// can read, sm_80); half: fp16 q, k, v and out (all four the same type) are taken as well. Each
+// engine's own rules (families, key head sizes, shared memory) come in its declines predicate.
 const char* tensor_core_declines(const cula_chunk_fwd_args& a, bool half = false);
 
 }  // namespace chunk

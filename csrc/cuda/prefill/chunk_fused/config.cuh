@@ -72,9 +72,9 @@ struct WsLayout {
 };
 
 // Key head sizes with kernels (the instantiations/ folder holds one translation unit per K and VB).
-// The value head size is cut into VB-column slices, one CTA each, so any multiple of 64 runs.
+// The value head size is cut into VB-column slices, one CTA each, so any multiple of 64 runs
+// (chunk::tensor_core_declines).
 constexpr bool head_size_supported(int64_t n) { return n == 64 || n == 128; }
-constexpr bool value_size_supported(int64_t v) { return v >= 64 && v % 64 == 0; }
 
 }  // namespace chunk_fused
 }  // namespace cula

@@ -47,7 +47,6 @@ using namespace chunk_fused;
 const char* chunk_fwd_fused_declines(const Recurrence& r, const cula_chunk_fwd_args& a) {
   if (r.tr.delta || r.tr.gate == GateKind::PerChannel) return "the delta rule or a per-channel gate (chunk_prep_scan)";
   if (!head_size_supported(r.K)) return "key head size K other than 64 and 128";
-  if (!value_size_supported(r.V)) return "value head size V not a multiple of 64";
   return chunk::tensor_core_declines(a);
 }
 

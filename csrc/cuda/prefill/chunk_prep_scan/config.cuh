@@ -154,9 +154,8 @@ struct ScanLayout {
 
 // Key head sizes with kernels (the instantiations/ folder holds one translation unit per family and
 // K). The value head size is no template parameter: the scan slices V into VB-column CTAs, so any
-// multiple of 64 runs (FLA's default GatedDeltaNet has V = 2K).
+// multiple of 64 runs (FLA's default GatedDeltaNet has V = 2K; chunk::tensor_core_declines).
 constexpr bool head_size_supported(int64_t n) { return n == 64 || n == 128 || n == 256; }
-constexpr bool value_size_supported(int64_t v) { return v >= 64 && v % 64 == 0; }
 
 __device__ __forceinline__ uint32_t& u32at(bf16* p) { return *reinterpret_cast<uint32_t*>(p); }
 __device__ __forceinline__ float2 bf2(const bf16* p) { return unpack(*reinterpret_cast<const uint32_t*>(p)); }

@@ -40,7 +40,6 @@ const char* chunk_fwd_mma_declines(const Recurrence& r, const cula_chunk_fwd_arg
   }
   // Scalar and constant gates: the exponent is taken per pair (any decay); g is read per element.
   if (!head_size_supported(r.K)) return "key head size K other than 64, 128 and 256";
-  if (!value_size_supported(r.V)) return "value head size V not a multiple of 64";
   if (const char* why = chunk::tensor_core_declines(a, /*half=*/true)) return why;
   // The scan's two stages must fit (at K = 128 the 32-column scans do on an A100, 163 KB per block)
   if (scan_bytes(r, 32) > cuda_smem_per_block(a.q->device_id)) return "the scan's shared memory exceeds the device's";
