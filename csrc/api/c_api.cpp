@@ -7,6 +7,7 @@
 #include "common/parallel.h"
 #include "common/problem.h"
 #include "cpu/cpu_backend.h"
+#include "cuda/backward/recurrent_bwd.h"
 #include "cuda/decode/decode.h"
 #include "cuda/gate/kda_gate.h"
 #include "cuda/prefill/chunk_engines.h"
@@ -56,6 +57,7 @@ const Kernel<cula_decode_args> kDecode[] = {
     {CULA_BACKEND_ORACLE, CULA_CPU, "reference", reference_decode},
 };
 const Kernel<cula_chunk_bwd_args> kChunkBwd[] = {
+    {CULA_BACKEND_CUDA, CULA_CUDA, "cuda", cuda_recurrent_bwd},
     {CULA_BACKEND_ORACLE, CULA_CPU, "reference", reference_chunk_bwd},
 };
 

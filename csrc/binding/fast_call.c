@@ -39,7 +39,7 @@ static const entry_layout LAYOUTS[KIND_COUNT] = {
      TENSORS_OF(cula_chunk_fwd_args, q, intermediate_states), offsetof(cula_chunk_fwd_args, chunk_size)},
     {sizeof(cula_decode_args), offsetof(cula_decode_args, q), TENSORS_OF(cula_decode_args, q, out), 0},
     {sizeof(cula_chunk_bwd_args), offsetof(cula_chunk_bwd_args, q),
-     TENSORS_OF(cula_chunk_bwd_args, q, d_initial_state), 0},
+     TENSORS_OF(cula_chunk_bwd_args, q, decay), 0},
     {sizeof(cula_kda_gate_args), offsetof(cula_kda_gate_args, g), TENSORS_OF(cula_kda_gate_args, g, g_out), 0},
 };
 
@@ -247,7 +247,7 @@ PyMODINIT_FUNC PyInit__fast_call(void) {
                      offsetof(cula_chunk_fwd_args, opt) == offsetof(cula_chunk_bwd_args, opt) &&
                      offsetof(cula_chunk_fwd_args, opt) == offsetof(cula_kda_gate_args, opt),
                  "options at one offset in every argument struct");
-  _Static_assert(TENSORS_OF(cula_chunk_bwd_args, q, d_initial_state) <= MAX_TENSORS, "MAX_TENSORS");
+  _Static_assert(TENSORS_OF(cula_chunk_bwd_args, q, decay) <= MAX_TENSORS, "MAX_TENSORS");
 #define INTERN(var, text) \
   if (!(var = PyUnicode_InternFromString(text))) return NULL;
   INTERN(s_dtype, "dtype")

@@ -411,11 +411,8 @@ Recurrence validate_chunk_bwd(const cula_chunk_bwd_args& a) {
   if (a.struct_size < sizeof(cula_chunk_bwd_args))
     c.fail("args.struct_size", ">= " + std::to_string(sizeof(cula_chunk_bwd_args)), std::to_string(a.struct_size));
   check_options(c, a.opt, r);
-  if (a.opt.family == CULA_LIGHTNING) throw_unsupported("chunk_bwd", "the backward of Lightning attention is not implemented; KDA, GDN, GLA and simple GLA have one");
-  check_inputs(c, a.q, a.k, a.v, a.g, a.beta, nullptr, a.A_log, a.dt_bias, a.opt, r, "B");
+  check_inputs(c, a.q, a.k, a.v, a.g, a.beta, a.decay, a.A_log, a.dt_bias, a.opt, r, "B");
   check_cu_seqlens(c, a.cu_seqlens, r);
-  if (a.cu_seqlens && a.cu_seqlens->device_type != CULA_CPU)
-    c.fail("cu_seqlens", "a host tensor for the backward", describe(a.cu_seqlens));
   const std::string lead = a.cu_seqlens ? "N" : "B";
   if (a.initial_state) c.state_shape(a.initial_state, "initial_state", r.N, r, lead);
   c.present(a.d_out, "d_out", "the gradient of the output [B, T, HV, V]");

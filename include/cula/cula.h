@@ -167,11 +167,12 @@ typedef struct cula_decode_args {
 CULA_API cula_status cula_decode(const cula_decode_args* args);
 
 /*
- * Backward of the delta families (KDA, GDN): reverse-time recurrence.
- *   Inputs as in cula_chunk_fwd plus d_out ([B, T, HV, V]) and optional d_final_state.
- *   Gradients (each optional; written when given): dq, dk, dv, dg (of the raw g when the gate
- *   is computed in kernel), dbeta (of the raw beta when the sigmoid is applied in kernel),
- *   dA_log, ddt_bias, d_initial_state.
+ * Backward of every family: the reverse-time recurrence.
+ *   Inputs as in cula_chunk_fwd (decay for Lightning) plus d_out ([B, T, HV, V]) and optional
+ *   d_final_state. Gradients (each optional; written when given): dq, dk, dv, dg (of the raw g
+ *   when the gate is computed in kernel), dbeta (of the raw beta when the sigmoid is applied in
+ *   kernel), dA_log, ddt_bias, d_initial_state. Lightning's decay is a constant: no gradient.
+ *   Deterministic: the same call gives bitwise-identical gradients on every run.
  */
 typedef struct cula_chunk_bwd_args {
   size_t struct_size;
@@ -195,6 +196,7 @@ typedef struct cula_chunk_bwd_args {
   cula_tensor* dA_log;
   cula_tensor* ddt_bias;
   cula_tensor* d_initial_state;
+  const cula_tensor* decay; /* Lightning's per-head decay rate [H] or [HV] */
 } cula_chunk_bwd_args;
 
 CULA_API cula_status cula_chunk_bwd(const cula_chunk_bwd_args* args);

@@ -61,8 +61,8 @@ def chunk(family: str, q, k, v, g=None, beta=None, decay=None, *, A_log=None, dt
         return ops.chunk_fwd(family, q, k, v, g, beta, decay, A_log=A_log, dt_bias=dt_bias,
                              initial_state=initial_state, **opts)
     inputs = dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state)
-    if family == "lightning":
-        raise NotImplementedError("cula: Lightning attention has no backward yet; call it under torch.no_grad()")
+    if decay is not None:
+        opts = {**opts, "decay": decay}  # a constant of Lightning: no gradient
     if opts.get("return_intermediate_states"):
         raise CulaError("argument 'return_intermediate_states': expected False when gradients are required, got True")
     if opts.get("state_pool") is not None:
@@ -86,12 +86,9 @@ def _make_fn():
         @staticmethod
         def backward(ctx, do, dht):
             q, k, v, g, beta, A_log, dt_bias, initial_state = ctx.saved_tensors
-            if q.device.type != "cpu":
-                raise NotImplementedError("cula: the backward runs on the CPU reference only; no CUDA backward kernel "
-                                          "exists yet")
             o = ctx.opts
             keep = ("scale", "use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel",
-                    "allow_neg_eigval", "safe_gate", "lower_bound", "cu_seqlens", "state_layout")
+                    "allow_neg_eigval", "safe_gate", "lower_bound", "cu_seqlens", "state_layout", "decay")
             grads = ops.chunk_bwd(ctx.family, q, k, v, g, beta, do.contiguous(),
                                   d_final_state=None if dht is None else dht.contiguous(), initial_state=initial_state,
                                   A_log=A_log, dt_bias=dt_bias, **{n: o[n] for n in keep if n in o})

@@ -95,7 +95,7 @@ DecodeArgs = _args_struct(
 ChunkBwdArgs = _args_struct(
     "ChunkBwdArgs",
     ["q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu_seqlens", "initial_state", "d_out", "d_final_state", "dq",
-     "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "d_initial_state"],
+     "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "d_initial_state", "decay"],
 )
 KdaGateArgs = _args_struct("KdaGateArgs", ["g", "A_log", "dt_bias", "g_out"])
 # The fields the library writes (the non-const cula_tensor members of cula.h).

@@ -162,14 +162,17 @@ def decode(q, k, v, state_pool, *, mode="kda", g=None, beta=None, decay=None, st
     return o, arrays.get("state_pool")
 
 
-def chunk_bwd(family, q, k, v, g, beta, d_out, *, d_final_state=None, scale=None, initial_state=None,
+def chunk_bwd(family, q, k, v, g, beta, d_out, *, decay=None, d_final_state=None, scale=None, initial_state=None,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
               allow_neg_eigval=False, safe_gate=False, lower_bound=None, A_log=None, dt_bias=None, cu_seqlens=None,
-              state_layout="k_last", backend="auto"):
-    """Backward of KDA/GDN/GLA/simple GLA: returns a dict with dq, dk, dv, dg, dbeta (delta
-    families), dA_log and ddt_bias (gate in kernel, when given) and d_initial_state."""
+              state_layout="k_last", backend="auto", grads=None):
+    """Backward of every family: returns a dict with dq, dk, dv, dg (gated families), dbeta
+    (delta families), dA_log and ddt_bias (gate in kernel, when given) and d_initial_state.
+    Lightning takes its constant decay and has no decay gradient. Deterministic: the same call
+    gives bitwise-identical gradients. grads: caller buffers by name (e.g. {"dq": t}) written in
+    place of fresh ones."""
     arrays = _given(q=q, k=k, v=v, g=g, beta=beta, d_out=d_out, d_final_state=d_final_state,
-                    initial_state=initial_state, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens)
+                    initial_state=initial_state, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens, decay=decay)
 
     def like(name):
         x = arrays.get(name)
@@ -177,10 +180,13 @@ def chunk_bwd(family, q, k, v, g, beta, d_out, *, d_final_state=None, scale=None
             return None
         return empty_like_family(x, tuple(x.shape), "float32" if dtype_name(x) == "bfloat16" else None)
 
-    grads = {
-        "dq": like("q"), "dk": like("k"), "dv": like("v"), "dg": like("g"), "dbeta": like("beta"),
-        "dA_log": like("A_log"), "ddt_bias": like("dt_bias"), "d_initial_state": like("initial_state"),
-    }
+    given = dict(grads or {})
+    names = {"dq": "q", "dk": "k", "dv": "v", "dg": "g", "dbeta": "beta", "dA_log": "A_log", "ddt_bias": "dt_bias",
+             "d_initial_state": "initial_state"}
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise CulaError(f"argument 'grads': expected names among {sorted(names)}, got {unknown}")
+    grads = {n: (as_array(given[n], n) if n in given else like(src)) for n, src in names.items()}
     opt = _lib.options(family, scale=scale, l2norm=use_qk_l2norm_in_kernel, gate_in_kernel=use_gate_in_kernel,
                        safe_gate=safe_gate, lower_bound=lower_bound, beta_sigmoid=use_beta_sigmoid_in_kernel,
                        allow_neg_eigval=allow_neg_eigval, state_layout=state_layout, backend=backend,

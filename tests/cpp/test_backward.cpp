@@ -66,7 +66,8 @@ void check_case(const GradCase& c, uint64_t seed) {
   b.q = p.q.cptr();
   b.k = p.k.cptr();
   b.v = p.v.cptr();
-  b.g = p.g.cptr();
+  if (p.g.t.ndim) b.g = p.g.cptr();
+  if (p.decay.t.ndim) b.decay = p.decay.cptr();
   if (p.beta.t.ndim) b.beta = p.beta.cptr();
   if (c.gate_in_kernel && c.use_A_log) b.A_log = p.A_log.cptr();
   if (c.gate_in_kernel) b.dt_bias = p.dt_bias.cptr();
@@ -77,7 +78,7 @@ void check_case(const GradCase& c, uint64_t seed) {
   b.dq = dq.ptr();
   b.dk = dk.ptr();
   b.dv = dv.ptr();
-  b.dg = dg.ptr();
+  if (p.g.t.ndim) b.dg = dg.ptr();
   if (p.beta.t.ndim) b.dbeta = dbeta.ptr();
   if (b.A_log) b.dA_log = dA.ptr();
   if (b.dt_bias) b.ddt_bias = ddt.ptr();
@@ -124,6 +125,7 @@ TEST(Backward, ReferenceGradientsMatchFiniteDifferences) {
       {"GDN_gate_betasig_varlen", CULA_GDN, true, true, false, true, true, false, true},
       {"GLA", CULA_GLA, true, false, false, true, false, false, false},
       {"SimpleGLA", CULA_SIMPLE_GLA, false, false, false, true, false, false, true},
+      {"Lightning_l2_varlen", CULA_LIGHTNING, true, false, false, true, false, false, true},
   };
   for (const GradCase& c : cases) {
     SCOPED_TRACE(c.name);

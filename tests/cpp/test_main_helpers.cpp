@@ -234,7 +234,7 @@ cula_recurrence_options Problem::options(int32_t backend) const {
 }
 
 // The members that the forward, decode and backward argument structs share, from problem p (the
-// forward's and decode's decay is set by their builders: the backward has none).
+// forward's, decode's and backward's decay is set by their builders).
 template <typename Args>
 static void fill_inputs(const Problem& p, Args& a, int32_t backend) {
   a.struct_size = sizeof(a);

@@ -1,0 +1,180 @@
+"""The CUDA backward against the float64 reference backward over a randomized grid of families,
+options, head sizes, dtypes and varlen batches, with poisoned gradient buffers; its determinism;
+autograd through the public entries on CUDA. Skipped without a CUDA device."""
+
+import numpy as np
+import pytest
+from conftest import rel, worst
+
+import cula
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+if not torch.cuda.is_available() or cula._lib.LIB.cula_cuda_device_count() == 0:
+    pytest.skip("no CUDA device visible to torch and cula", allow_module_level=True)
+
+from test_gpu_chunk_mma import FAMILIES, _draw, _inputs  # noqa: E402
+
+# The kernel computes in fp32 from the same (rounded) inputs the float64 reference reads: what
+# remains is fp32 accumulation over the sequence, far inside FLA's own backward tolerances
+# (dq, dk, dv, dh0 8e-3; dg, dbeta 2e-2).
+TOL = 2e-3
+_GRAD_OF = {"dq": "q", "dk": "k", "dv": "v", "dg": "g", "dbeta": "beta", "dA_log": "A_log", "ddt_bias": "dt_bias",
+            "d_initial_state": "initial_state"}
+_BWD_OPTIONS = ("use_qk_l2norm_in_kernel", "use_gate_in_kernel", "lower_bound", "safe_gate",
+                "use_beta_sigmoid_in_kernel", "state_layout")
+
+
+def _problem(rng, family):
+    c = _draw(rng, family)
+    c["inter"] = False
+    c["V"] = int(rng.choice([48, 64, 100, 128, 256]))  # any V: rows past V are masked
+    if family not in ("kda", "gdn", "gla"):
+        c["K"] = int(rng.choice([64, 128, 256]))
+    c["idt"] = rng.choice([torch.bfloat16, torch.float16, torch.float32])
+    d, cu, kw = _inputs(rng, c)
+    kw = {n: x for n, x in kw.items() if n in _BWD_OPTIONS}
+    B, T, HV, V = d["v"].shape
+    N = B if cu is None else len(cu) - 1
+    d["d_out"] = torch.from_numpy(rng.standard_normal((B, T, HV, V)).astype(np.float32)).to(
+        rng.choice([torch.bfloat16, torch.float32]))
+    if rng.random() < 0.6:
+        K = d["q"].shape[-1]
+        shape = (N, HV, V, K) if kw["state_layout"] == "k_last" else (N, HV, K, V)
+        d["d_final_state"] = torch.from_numpy(rng.standard_normal(shape).astype(np.float32))
+    return d, cu, kw
+
+
+def _poisoned(d):
+    return {n: torch.full(d[src].shape, float("nan"), dtype=torch.float32, device="cuda")
+            for n, src in _GRAD_OF.items() if src in d}
+
+
+def _run(family, d, cu, kw, grads=None):
+    dev = {n: x.cuda() for n, x in d.items()}
+    q, k, v, do = (dev.pop(n) for n in ("q", "k", "v", "d_out"))
+    g, beta = dev.pop("g", None), dev.pop("beta", None)
+    return cula.chunk_bwd(family, q, k, v, g, beta, do, cu_seqlens=None if cu is None else cu.cuda(), grads=grads,
+                          **dev, **kw)
+
+
+def _reference(family, d, cu, kw):
+    host = {n: x.double() for n, x in d.items()}
+    q, k, v, do = (host.pop(n) for n in ("q", "k", "v", "d_out"))
+    g, beta = host.pop("g", None), host.pop("beta", None)
+    return cula.chunk_bwd(family, q, k, v, g, beta, do, cu_seqlens=cu, backend="reference", **host, **kw)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cuda_backward_matches_the_float64_reference(rng, family):
+    for _ in range(6):
+        d, cu, kw = _problem(rng, family)
+        ref = _reference(family, d, cu, kw)
+        grads = _poisoned(d)
+        got = _run(family, d, cu, kw, grads)
+        torch.cuda.synchronize()
+        assert cula.last_kernel() == "cuda"
+        assert set(got) == set(ref)
+        errs = {n: rel(got[n].cpu().numpy(), ref[n].numpy()) for n in ref}
+        shapes = {n: tuple(d[n].shape) for n in ("q", "v")}
+        assert worst(errs.values()) < TOL, (family, kw, shapes, None if cu is None else cu.tolist(), errs)
+
+
+@pytest.mark.parametrize("family", ["kda", "gdn", "lightning"])
+def test_cuda_backward_is_bitwise_deterministic(rng, family):
+    d, cu, kw = _problem(rng, family)
+    first = {n: x.clone() for n, x in _run(family, d, cu, kw).items()}
+    for _ in range(2):
+        again = _run(family, d, cu, kw)
+        for n, x in first.items():
+            assert torch.equal(x, again[n]), n
+
+
+def test_long_steep_sequence_gradients_are_finite_and_match(rng):
+    """32k tokens of Kimi-Linear's unbounded gate with log-decays down to -30 per token, against the
+    float64 reference (one head: the reference is sequential)."""
+    T, K, V = 32768, 128, 64
+    t = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32))  # noqa: E731
+    d = dict(q=t(1, T, 1, K).bfloat16(), k=t(1, T, 1, K).bfloat16(), v=t(1, T, 1, V).bfloat16(), g=t(1, T, 1, K) * 3,
+             beta=t(1, T, 1), A_log=torch.tensor([1.5]), dt_bias=t(K) * 0.5, d_out=t(1, T, 1, V).bfloat16(),
+             initial_state=t(1, 1, V, K) * 0.3, d_final_state=t(1, 1, V, K))
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    got = _run("kda", d, None, kw, _poisoned(d))
+    ref = _reference("kda", d, None, kw)
+    for n in ref:
+        assert torch.isfinite(got[n]).all(), n
+    errs = {n: rel(got[n].cpu().numpy(), ref[n].numpy()) for n in ref}
+    assert worst(errs.values()) < TOL, errs
+
+
+def _dropin_calls():
+    """(name, leaves(B, T, H, K, V, t), call(x) -> (o, final state)) for each public entry."""
+    from cula import api
+    from cula.kda import chunk_kda
+    from cula.gated_delta_rule import chunk_gated_delta_rule
+    from cula.gla import chunk_gla
+    from cula.lightning_attn import chunk_lightning_attn
+    from cula.simple_gla import chunk_simple_gla
+
+    def kda_leaves(B, T, H, K, V, t):
+        return dict(q=t(B, T, H, K), k=t(B, T, H, K), v=t(B, T, H, V), g=t(B, T, H, K), beta=t(B, T, H),
+                    A_log=t(H) * 0.5, dt_bias=t(H * K) * 0.5, initial_state=t(B, H, K, V) * 0.3)
+
+    def plain_leaves(gate_shape):
+        def make(B, T, H, K, V, t):
+            x = dict(q=t(B, T, H, K), k=t(B, T, H, K) * K ** -0.5, v=t(B, T, H, V),
+                     initial_state=t(B, H, K, V) * 0.3)
+            if gate_shape:
+                x["g"] = -torch.nn.functional.softplus(t(B, T, H, *gate_shape[3:]))
+            return x
+        return make
+
+    kda_opts = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                    use_beta_sigmoid_in_kernel=True)
+    return [
+        ("chunk_kda", kda_leaves, lambda x: chunk_kda(
+            x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+            initial_state=x["initial_state"], **kda_opts)),
+        ("cula_kda", kda_leaves, lambda x: api.cula_kda(
+            x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+            initial_state=x["initial_state"].transpose(-1, -2).contiguous(), lower_bound=-5.0, **kda_opts)),
+        ("chunk_gated_delta_rule", lambda B, T, H, K, V, t: dict(
+            q=t(B, T, H, K), k=t(B, T, H, K), v=t(B, T, H, V),
+            g=-torch.nn.functional.softplus(t(B, T, H)), beta=torch.sigmoid(t(B, T, H)),
+            initial_state=t(B, H, K, V) * 0.3), lambda x: chunk_gated_delta_rule(
+            x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"], output_final_state=True,
+            use_qk_l2norm_in_kernel=True)),
+        ("chunk_gla", plain_leaves((0, 0, 0, 1)), lambda x: chunk_gla(
+            x["q"], x["k"], x["v"], x["g"], initial_state=x["initial_state"], output_final_state=True)),
+        ("chunk_simple_gla", plain_leaves((0, 0, 0)), lambda x: chunk_simple_gla(
+            x["q"], x["k"], x["v"], x["g"], initial_state=x["initial_state"], output_final_state=True)),
+        ("chunk_lightning_attn", plain_leaves(None), lambda x: chunk_lightning_attn(
+            x["q"], x["k"], x["v"], layer_idx=1, num_layers=4, initial_state=x["initial_state"],
+            output_final_state=True)),
+    ]
+
+
+@pytest.mark.parametrize("entry", range(6))
+def test_autograd_through_the_public_entries_on_cuda_matches_the_host(rng, entry):
+    """Gradients of a CUDA call through torch autograd (bf16 q/k/v) against the same call on host
+    float64 tensors, the same values on both sides."""
+    name, leaves, call = _dropin_calls()[entry]
+    B, T, H, K, V = 2, 70, 2, 64, 64
+    t = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32))  # noqa: E731
+    base = leaves(B, T, H, K, V, t)
+    if name == "chunk_gla":  # per-channel gate [B, T, H, K]
+        base["g"] = -torch.nn.functional.softplus(t(B, T, H, K))
+    dev = {n: (x.cuda().bfloat16() if n in ("q", "k", "v") else x.cuda()).requires_grad_() for n, x in base.items()}
+    # the same values on the host in float64 (Level 1 takes float32 states only)
+    host = {n: x.detach().cpu().to(torch.float32 if name == "cula_kda" and n == "initial_state" else torch.float64)
+            .requires_grad_() for n, x in dev.items()}
+    grads = {}
+    for side, x in (("cuda", dev), ("host", host)):
+        o, s = call(x)
+        do = torch.from_numpy(np.random.default_rng(7).standard_normal(tuple(o.shape))).to(o.device)
+        ds = torch.from_numpy(np.random.default_rng(8).standard_normal(tuple(s.shape))).to(s.device)
+        loss = (o.double() * do).sum() + (s.double() * ds).sum()
+        grads[side] = torch.autograd.grad(loss, list(x.values()))
+    for n, gd, gh in zip(dev, grads["cuda"], grads["host"]):
+        assert gd.device.type == "cuda" and gd.dtype == dev[n].dtype, n
+        tol = 1e-2 if dev[n].dtype == torch.bfloat16 else TOL  # bf16 gradients of bf16 leaves
+        assert rel(gd.double().cpu().numpy(), gh.numpy()) < tol, (name, n)
