@@ -50,14 +50,16 @@ def compiling() -> bool:
 
 def chunk(family: str, q, k, v, g=None, beta=None, decay=None, *, A_log=None, dt_bias=None, initial_state=None,
           **opts):
-    """chunk_fwd with autograd when any torch input requires grad (backward: cula.ops.chunk_bwd)."""
-    if not _needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state):
-        if _through_op(q, opts):
-            from . import torch_ops
+    """chunk_fwd with autograd when any torch input requires grad (backward: cula.ops.chunk_bwd).
+    Torch tensors go through the registered op cula::chunk_fwd, whose autograd formula calls
+    cula::chunk_bwd (traceable by torch.compile, forward and backward)."""
+    if _through_op(q, opts):
+        from . import torch_ops
 
-            opts = {n: x for n, x in opts.items() if n in _OP_OPTIONS}
-            return torch_ops.chunk_fwd(family, q, k, v, g, beta, decay, A_log=A_log, dt_bias=dt_bias,
-                                       initial_state=initial_state, **opts)
+        opts = {n: x for n, x in opts.items() if n in _OP_OPTIONS}
+        return torch_ops.chunk_fwd(family, q, k, v, g, beta, decay, A_log=A_log, dt_bias=dt_bias,
+                                   initial_state=initial_state, **opts)
+    if not _needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state):
         return ops.chunk_fwd(family, q, k, v, g, beta, decay, A_log=A_log, dt_bias=dt_bias,
                              initial_state=initial_state, **opts)
     inputs = dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state)

@@ -79,6 +79,32 @@ def test_cuda_backward_matches_the_float64_reference(rng, family):
         assert worst(errs.values()) < TOL, (family, kw, shapes, None if cu is None else cu.tolist(), errs)
 
 
+@pytest.mark.sanitize
+@pytest.mark.parametrize("family", FAMILIES)
+def test_small_backward_matches_the_reference(rng, family):
+    """Small shapes for compute-sanitizer: a varlen batch with an empty sequence, V = 48 (rows past V
+    masked), K = 64 and 256, states in and out."""
+    t = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32))  # noqa: E731
+    cu = torch.tensor([0, 17, 17, 40], dtype=torch.int32)
+    for K in (64, 256):
+        d = dict(q=t(1, 40, 2, K).bfloat16(), k=(t(1, 40, 2, K) * K ** -0.5).bfloat16(), v=t(1, 40, 4, 48).bfloat16(),
+                 d_out=t(1, 40, 4, 48), initial_state=t(3, 4, 48, K), d_final_state=t(3, 4, 48, K))
+        kw = dict(use_qk_l2norm_in_kernel=True)
+        if family == "kda":
+            d.update(g=t(1, 40, 4, K), beta=t(1, 40, 4), A_log=t(4), dt_bias=t(4 * K))
+            kw.update(use_gate_in_kernel=True, lower_bound=-5.0, use_beta_sigmoid_in_kernel=True)
+        elif family == "gdn":
+            d.update(g=-t(1, 40, 4).abs(), beta=torch.sigmoid(t(1, 40, 4)))
+        elif family == "lightning":
+            d["decay"] = torch.rand(2)
+        else:
+            d["g"] = -t(1, 40, 4, K).abs() if family == "gla" else -t(1, 40, 4).abs()
+        ref = _reference(family, d, cu, kw)
+        got = _run(family, d, cu, kw, _poisoned(d))
+        errs = {n: rel(got[n].cpu().numpy(), ref[n].numpy()) for n in ref}
+        assert worst(errs.values()) < TOL, (K, errs)
+
+
 @pytest.mark.parametrize("family", ["kda", "gdn", "lightning"])
 def test_cuda_backward_is_bitwise_deterministic(rng, family):
     d, cu, kw = _problem(rng, family)
@@ -178,3 +204,40 @@ def test_autograd_through_the_public_entries_on_cuda_matches_the_host(rng, entry
         assert gd.device.type == "cuda" and gd.dtype == dev[n].dtype, n
         tol = 1e-2 if dev[n].dtype == torch.bfloat16 else TOL  # bf16 gradients of bf16 leaves
         assert rel(gd.double().cpu().numpy(), gh.numpy()) < tol, (name, n)
+
+
+def test_training_step_captured_in_a_cuda_graph_replays_the_eager_gradients(rng):
+    """Forward and backward of chunk_kda captured whole in a CUDA graph (workspace from the stream-ordered
+    pool, no host synchronisation): a replay on new inputs gives the gradients of an eager step."""
+    from cula.kda import chunk_kda
+
+    B, T, H, K, V = 2, 100, 2, 64, 64
+    t = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32)).cuda()  # noqa: E731
+    make = lambda: dict(q=t(B, T, H, K).bfloat16(), k=t(B, T, H, K).bfloat16(), v=t(B, T, H, V).bfloat16(),  # noqa: E731
+                        g=t(B, T, H, K), beta=t(B, T, H))
+    static = {n: x.requires_grad_() for n, x in make().items()}
+    wo = t(B, T, H, V)
+
+    def step(x):
+        o, _ = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], use_qk_l2norm_in_kernel=True,
+                         use_gate_in_kernel=True, A_log=torch.zeros(H, device="cuda"), lower_bound=-5.0,
+                         safe_gate=True, use_beta_sigmoid_in_kernel=True)
+        return torch.autograd.grad((o.float() * wo).sum(), list(x.values()))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(static)  # warm-up outside the capture (allocator pools, kernel attributes)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step(static)
+    fresh = make()
+    with torch.no_grad():
+        for n, x in fresh.items():
+            static[n].copy_(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = step({n: x.clone().requires_grad_() for n, x in fresh.items()})
+    for n, c, e in zip(static, captured, eager):
+        assert torch.equal(c, e), n

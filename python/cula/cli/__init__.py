@@ -34,11 +34,12 @@ def main(argv=None) -> int:
     demo.add_argument("--quick", action="store_true", help="smaller sizes (for tests)")
     bench = sub.add_parser("bench", help="benchmarks")
     bench.add_argument("suite", choices=["cpu", "decode", "kda", "gdn", "gla", "simple_gla", "lightning", "coverage",
-                                          "replot"],
+                                          "train", "replot"],
                        help="cpu: fast CPU path vs the float64 reference; decode: CUDA decode vs FLA; kda: KDA chunked "
                        "forward vs FLA, FlashKDA and SDPA; gdn, gla, simple_gla, lightning: that family's chunked "
                        "forward vs FLA and SDPA; coverage: the configurations real models run (Kimi-Linear, Qwen3-Next, "
-                       "FLA's default layers, fp16) vs FLA (GPU suites need torch + a GPU); replot: re-draw the PNG beside "
+                       "FLA's default layers, fp16) vs FLA; train: KDA and GDN forward + backward vs FLA and SDPA (GPU suites need "
+                       "torch + a GPU); replot: re-draw the PNG beside "
                        "every results JSON in --out (needs matplotlib)")
     bench.add_argument("--only", default=None, help="chunked-forward suites: comma-separated config names to run "
                        "(default: all)")
@@ -73,6 +74,14 @@ def main(argv=None) -> int:
             from ..bench.coverage import CONFIGS, bench_coverage
 
             return bench_coverage(args.out or "bench/results/gpu", configs=[c for c in CONFIGS if not only or c[0] in only])
+        if args.suite == "train":
+            from ..bench.train import CONFIGS, bench_train
+
+            configs = [c for c in CONFIGS if not only or c[0] in only]
+            for family in ("kda", "gdn"):
+                if any(c[1] == family for c in configs):
+                    bench_train(args.out or "bench/results/gpu", family, configs=configs)
+            return 0
         if args.suite in ("gdn", "gla", "simple_gla", "lightning"):
             from ..bench.fwd import CONFIGS, bench_fwd
 

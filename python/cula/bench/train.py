@@ -1,0 +1,182 @@
+"""``cula bench train``: training steps (forward + backward through autograd, and the backward alone)
+of cula's FLA drop-ins side by side with FLA's Triton kernels (FLA_FLASH_KDA=0) called with the same
+arguments, and torch SDPA (causal softmax attention, forward + backward) as the baseline; the peak
+memory of one step beside each time. A configuration FLA refuses is recorded with its refusal.
+
+Rows: KDA with Kimi-Linear's gate (-e^{A_log} softplus(g + dt_bias), no lower bound, q/k L2 norm and
+beta sigmoid in kernel): the anchor shape B=1 T=4096 H=16, B=1 T=8192 H=32 and 64, B=2 T=4096 H=32,
+grouped value heads and a varlen batch; GDN (q/k L2 norm in kernel): 16 q/k heads and 32 value
+heads over 32k tokens, B=1 T=8192 H=32, B=2 T=4096 H=32 and a varlen batch. bf16, K = V = 128.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+
+from .common import QUEUED_METHOD, REPS, causal_sdpa, time_interleaved, write_report
+from .coverage import VARLEN, _fns, _inputs, _kda_gate
+from .decode import _version, cuda_device
+from .. import _lib
+from ..cli.demo import Progress
+
+# (name, family, B, T, H, HV, seqlens)
+CONFIGS = [
+    ("KDA 1x4096 H16", "kda", 1, 4096, 16, 16, None),
+    ("KDA 1x8192 H32", "kda", 1, 8192, 32, 32, None),
+    ("KDA 2x4096 H32", "kda", 2, 4096, 32, 32, None),
+    ("KDA 1x8192 H64", "kda", 1, 8192, 64, 64, None),
+    ("KDA GVA 1x8192 H16/HV32", "kda", 1, 8192, 16, 32, None),
+    ("KDA varlen6 H32", "kda", 1, None, 32, 32, VARLEN),
+    ("GDN 1x32768 H16/HV32", "gdn", 1, 32768, 16, 32, None),
+    ("GDN 1x8192 H32", "gdn", 1, 8192, 32, 32, None),
+    ("GDN 2x4096 H32", "gdn", 2, 4096, 32, 32, None),
+    ("GDN varlen6 H16/HV32", "gdn", 1, None, 16, 32, VARLEN),
+]
+K = V = 128
+TRAIN_REPS = 10
+
+
+def _leaves(torch, family, B, T, H, HV, dev, gate_kw):
+    x = _inputs(torch, family, B, T, H, HV, K, V, "bfloat16", dev)
+    for n in ("q", "k", "v", "g", "beta"):
+        x[n].requires_grad_()
+    for n in ("A_log", "dt_bias"):
+        if n in gate_kw:
+            gate_kw[n] = gate_kw[n].clone().requires_grad_()
+    return x
+
+
+def bench_train(out_dir: str, family: str, gpu_name: str | None = None, configs=None) -> int:
+    os.environ["FLA_FLASH_KDA"] = "0"
+    import torch
+
+    dev, props, bw = cuda_device(torch)
+    configs = [c for c in (configs or CONFIGS) if c[1] == family]
+    op = f"{family}_train"
+    title = f"{family.upper()} training step (forward + backward): cula's drop-in against FLA Triton"
+    method = (f"median of {TRAIN_REPS} forward + backward steps (torch.autograd.grad of o against a fixed random "
+              "gradient, every differentiable input), single synchronized calls, the implementations taking turns "
+              "call by call, torch SDPA (causal, forward + backward) in a block of its own")
+    meta = dict(gpu=gpu_name or props.name, copy_gb_per_s=round(bw, 1), torch=torch.__version__,
+                fla=_version("fla-core"), date=time.strftime("%Y-%m-%d"), binding=_lib.binding(), method=method,
+                queued_method=QUEUED_METHOD.replace(f"median of {REPS}", f"median of {TRAIN_REPS}"))
+    records, rows, queued_rows, extra = [], [], [], []
+    prog = Progress(len(configs), f"bench train {family}")
+    for name, fam, B, T, H, HV, seqlens in configs:
+        if seqlens:
+            T = sum(seqlens)
+        cula_fn, fla_fn = _fns(fam)
+        cu = torch.tensor([0] + list(itertools.accumulate(seqlens)), device=dev, dtype=torch.int32) if seqlens else None
+        sets = []
+        for _ in range(2):
+            kw = dict(scale=K ** -0.5, cu_seqlens=cu)
+            kw.update(_kda_gate(torch, "softplus", HV, K, dev) if fam == "kda" else dict(use_qk_l2norm_in_kernel=True))
+            x = _leaves(torch, fam, B, T, H, HV, dev, kw)
+            do = torch.randn(B, T, HV, V, device=dev, dtype=torch.bfloat16)
+            sets.append((x, kw, do))
+
+        def step(fn, i, s=sets):
+            x, kw, do = s[i % 2]
+            o = fn(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)[0]
+            wrt = [x[n] for n in ("q", "k", "v", "g", "beta")] + [kw[n] for n in ("A_log", "dt_bias") if n in kw]
+            return torch.autograd.grad(o, wrt, do)
+
+        config = dict(name=name, family=fam, B=B, T=T, H=H, HV=HV, K=K, V=V, seqlens=seqlens, dtype="bfloat16")
+        impls = [("cula", lambda i: step(cula_fn, i))]
+        try:  # a configuration FLA refuses is recorded as its refusal
+            step(fla_fn, 0)
+            impls.append(("fla_triton", lambda i: step(fla_fn, i)))
+        except Exception as e:
+            records.append(dict(op=op, config=config, impl="fla_triton", refused=f"{type(e).__name__}: {e}"[:300]))
+        sdpa_sets = None
+        if H == HV:
+            sdpa_sets = [{n: torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16, requires_grad=True)
+                          for n in "qkv"} for _ in range(2)]
+
+        def run_sdpa(i):
+            x = sdpa_sets[i % 2]
+            o = causal_sdpa(x, seqlens)
+            if o is not None:
+                torch.autograd.grad(o, [x[n] for n in "qkv"], torch.ones_like(o))
+
+        res = time_interleaved(torch, impls, TRAIN_REPS)
+        resq = time_interleaved(torch, impls, TRAIN_REPS, queued=True)
+        if sdpa_sets is not None and not seqlens:
+            res["torch_sdpa"] = time_interleaved(torch, [("torch_sdpa", run_sdpa)], TRAIN_REPS)["torch_sdpa"]
+            resq["torch_sdpa"] = time_interleaved(torch, [("torch_sdpa", run_sdpa)], TRAIN_REPS,
+                                                  queued=True)["torch_sdpa"]
+
+        # the backward alone: forward graphs built once, torch.autograd.grad(retain_graph) timed
+        graphs = {}
+        for impl, fn in (("cula", cula_fn), ("fla_triton", fla_fn)):
+            if impl not in res:
+                continue
+            graphs[impl] = []
+            for x, kw, do in sets:
+                o = fn(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)[0]
+                wrt = [x[n] for n in ("q", "k", "v", "g", "beta")] + [kw[n] for n in ("A_log", "dt_bias") if n in kw]
+                graphs[impl].append((o, wrt, do))
+
+        def bwd(impl):
+            return lambda i: torch.autograd.grad(graphs[impl][i % 2][0], graphs[impl][i % 2][1], graphs[impl][i % 2][2],
+                                                 retain_graph=True)
+
+        res_bwd = time_interleaved(torch, [(impl, bwd(impl)) for impl in graphs], TRAIN_REPS, queued=True)
+        graphs = None  # the retained forward graphs freed
+
+        peak = {}
+        for impl, fn in impls:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            fn(0)
+            torch.cuda.synchronize()
+            peak[impl] = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+
+        floor_bytes = B * T * (H * 2 * K * 2 + HV * (V * 2 * 2 + K * 2 + 2)) * 2  # inputs + o, then their gradients
+        floor = floor_bytes / (bw * 1e9) * 1e3
+        for impl in res:
+            records.append(dict(op=op, config=config, impl=impl, median_ms=round(res[impl], 4),
+                                median_ms_queued=round(resq[impl], 4), reps=TRAIN_REPS,
+                                **({"backward_ms_queued": round(res_bwd[impl], 4)} if impl in res_bwd else {}),
+                                **({"peak_mib": round(peak[impl], 1)} if impl in peak else {})))
+        records.append(dict(op=op, config=config, impl="floor", median_ms=round(floor, 4),
+                            note="inputs read and o written, then d_out read and the gradients written, at the copy "
+                                 "bandwidth"))
+        if "fla_triton" in res:
+            records.append(dict(op=op, config=config, impl="ratio_fla_triton_over_cula",
+                                ratio=round(res["fla_triton"] / res["cula"], 3),
+                                ratio_queued=round(resq["fla_triton"] / resq["cula"], 3),
+                                ratio_backward_queued=round(res_bwd["fla_triton"] / res_bwd["cula"], 3)))
+        records.append(dict(op=op, config=config, impl="cula_kernel", name=_lib.LIB.cula_last_kernel().decode()))
+        rows.append((name, res, floor, "cuda (recurrent backward)", {}))
+        queued_rows.append((name, resq, floor, "", {}))
+        extra.append((name, res_bwd, peak))
+        prog.step(f"{name}: cula {resq['cula']:.2f} ms queued, backward {res_bwd['cula']:.2f} ms")
+        sets = sdpa_sets = None
+        torch.cuda.empty_cache()
+        _report(out_dir, op, title, meta, rows, records, queued_rows, extra, quiet=True)  # a run cut short keeps it
+    _report(out_dir, op, title, meta, rows, records, queued_rows, extra, quiet=False)
+    return 0
+
+
+def _report(out_dir, op, title, meta, rows, records, queued_rows, extra, quiet):
+    """write_report's files, with the backward-alone and peak-memory table and FLA's refusals added."""
+    peers = ["fla_triton", "torch_sdpa"]
+    lines = write_report(out_dir, op, title, meta, rows, records, peers, quiet=True, queued_rows=queued_rows)
+    lines += ["", "## Backward alone (queued) and peak memory of one step", "",
+              "| config | cula bwd ms | FLA bwd ms | FLA/cula | cula peak MiB | FLA peak MiB |", "|---|---|---|---|---|---|"]
+    for name, rb, pk in extra:
+        fla = rb.get("fla_triton")
+        fla_ms, ratio = ("-", "-") if fla is None else (f"{fla:.3f}", f"{fla / rb['cula']:.2f}x")
+        fla_peak = f"{pk['fla_triton']:.0f}" if "fla_triton" in pk else "-"
+        lines.append(f"| {name} | {rb['cula']:.3f} | {fla_ms} | {ratio} | {pk['cula']:.0f} | {fla_peak} |")
+    refusals = [r for r in records if r.get("refused")]
+    if refusals:
+        lines += ["", "FLA refused: " + "; ".join(f"{r['config']['name']}: {r['refused']}" for r in refusals)]
+    with open(os.path.join(out_dir, f"{op}.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    if not quiet:
+        print("\n".join(lines))
