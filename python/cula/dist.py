@@ -1,0 +1,367 @@
+"""Level 2 (the RFC's ``cula.dist``): tensor and context parallelism on torch.distributed.
+
+Every rank calls the same function with its own shard; any process group works (NCCL for CUDA
+tensors, gloo for host tensors). States are K-last ``[N, HV, V, K]`` float32, as in Level 1.
+
+Tensor parallelism (``*_tp``): each rank holds a slice of the heads (q/k heads with their value
+heads: ``H`` and ``HV`` both divided by the group size, so a GVA group never straddles ranks).
+Linear attention is head-independent, so a rank runs Level 1 on its heads, with no communication;
+per-head parameters (``A_log``, ``dt_bias``, ``decay``) may be given whole and are sliced to the
+rank's heads. Autograd works as in Level 1.
+
+Context parallelism (``*_cp``): each rank holds a contiguous slice of the tokens, rank order =
+token order. One pass per rank computes, with the chunk engine, its outputs from a zero incoming
+state together with the affine summary of its slice: the value columns are extended by K zero
+columns and the initial state by the identity, so the same pass also returns, per token, q^
+carried through the slice's transitions (Q~_t = P_t^T q^_t) and, per sequence, the state it adds
+(A) and its K x K transition (M). The ranks all-gather (A, M) - a size independent of the number
+of tokens - and each folds its predecessors in order (X <- X M_j + A_j, float32), which gives its
+incoming state X; its outputs are then o_t + X Q~_t and its final states A + X M. Dense batches:
+every sequence spans every rank. Packed varlen batches (B = 1): ``cu_seqlens`` holds the *global*
+offsets (the same tensor on every rank), and sequences may cross rank boundaries; the local slice
+is the rank's tokens in rank order (``split_tokens_for_sp`` / ``split_cu_seqlens_for_sp``).
+Initial states are global ``[N, HV, V, K]`` (read by the rank where a sequence starts); the final
+states of all sequences are returned on every rank. CP has no backward yet: it refuses inputs
+that require gradients (call it under ``torch.no_grad()``).
+"""
+
+from __future__ import annotations
+
+from ._front import chunk
+from ._lib import CulaError
+from . import ops
+
+__all__ = [
+    "chunk_tp", "chunk_cp", "chunk_tp_cp",
+    "cula_kda_tp", "cula_kda_cp", "cula_kda_tp_cp", "cula_gdn_tp", "cula_gdn_cp", "cula_gdn_tp_cp",
+    "cula_lightning_tp", "cula_lightning_cp",
+    "alloc_state_buffer", "alloc_decode_state_pool", "shard_heads", "split_tokens_for_sp", "split_cu_seqlens_for_sp",
+]
+
+
+def _dist():
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise CulaError("cula.dist: torch.distributed is not initialised (call torch.distributed.init_process_group)")
+    return dist
+
+
+def _group_info(group, size, rank, size_name, rank_name):
+    dist = _dist()
+    real_size, real_rank = dist.get_world_size(group), dist.get_rank(group)
+    if size is not None and size != real_size:
+        raise CulaError(f"argument '{size_name}': expected the size of the process group ({real_size}), got {size}")
+    if rank is not None and rank != real_rank:
+        raise CulaError(f"argument '{rank_name}': expected this process's rank in the group ({real_rank}), got {rank}")
+    return dist, real_size, real_rank
+
+
+def _all_gather(dist, group, x):
+    """[every rank's x] (x of the same shape on every rank)."""
+    import torch
+
+    out = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, x.contiguous(), group=group)
+    return out
+
+
+def _same_on_every_rank(dist, group, values, names, device):
+    """Checks that the integers ``values`` agree across the group; raises naming the first that does not."""
+    import torch
+
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    for j, row in enumerate(zip(*(t.tolist() for t in _all_gather(dist, group, mine)))):
+        if len(set(row)) != 1:
+            raise CulaError(f"argument '{names[j]}': expected the same value on every rank, got {list(row)} by rank")
+
+
+def _slice_param(x, per_head_total, per_head_local, rank, name):
+    """A per-head parameter given whole (per_head_total entries per head group) or already sliced."""
+    if x is None:
+        return None
+    n = x.numel()
+    if n == per_head_local or per_head_total == per_head_local:
+        return x
+    if n != per_head_total:
+        raise CulaError(f"argument '{name}': expected {per_head_local} values (this rank's heads) or {per_head_total} "
+                        f"(all heads), got {n}")
+    flat = x.reshape(-1)
+    return flat[rank * per_head_local:(rank + 1) * per_head_local].reshape(
+        (per_head_local,) if x.dim() == 1 else (-1, *x.shape[1:]))
+
+
+# ---------------------------------------------------------------- tensor parallelism
+
+
+def chunk_tp(family, q, k, v, g=None, beta=None, decay=None, *, tp_group=None, tp_size=None, tp_rank=None,
+             A_log=None, dt_bias=None, initial_state=None, **opts):
+    """Level 1's chunked forward on this rank's heads (q, k [B, T, H/tp, K]; v [B, T, HV/tp, V]).
+    Per-head parameters may be given for all heads (sliced here) or for this rank's heads."""
+    dist, size, rank = _group_info(tp_group, tp_size, tp_rank, "tp_size", "tp_rank")
+    H, K, HV = int(q.shape[2]), int(q.shape[3]), int(v.shape[2])
+    _same_on_every_rank(dist, tp_group, [int(q.shape[0]), int(q.shape[1]), H, HV, K, int(v.shape[3])],
+                        ["q (batch size)", "q (tokens)", "q (heads per rank)", "v (value heads per rank)",
+                         "q (key head size)", "v (value head size)"], q.device)
+    A_log = _slice_param(A_log, HV * size, HV, rank, "A_log")
+    per_channel = dt_bias is not None and dt_bias.numel() in (HV * K, HV * K * size)
+    dt_bias = _slice_param(dt_bias, HV * (K if per_channel else 1) * size, HV * (K if per_channel else 1), rank,
+                           "dt_bias")
+    if decay is not None:
+        heads = HV if decay.numel() in (HV, HV * size) and decay.numel() != H * size else H
+        decay = _slice_param(decay, heads * size, heads, rank, "decay")
+    return chunk(family, q, k, v, g, beta, decay, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
+                 state_layout="k_last", state_dtype="float32", **opts)
+
+
+# ---------------------------------------------------------------- context parallelism
+
+
+def _pieces(cu, start, end, rank, size):
+    """The local pieces of the global sequences (offsets cu) on tokens [start, end): a list of
+    (sequence n, local begin, local end, crosses in, crosses out). An empty sequence belongs to the
+    rank holding its offset (the last rank for offsets at the end)."""
+    pieces = []
+    for n in range(len(cu) - 1):
+        a, b = cu[n], cu[n + 1]
+        if a == b:
+            if start <= a < end or (a == end and rank == size - 1):
+                pieces.append((n, a - start, a - start, False, False))
+            continue
+        lo, hi = max(a, start), min(b, end)
+        if lo < hi:
+            pieces.append((n, lo - start, hi - start, a < start, b > end))
+    return pieces
+
+
+def chunk_cp(family, q, k, v, g=None, beta=None, decay=None, *, sp_group=None, sp_size=None, sp_rank=None,
+             initial_state=None, output_final_state=True, cu_seqlens=None, **opts):
+    """The chunked forward of this rank's tokens (q, k, v ... [B, T_rank, ...], rank order = token
+    order) with the state carried over from the ranks before: see the module docstring. Returns
+    (o of the local tokens, final states [N, HV, V, K] of every sequence on every rank, or None)."""
+    import torch
+
+    dist, size, rank = _group_info(sp_group, sp_size, sp_rank, "sp_size", "sp_rank")
+    if opts.get("state_layout", "k_last") == "k_last" and opts.get("state_dtype", "float32") == "float32":
+        opts.pop("state_layout", None), opts.pop("state_dtype", None)  # Level 1's convention: K-last float32
+    for name in ("return_intermediate_states", "state_pool", "state_indices", "state_layout", "state_dtype"):
+        if opts.get(name) not in (None, False):
+            raise CulaError(f"cula.dist: argument '{name}': not supported with context parallelism")
+        opts.pop(name, None)
+    if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
+                                       for x in (q, k, v, g, beta, initial_state, opts.get("A_log"),
+                                                 opts.get("dt_bias"))):
+        raise NotImplementedError("cula.dist: context parallelism has no backward yet; call it under "
+                                  "torch.no_grad() (tensor parallelism supports autograd)")
+    B, T, H, K = (int(s) for s in q.shape)
+    HV, V = int(v.shape[2]), int(v.shape[3])
+    dev = q.device
+    ncu = 0 if cu_seqlens is None else int(cu_seqlens.numel())
+    _same_on_every_rank(dist, sp_group, [B, H, HV, K, V, ncu],
+                        ["q (batch size)", "q (heads)", "v (value heads)", "q (key head size)", "v (value head size)",
+                         "cu_seqlens (length)"], dev)
+    lengths = [int(t.item()) for t in _all_gather(dist, sp_group, torch.tensor([T], dtype=torch.int64, device=dev))]
+    start = sum(lengths[:rank])
+    end, total = start + T, sum(lengths)
+    if cu_seqlens is not None:
+        if B != 1:
+            raise CulaError(f"argument 'q': expected batch size 1 when cu_seqlens is given (sequences packed along T), "
+                            f"got batch size {B}")
+        cu_dev = cu_seqlens.to(device=dev, dtype=torch.int64)
+        if any(not torch.equal(x, cu_dev) for x in _all_gather(dist, sp_group, cu_dev)):
+            raise CulaError("argument 'cu_seqlens': expected the same global offsets on every rank")
+        cu = [int(x) for x in cu_seqlens.tolist()]
+        if cu[0] != 0 or cu[-1] != total or any(b < a for a, b in zip(cu, cu[1:])):
+            raise CulaError(f"argument 'cu_seqlens': expected non-decreasing global offsets from 0 to the total "
+                            f"number of tokens over the ranks ({total}), got {cu}")
+        pieces = _pieces(cu, start, end, rank, size)
+        N = len(cu) - 1
+    else:
+        N = B
+        pieces = [(n, 0, T, rank > 0, rank < size - 1) for n in range(B)]
+    if initial_state is not None and tuple(initial_state.shape) != (N, HV, V, K):
+        raise CulaError(f"argument 'initial_state': expected the global K-last states [N, HV, V, K] = "
+                        f"{[N, HV, V, K]}, got shape {list(initial_state.shape)}")
+
+    # One pass: values extended by K zero columns, the crossing-in pieces' initial state by the identity.
+    crossing_in = any(p[3] for p in pieces)
+    W = V + K if crossing_in else V
+    init = torch.zeros(len(pieces), HV, W, K, dtype=torch.float32, device=dev)
+    for i, (n, _, _, cin, _) in enumerate(pieces):
+        if cin:
+            init[i, :, V:, :] = torch.eye(K, dtype=torch.float32, device=dev)
+        elif initial_state is not None:
+            init[i, :, :V, :] = initial_state[n].to(device=dev, dtype=torch.float32)
+    vw = torch.cat([v, v.new_zeros(B, T, HV, K)], dim=-1) if crossing_in else v
+    if cu_seqlens is not None:
+        local_cu = torch.tensor([pieces[0][1] if pieces else 0] + [p[2] for p in pieces], dtype=torch.int32,
+                                device=dev) if pieces else None
+    else:
+        local_cu = None
+    if cu_seqlens is not None and not pieces:  # no tokens and no sequence here
+        ow, fw = v.new_empty(B, T, HV, W), init
+    else:
+        ow, fw = ops.chunk_fwd(family, q, k, vw, g, beta, decay, initial_state=init, output_final_state=True,
+                               cu_seqlens=local_cu, state_layout="k_last", state_dtype="float32", **opts)
+    A, M = fw[:, :, :V, :], (fw[:, :, V:, :] if crossing_in else None)
+
+    # Exchange: the summary of each sequence leaving this rank (dense: every row; varlen: the last piece).
+    rows = B if cu_seqlens is None else 1
+    send_A = torch.zeros(rows, HV, V, K, dtype=torch.float32, device=dev)
+    send_M = torch.zeros(rows, HV, K, K, dtype=torch.float32, device=dev)
+    leaving = torch.zeros(rows, dtype=torch.int64, device=dev)
+    out_pieces = [i for i, p in enumerate(pieces) if p[4]]
+    for row, i in enumerate(out_pieces):
+        send_A[row] = A[i]
+        if M is not None:
+            send_M[row] = M[i]
+        leaving[row] = 1
+    all_A, all_M = _all_gather(dist, sp_group, send_A), _all_gather(dist, sp_group, send_M)
+    all_leaving = _all_gather(dist, sp_group, leaving)
+    X = torch.zeros(rows, HV, V, K, dtype=torch.float32, device=dev)  # the incoming state, folded in rank order
+    for j in range(rank):
+        X = torch.where(all_leaving[j].view(rows, 1, 1, 1) > 0, torch.matmul(X, all_M[j]) + all_A[j],
+                        torch.zeros_like(X))
+
+    o = ow[..., :V].contiguous() if crossing_in else ow
+    for n, lo, hi, _, _ in (p for p in pieces if p[3]):
+        b = n if cu_seqlens is None else 0
+        x = X[n if cu_seqlens is None else 0]  # [HV, V, K]
+        carried = ow[b, lo:hi, :, V:].float()  # Q~: q^ through this piece's transitions [L, HV, K]
+        o[b, lo:hi] = (o[b, lo:hi].float() + torch.einsum("lhk,hvk->lhv", carried, x)).to(o.dtype)
+    if not output_final_state:
+        return o, None
+    final = torch.zeros(N, HV, V, K, dtype=torch.float32, device=dev)
+    for i, (n, _, _, cin, cout) in enumerate(pieces):
+        if cout:
+            continue
+        s = A[i]
+        if cin:
+            s = s + torch.matmul(X[n if cu_seqlens is None else 0], M[i])
+        final[n] = s
+    dist.all_reduce(final, group=sp_group)  # each sequence's state comes from one rank, zeros from the others
+    return o, final
+
+
+def chunk_tp_cp(family, q, k, v, g=None, beta=None, decay=None, *, tp_group=None, sp_group=None, tp_size=None,
+                sp_size=None, tp_rank=None, sp_rank=None, A_log=None, dt_bias=None, **opts):
+    """Heads sharded over tp_group and tokens over sp_group (a 2-D grid of ranks): context
+    parallelism over this rank's heads, per-head parameters sliced as chunk_tp does."""
+    dist, size, rank = _group_info(tp_group, tp_size, tp_rank, "tp_size", "tp_rank")
+    HV, K = int(v.shape[2]), int(q.shape[3])
+    A_log = _slice_param(A_log, HV * size, HV, rank, "A_log")
+    per_channel = dt_bias is not None and dt_bias.numel() in (HV * K, HV * K * size)
+    dt_bias = _slice_param(dt_bias, HV * (K if per_channel else 1) * size, HV * (K if per_channel else 1), rank,
+                           "dt_bias")
+    if decay is not None:
+        H = int(q.shape[2])
+        heads = HV if decay.numel() in (HV, HV * size) and decay.numel() != H * size else H
+        decay = _slice_param(decay, heads * size, heads, rank, "decay")
+    return chunk_cp(family, q, k, v, g, beta, decay, sp_group=sp_group, sp_size=sp_size, sp_rank=sp_rank,
+                    A_log=A_log, dt_bias=dt_bias, **opts)
+
+
+# ---------------------------------------------------------------- the RFC's entry points
+
+
+def _kda_family(g):
+    return "gdn" if g.dim() == 3 else "kda"
+
+
+def cula_kda_tp(q, k, v, g, beta, *, tp_group=None, tp_size=None, tp_rank=None, **kwargs):
+    """KDA (g [B, T, H, K]) or GDN (g [B, T, H]) over this rank's heads."""
+    return chunk_tp(_kda_family(g), q, k, v, g, beta, tp_group=tp_group, tp_size=tp_size, tp_rank=tp_rank, **kwargs)
+
+
+def cula_kda_cp(q, k, v, g, beta, *, sp_group=None, sp_size=None, sp_rank=None, initial_state=None,
+                output_final_state=True, **kwargs):
+    """KDA or GDN over this rank's tokens, the state carried over from the ranks before."""
+    return chunk_cp(_kda_family(g), q, k, v, g, beta, sp_group=sp_group, sp_size=sp_size, sp_rank=sp_rank,
+                    initial_state=initial_state, output_final_state=output_final_state, **kwargs)
+
+
+def cula_kda_tp_cp(q, k, v, g, beta, *, tp_group=None, sp_group=None, tp_size=None, sp_size=None, tp_rank=None,
+                   sp_rank=None, **kwargs):
+    return chunk_tp_cp(_kda_family(g), q, k, v, g, beta, tp_group=tp_group, sp_group=sp_group, tp_size=tp_size,
+                       sp_size=sp_size, tp_rank=tp_rank, sp_rank=sp_rank, **kwargs)
+
+
+def cula_gdn_tp(q, k, v, g, beta, **kwargs):
+    return chunk_tp("gdn", q, k, v, g, beta, **kwargs)
+
+
+def cula_gdn_cp(q, k, v, g, beta, **kwargs):
+    return chunk_cp("gdn", q, k, v, g, beta, **kwargs)
+
+
+def cula_gdn_tp_cp(q, k, v, g, beta, **kwargs):
+    return chunk_tp_cp("gdn", q, k, v, g, beta, **kwargs)
+
+
+def cula_lightning_tp(Q, K, V, decay, *, tp_group=None, tp_size=None, tp_rank=None, **kwargs):
+    return chunk_tp("lightning", Q, K, V, decay=decay, tp_group=tp_group, tp_size=tp_size, tp_rank=tp_rank, **kwargs)
+
+
+def cula_lightning_cp(Q, K, V, decay, *, sp_group=None, sp_size=None, sp_rank=None, initial_state=None,
+                      output_final_state=True, **kwargs):
+    return chunk_cp("lightning", Q, K, V, decay=decay, sp_group=sp_group, sp_size=sp_size, sp_rank=sp_rank,
+                    initial_state=initial_state, output_final_state=output_final_state, **kwargs)
+
+
+# ---------------------------------------------------------------- utilities
+
+
+def _heads_per_rank(num_heads, tp_size):
+    if tp_size < 1 or num_heads % tp_size:
+        raise CulaError(f"argument 'tp_size': expected a divisor of num_heads = {num_heads}, got {tp_size}")
+    return num_heads // tp_size
+
+
+def alloc_state_buffer(batch_size, num_heads, head_dim_k, head_dim_v, *, tp_size=1, dtype=None, device="cuda"):
+    """Zeroed K-last states [batch_size, num_heads / tp_size, head_dim_v, head_dim_k] (float32 default)."""
+    import torch
+
+    return torch.zeros(batch_size, _heads_per_rank(num_heads, tp_size), head_dim_v, head_dim_k,
+                       dtype=dtype or torch.float32, device=device)
+
+
+def alloc_decode_state_pool(pool_size, num_heads, head_dim_k, head_dim_v, *, tp_size=1, dtype=None, device="cuda"):
+    """A zeroed decode state pool [pool_size, num_heads / tp_size, head_dim_v, head_dim_k] (K-last)."""
+    return alloc_state_buffer(pool_size, num_heads, head_dim_k, head_dim_v, tp_size=tp_size, dtype=dtype,
+                              device=device)
+
+
+def shard_heads(x, tp_size, tp_rank, dim=2):
+    """This rank's slice of the heads of a whole tensor (dimension dim, default BSHD's H)."""
+    n = int(x.shape[dim])
+    per = _heads_per_rank(n, tp_size)
+    return x.narrow(dim, tp_rank * per, per)
+
+
+def _token_range(total, sp_size, sp_rank):
+    per, extra = divmod(total, sp_size)
+    start = sp_rank * per + min(sp_rank, extra)
+    return start, start + per + (1 if sp_rank < extra else 0)
+
+
+def split_tokens_for_sp(x, sp_size, sp_rank, dim=1):
+    """This rank's contiguous slice of the tokens (dimension dim): the first total % sp_size ranks
+    get one token more."""
+    start, end = _token_range(int(x.shape[dim]), sp_size, sp_rank)
+    return x.narrow(dim, start, end - start)
+
+
+def split_cu_seqlens_for_sp(cu_seqlens, sp_rank, sp_size, max_seqlen=None):
+    """The token split split_tokens_for_sp makes of a packed batch: (local offsets of the pieces of
+    the sequences on this rank [pieces + 1] int32, the rank's global token range [start, end] int64).
+    chunk_cp takes the global cu_seqlens; this is for callers that index their own tensors.
+    max_seqlen is accepted for the RFC's signature and not needed."""
+    import torch
+
+    del max_seqlen
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    start, end = _token_range(cu[-1], sp_size, sp_rank)
+    pieces = _pieces(cu, start, end, sp_rank, sp_size)
+    local = [pieces[0][1] if pieces else 0] + [p[2] for p in pieces]
+    return (torch.tensor(local, dtype=torch.int32, device=cu_seqlens.device),
+            torch.tensor([start, end], dtype=torch.int64, device=cu_seqlens.device))

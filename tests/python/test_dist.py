@@ -1,0 +1,243 @@
+"""cula.dist (Level 2) in real process groups: 2 and 4 processes on host tensors with gloo (every
+machine), and on CUDA tensors with NCCL when the machine has 2 or more GPUs. Every rank checks its
+shard against the whole problem computed in one process: context parallelism within float32
+tolerance (the ranks' states are folded in a different order of operations), tensor parallelism
+bit for bit. Wrong sizes and offsets that differ between ranks raise on every rank."""
+
+import os
+import socket
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+import torch.distributed as torch_dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+import cula  # noqa: E402
+from cula import dist  # noqa: E402
+from cula._front import chunk  # noqa: E402
+
+TOL = 2e-5  # float32 on the host, against the single-process result
+TOL_CUDA = 5e-3  # SPEC §5: bf16 inputs and outputs (the carried-query correction adds one more bf16 rounding)
+# NVLink multicast stays off on the GPU machines (NCCL's NVLS, symmetric memory, NVSHMEM)
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(fn, world, backend, seed, *args):
+    os.environ.update(NCCL_ENV)
+    port = _free_port()
+    mp.spawn(_worker, args=(world, backend, port, seed, fn, args), nprocs=world, join=True)
+
+
+def _worker(rank, world, backend, port, seed, fn, args):
+    os.environ.update(NCCL_ENV)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    torch_dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        fn(rank, world, "cuda" if backend == "nccl" else "cpu", np.random.default_rng(seed), *args)
+    finally:
+        torch_dist.destroy_process_group()
+
+
+def _problem(rng, family, B, T, H, HV, K, V, device, N=None):
+    """Inputs of the whole problem (the same on every rank: drawn from the shared seed)."""
+    t = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32))  # noqa: E731
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    d = dict(q=t(B, T, H, K), k=t(B, T, H, K), v=t(B, T, HV, V))
+    kw = dict(use_qk_l2norm_in_kernel=True)
+    if family == "kda":
+        d.update(g=t(B, T, HV, K), beta=t(B, T, HV))
+        kw.update(use_gate_in_kernel=True, A_log=t(HV) * 0.5, dt_bias=t(HV * K) * 0.5, lower_bound=-5.0,
+                  safe_gate=True, use_beta_sigmoid_in_kernel=True)
+    elif family == "gdn":
+        d.update(g=-torch.nn.functional.softplus(t(B, T, HV)), beta=torch.sigmoid(t(B, T, HV)))
+    elif family == "gla":
+        d["g"] = -torch.nn.functional.softplus(t(B, T, HV, K))
+    elif family == "simple_gla":
+        d["g"] = -torch.nn.functional.softplus(t(B, T, HV))
+    else:
+        kw["decay"] = torch.from_numpy(rng.uniform(0, 0.5, H).astype(np.float32))
+    d = {n: x.to(device, dt if n in "qkv" else torch.float32) for n, x in d.items()}
+    kw = {n: x.to(device) if isinstance(x, torch.Tensor) else x for n, x in kw.items()}
+    h0 = (t(N or B, HV, V, K) * 0.3).to(device)
+    return d, kw, h0
+
+
+def _whole(family, d, kw, h0, cu=None):
+    """The whole problem in one process, through the path the ranks take (autograd included)."""
+    decay = kw.pop("decay", None)
+    o, s = chunk(family, d["q"], d["k"], d["v"], d.get("g"), d.get("beta"), decay, initial_state=h0,
+                 output_final_state=True, cu_seqlens=cu, state_layout="k_last", state_dtype="float32", **kw)
+    if decay is not None:
+        kw["decay"] = decay
+    return o, s
+
+
+def _rel(a, b):
+    a, b = a.double().cpu(), b.double().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def _cp_dense(rank, world, device, rng, family):
+    d, kw, h0 = _problem(rng, family, 2, 150, 2, 4 if family in ("kda", "gdn") else 2, 32, 32, device)
+    o_ref, s_ref = _whole(family, d, kw, h0)
+    local = {n: dist.split_tokens_for_sp(x, world, rank) for n, x in d.items()}
+    decay = kw.pop("decay", None)
+    with torch.no_grad():
+        o, s = dist.chunk_cp(family, local["q"], local["k"], local["v"], local.get("g"), local.get("beta"), decay,
+                             initial_state=h0, sp_size=world, sp_rank=rank, **kw)
+    tol = TOL_CUDA if device == "cuda" else TOL
+    assert _rel(o, dist.split_tokens_for_sp(o_ref, world, rank)) < tol, (rank, family, _rel(o, dist.split_tokens_for_sp(o_ref, world, rank)))
+    assert _rel(s, s_ref) < tol, (rank, family, _rel(s, s_ref), float(s_ref.abs().max()))
+
+
+def _cp_varlen(rank, world, device, rng, family):
+    seqlens = [5, 0, 70, 3, 90, 0, 12]
+    T = sum(seqlens)
+    cu = torch.tensor(np.cumsum([0] + seqlens), dtype=torch.int32, device=device)
+    d, kw, h0 = _problem(rng, family, 1, T, 2, 2, 32, 32, device, N=len(seqlens))
+    o_ref, s_ref = _whole(family, d, kw, h0, cu)
+    local = {n: dist.split_tokens_for_sp(x, world, rank) for n, x in d.items()}
+    decay = kw.pop("decay", None)
+    with torch.no_grad():
+        o, s = dist.chunk_cp(family, local["q"], local["k"], local["v"], local.get("g"), local.get("beta"), decay,
+                             initial_state=h0, cu_seqlens=cu, **kw)
+    tol = TOL_CUDA if device == "cuda" else TOL
+    assert _rel(o, dist.split_tokens_for_sp(o_ref, world, rank)) < tol, rank
+    assert _rel(s, s_ref) < tol, rank
+    local_cu, span = dist.split_cu_seqlens_for_sp(cu, rank, world)
+    assert int(local_cu[-1]) == int(span[1] - span[0]) == local["q"].shape[1]
+
+
+def _cp_errors(rank, world, device, rng):
+    d, kw, h0 = _problem(rng, "gdn", 1, 40, 1, 1, 16, 16, device)
+    local = {n: dist.split_tokens_for_sp(x, world, rank) for n, x in d.items()}
+    with torch.no_grad():
+        with pytest.raises(cula.CulaError, match="argument 'sp_size'"):
+            dist.chunk_cp("gdn", local["q"], local["k"], local["v"], local["g"], local["beta"], sp_size=world + 1)
+        cu = torch.tensor([0, 10 + rank, 40], dtype=torch.int32, device=device)  # differs between ranks
+        with pytest.raises(cula.CulaError, match="argument 'cu_seqlens'"):
+            dist.chunk_cp("gdn", local["q"], local["k"], local["v"], local["g"], local["beta"], cu_seqlens=cu)
+    leaf = local["q"].clone().requires_grad_()
+    with pytest.raises(NotImplementedError, match="no_grad"):
+        dist.chunk_cp("gdn", leaf, local["k"], local["v"], local["g"], local["beta"])
+
+
+def _tp(rank, world, device, rng, family):
+    d, kw, h0 = _problem(rng, family, 2, 90, 4, 8 if family == "kda" else 4, 32, 32, device)
+    leaves = {n: x.clone().requires_grad_() for n, x in d.items()}
+    o_ref, s_ref = _whole(family, leaves, dict(kw), h0)
+    w = torch.randn(o_ref.shape, generator=torch.Generator().manual_seed(5)).to(device)
+    grads_ref = torch.autograd.grad((o_ref.float() * w).sum(), list(leaves.values()))
+    mine = {n: dist.shard_heads(x, world, rank).detach().clone().requires_grad_() for n, x in d.items()}
+    decay = kw.pop("decay", None)
+    o, s = dist.chunk_tp(family, mine["q"], mine["k"], mine["v"], mine.get("g"), mine.get("beta"), decay,
+                         initial_state=dist.shard_heads(h0, world, rank, dim=1).contiguous(), output_final_state=True,
+                         tp_size=world, tp_rank=rank, **kw)  # A_log, dt_bias, decay given whole
+    assert torch.equal(o, dist.shard_heads(o_ref, world, rank)), rank
+    assert torch.equal(s, dist.shard_heads(s_ref, world, rank, dim=1)), rank
+    grads = torch.autograd.grad((o.float() * dist.shard_heads(w, world, rank)).sum(), list(mine.values()))
+    for n, g, gr in zip(mine, grads, grads_ref):
+        assert torch.equal(g, dist.shard_heads(gr, world, rank)), (rank, n)
+
+
+def _tp_cp(rank, world, device, rng):
+    """A 2 x 2 grid: heads over one axis, tokens over the other."""
+    tp_groups = [torch_dist.new_group([0, 1]), torch_dist.new_group([2, 3])]
+    sp_groups = [torch_dist.new_group([0, 2]), torch_dist.new_group([1, 3])]
+    tp_rank, sp_rank = rank % 2, rank // 2
+    d, kw, h0 = _problem(rng, "kda", 1, 120, 2, 4, 32, 32, device)
+    o_ref, s_ref = _whole("kda", d, dict(kw), h0)
+    mine = {n: dist.split_tokens_for_sp(dist.shard_heads(x, 2, tp_rank), 2, sp_rank) for n, x in d.items()}
+    with torch.no_grad():
+        o, s = dist.cula_kda_tp_cp(mine["q"], mine["k"], mine["v"], mine["g"], mine["beta"],
+                                   tp_group=tp_groups[rank // 2], sp_group=sp_groups[rank % 2],
+                                   initial_state=dist.shard_heads(h0, 2, tp_rank, dim=1).contiguous(), **kw)
+    tol = TOL_CUDA if device == "cuda" else TOL
+    assert _rel(o, dist.split_tokens_for_sp(dist.shard_heads(o_ref, 2, tp_rank), 2, sp_rank)) < tol, rank
+    assert _rel(s, dist.shard_heads(s_ref, 2, tp_rank, dim=1)) < tol, rank
+
+
+FAMILIES = ("kda", "gdn", "gla", "simple_gla", "lightning")
+
+
+def _backends():
+    out = ["gloo"]
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 2 and cula.backend_for("chunk_fwd", "cuda") != "none":
+        out.append("nccl")
+    return out
+
+
+def _world(backend, world):
+    if backend == "nccl" and torch.cuda.device_count() < world:
+        pytest.skip(f"{world} ranks need {world} GPUs, this machine has {torch.cuda.device_count()}")
+    return world
+
+
+def _each(check, families):
+    """check for every family in one group of processes (starting the processes is most of the time)."""
+    def run(rank, world, device, rng):
+        for family in families:
+            check(rank, world, device, rng, family)
+    return run
+
+
+def _cp_dense_all(rank, world, device, rng):
+    _each(_cp_dense, FAMILIES)(rank, world, device, rng)
+
+
+def _cp_varlen_all(rank, world, device, rng):
+    _each(_cp_varlen, ("kda", "gla", "lightning"))(rank, world, device, rng)
+
+
+def _tp_all(rank, world, device, rng):
+    _each(_tp, ("kda", "gdn", "lightning"))(rank, world, device, rng)
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_dense_matches_one_process(rng, backend, world):
+    """Every family, every sequence of the batch across every rank."""
+    _spawn(_cp_dense_all, _world(backend, world), backend, int(rng.integers(1 << 31)))
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_varlen_with_sequences_across_ranks(rng, backend, world):
+    """Packed sequences (empty ones too) cut by the rank boundaries, one across three ranks."""
+    _spawn(_cp_varlen_all, _world(backend, world), backend, int(rng.integers(1 << 31)))
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_context_parallel_refuses_bad_groups_offsets_and_gradients(rng, backend):
+    _spawn(_cp_errors, 2, backend, int(rng.integers(1 << 31)))
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_tensor_parallel_is_bit_exact_with_gradients(rng, backend):
+    _spawn(_tp_all, 2, backend, int(rng.integers(1 << 31)))
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_tensor_and_context_parallel_grid(rng, backend):
+    _spawn(_tp_cp, _world(backend, 4), backend, int(rng.integers(1 << 31)))
+
+
+def test_state_buffers_and_head_shards():
+    buf = dist.alloc_state_buffer(3, 8, 64, 32, tp_size=2, device="cpu")
+    assert buf.shape == (3, 4, 32, 64) and buf.dtype == torch.float32 and not buf.any()
+    pool = dist.alloc_decode_state_pool(5, 8, 64, 32, tp_size=4, dtype=torch.bfloat16, device="cpu")
+    assert pool.shape == (5, 2, 32, 64) and pool.dtype == torch.bfloat16
+    with pytest.raises(cula.CulaError, match="argument 'tp_size'"):
+        dist.alloc_state_buffer(1, 6, 64, 64, tp_size=4, device="cpu")
+    x = torch.arange(2 * 7 * 4).reshape(2, 7, 4)
+    assert [dist.split_tokens_for_sp(x, 3, r).shape[1] for r in range(3)] == [3, 2, 2]
+    assert torch.equal(torch.cat([dist.split_tokens_for_sp(x, 3, r) for r in range(3)], dim=1), x)
