@@ -51,6 +51,8 @@ def _problem(rng, family, B, T, H, HV, K, V, device, N=None):
     """Inputs of the whole problem (the same on every rank: drawn from the shared seed)."""
     t = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32))  # noqa: E731
     dt = torch.bfloat16 if device == "cuda" else torch.float32
+    if device == "cuda":  # the CUDA kernels' smallest head sizes
+        K, V = max(K, 64), max(V, 64)
     d = dict(q=t(B, T, H, K), k=t(B, T, H, K), v=t(B, T, HV, V))
     kw = dict(use_qk_l2norm_in_kernel=True)
     if family == "kda":
