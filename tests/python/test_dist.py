@@ -43,6 +43,7 @@ def _worker(rank, world, backend, port, seed, fn, args):
     torch_dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         fn(rank, world, "cuda" if backend == "nccl" else "cpu", np.random.default_rng(seed), *args)
+        torch_dist.barrier()  # no rank tears its connections down while another still reads from them
     finally:
         torch_dist.destroy_process_group()
 
