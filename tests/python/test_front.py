@@ -193,6 +193,41 @@ def test_dropin_chunk_kda_autograd_matches_torch_autograd(rng):
         assert rel(a.numpy(), b.numpy()) < 1e-10, name
 
 
+@pytest.mark.parametrize("entry", ["chunk_kda", "cula_kda_gdn", "chunk_gla", "chunk_simple_gla", "chunk_lightning_attn"])
+def test_autograd_gradcheck_in_float64_on_the_reference(rng, entry):
+    """torch.autograd.gradcheck (finite differences against the backward, every differentiable
+    input at once, the gate parameters included) through the public entries on float64 host tensors."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from cula.gla import chunk_gla
+    from cula.lightning_attn import chunk_lightning_attn
+    from cula.simple_gla import chunk_simple_gla
+
+    B, T, H, K, V = 1, 9, 2, 4, 3
+    mk = lambda *s: torch.from_numpy(rng.standard_normal(s) * 0.5).requires_grad_()  # noqa: E731
+    log_decay = lambda *s: (-torch.from_numpy(rng.uniform(0.05, 1.0, s))).requires_grad_()  # noqa: E731
+    q, k, v, h0 = mk(B, T, H, K), mk(B, T, H, K), mk(B, T, H, V), mk(B, H, K, V)
+    if entry == "chunk_kda":
+        args = (q, k, v, mk(B, T, H, K), mk(B, T, H), mk(H), mk(H * K), h0)
+        fn = lambda q, k, v, g, b, A, dt, h: cula.kda.chunk_kda(  # noqa: E731
+            q, k, v, g, b, A_log=A, dt_bias=dt, initial_state=h, output_final_state=True, use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    elif entry == "cula_kda_gdn":  # Level 1, scalar gate (Gated DeltaNet); its states are float32: o only
+        args = (q, k, v, log_decay(B, T, H), mk(B, T, H))
+        fn = lambda q, k, v, g, b: cula.cula_kda(q, k, v, g, b, use_qk_l2norm_in_kernel=True,  # noqa: E731
+                                                 use_beta_sigmoid_in_kernel=True)[0]
+    elif entry == "chunk_gla":
+        args = (q, k, v, log_decay(B, T, H, K), h0)
+        fn = lambda q, k, v, g, h: chunk_gla(q, k, v, g, initial_state=h, output_final_state=True)  # noqa: E731
+    elif entry == "chunk_simple_gla":
+        args = (q, k, v, log_decay(B, T, H), h0)
+        fn = lambda q, k, v, g, h: chunk_simple_gla(q, k, v, g, initial_state=h, output_final_state=True)  # noqa: E731
+    else:
+        args = (q, k, v, h0)
+        fn = lambda q, k, v, h: chunk_lightning_attn(q, k, v, layer_idx=1, num_layers=4, initial_state=h,  # noqa: E731
+                                                     output_final_state=True)
+    assert torch.autograd.gradcheck(fn, args, eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
 def test_gdn_dropin_gate_in_kernel_equals_precomputed_log_gate(rng):
     """FLA's chunk_gated_delta_rule takes use_gate_in_kernel/A_log/dt_bias through its keywords."""
     from cula.gated_delta_rule import chunk_gated_delta_rule
