@@ -76,9 +76,7 @@ def per_token_head(v, value: float):
     return np.full(tuple(v.shape[:-1]), value, np.float32)
 
 
-def unsupported(fn_name: str, cp_context=None, use_graph=False, max_num_seqs=None) -> None:
-    if cp_context is not None:
-        raise NotImplementedError(f"{fn_name}: cp_context (FLA context parallelism) is not supported by cula")
+def unsupported(fn_name: str, use_graph=False, max_num_seqs=None) -> None:
     if use_graph or max_num_seqs is not None:
         raise NotImplementedError(f"{fn_name}: use_graph/max_num_seqs (FLA's padded graph mode) are not supported by "
                                   f"cula; cula's decode kernels capture into CUDA graphs as they are")

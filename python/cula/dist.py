@@ -32,7 +32,7 @@ from ._lib import CulaError
 from . import ops
 
 __all__ = [
-    "chunk_tp", "chunk_cp", "chunk_tp_cp",
+    "chunk_tp", "chunk_cp", "chunk_tp_cp", "chunk_fla_cp",
     "cula_kda_tp", "cula_kda_cp", "cula_kda_tp_cp", "cula_gdn_tp", "cula_gdn_cp", "cula_gdn_tp_cp",
     "cula_lightning_tp", "cula_lightning_cp",
     "alloc_state_buffer", "alloc_decode_state_pool", "shard_heads", "split_tokens_for_sp", "split_cu_seqlens_for_sp",
@@ -134,14 +134,9 @@ def _pieces(cu, start, end, rank, size):
     return pieces
 
 
-def chunk_cp(family, q, k, v, g=None, beta=None, decay=None, *, sp_group=None, sp_size=None, sp_rank=None,
-             initial_state=None, output_final_state=True, cu_seqlens=None, **opts):
-    """The chunked forward of this rank's tokens (q, k, v ... [B, T_rank, ...], rank order = token
-    order) with the state carried over from the ranks before: see the module docstring. Returns
-    (o of the local tokens, final states [N, HV, V, K] of every sequence on every rank, or None)."""
+def _refuse_cp_options(opts, q, k, v, g, beta, initial_state):
     import torch
 
-    dist, size, rank = _group_info(sp_group, sp_size, sp_rank, "sp_size", "sp_rank")
     if opts.get("state_layout", "k_last") == "k_last" and opts.get("state_dtype", "float32") == "float32":
         opts.pop("state_layout", None), opts.pop("state_dtype", None)  # Level 1's convention: K-last float32
     for name in ("return_intermediate_states", "state_pool", "state_indices", "state_layout", "state_dtype"):
@@ -153,6 +148,17 @@ def chunk_cp(family, q, k, v, g=None, beta=None, decay=None, *, sp_group=None, s
                                                  opts.get("dt_bias"))):
         raise NotImplementedError("cula.dist: context parallelism has no backward yet; call it under "
                                   "torch.no_grad() (tensor parallelism supports autograd)")
+
+
+def chunk_cp(family, q, k, v, g=None, beta=None, decay=None, *, sp_group=None, sp_size=None, sp_rank=None,
+             initial_state=None, output_final_state=True, cu_seqlens=None, **opts):
+    """The chunked forward of this rank's tokens (q, k, v ... [B, T_rank, ...], rank order = token
+    order) with the state carried over from the ranks before: see the module docstring. Returns
+    (o of the local tokens, final states [N, HV, V, K] of every sequence on every rank, or None)."""
+    import torch
+
+    dist, size, rank = _group_info(sp_group, sp_size, sp_rank, "sp_size", "sp_rank")
+    _refuse_cp_options(opts, q, k, v, g, beta, initial_state)
     B, T, H, K = (int(s) for s in q.shape)
     HV, V = int(v.shape[2]), int(v.shape[3])
     dev = q.device
@@ -182,7 +188,26 @@ def chunk_cp(family, q, k, v, g=None, beta=None, decay=None, *, sp_group=None, s
     if initial_state is not None and tuple(initial_state.shape) != (N, HV, V, K):
         raise CulaError(f"argument 'initial_state': expected the global K-last states [N, HV, V, K] = "
                         f"{[N, HV, V, K]}, got shape {list(initial_state.shape)}")
+    o, final = _cp_pieces(family, q, k, v, g, beta, decay, dist, sp_group, rank, pieces, cu_seqlens is not None,
+                          initial_state, opts)
+    if not output_final_state:
+        return o, None
+    out = torch.zeros(N, HV, V, K, dtype=torch.float32, device=dev)
+    for n, s in final.items():
+        out[n] = s
+    dist.all_reduce(out, group=sp_group)  # each sequence's state comes from one rank, zeros from the others
+    return o, out
 
+
+def _cp_pieces(family, q, k, v, g, beta, decay, dist, group, rank, pieces, packed, initial_state, opts):
+    """The context-parallel pass over this rank's pieces [(sequence n, local begin, local end,
+    crosses in, crosses out)] (packed: one row of packed sequences, else one piece per batch row).
+    Returns (o, {n: final state [HV, V, K] of each sequence ending here})."""
+    import torch
+
+    B, T, H, K = (int(s) for s in q.shape)
+    HV, V = int(v.shape[2]), int(v.shape[3])
+    dev = q.device
     # One pass: values extended by K zero columns, the crossing-in pieces' initial state by the identity.
     crossing_in = any(p[3] for p in pieces)
     W = V + K if crossing_in else V
@@ -193,31 +218,28 @@ def chunk_cp(family, q, k, v, g=None, beta=None, decay=None, *, sp_group=None, s
         elif initial_state is not None:
             init[i, :, :V, :] = initial_state[n].to(device=dev, dtype=torch.float32)
     vw = torch.cat([v, v.new_zeros(B, T, HV, K)], dim=-1) if crossing_in else v
-    if cu_seqlens is not None:
-        local_cu = torch.tensor([pieces[0][1] if pieces else 0] + [p[2] for p in pieces], dtype=torch.int32,
-                                device=dev) if pieces else None
-    else:
-        local_cu = None
-    if cu_seqlens is not None and not pieces:  # no tokens and no sequence here
+    local_cu = None
+    if packed and pieces:
+        local_cu = torch.tensor([pieces[0][1]] + [p[2] for p in pieces], dtype=torch.int32, device=dev)
+    if packed and not pieces:  # no tokens and no sequence here
         ow, fw = v.new_empty(B, T, HV, W), init
     else:
         ow, fw = ops.chunk_fwd(family, q, k, vw, g, beta, decay, initial_state=init, output_final_state=True,
                                cu_seqlens=local_cu, state_layout="k_last", state_dtype="float32", **opts)
     A, M = fw[:, :, :V, :], (fw[:, :, V:, :] if crossing_in else None)
 
-    # Exchange: the summary of each sequence leaving this rank (dense: every row; varlen: the last piece).
-    rows = B if cu_seqlens is None else 1
+    # Exchange: the summary of each sequence leaving this rank (dense: every row; packed: the last piece).
+    rows = 1 if packed else B
     send_A = torch.zeros(rows, HV, V, K, dtype=torch.float32, device=dev)
     send_M = torch.zeros(rows, HV, K, K, dtype=torch.float32, device=dev)
     leaving = torch.zeros(rows, dtype=torch.int64, device=dev)
-    out_pieces = [i for i, p in enumerate(pieces) if p[4]]
-    for row, i in enumerate(out_pieces):
+    for row, i in enumerate(i for i, p in enumerate(pieces) if p[4]):
         send_A[row] = A[i]
         if M is not None:
             send_M[row] = M[i]
         leaving[row] = 1
-    all_A, all_M = _all_gather(dist, sp_group, send_A), _all_gather(dist, sp_group, send_M)
-    all_leaving = _all_gather(dist, sp_group, leaving)
+    all_A, all_M = _all_gather(dist, group, send_A), _all_gather(dist, group, send_M)
+    all_leaving = _all_gather(dist, group, leaving)
     X = torch.zeros(rows, HV, V, K, dtype=torch.float32, device=dev)  # the incoming state, folded in rank order
     for j in range(rank):
         X = torch.where(all_leaving[j].view(rows, 1, 1, 1) > 0, torch.matmul(X, all_M[j]) + all_A[j],
@@ -225,22 +247,40 @@ def chunk_cp(family, q, k, v, g=None, beta=None, decay=None, *, sp_group=None, s
 
     o = ow[..., :V].contiguous() if crossing_in else ow
     for n, lo, hi, _, _ in (p for p in pieces if p[3]):
-        b = n if cu_seqlens is None else 0
-        x = X[n if cu_seqlens is None else 0]  # [HV, V, K]
+        b, x = (0, X[0]) if packed else (n, X[n])  # x: [HV, V, K]
         carried = ow[b, lo:hi, :, V:].float()  # Q~: q^ through this piece's transitions [L, HV, K]
         o[b, lo:hi] = (o[b, lo:hi].float() + torch.einsum("lhk,hvk->lhv", carried, x)).to(o.dtype)
-    if not output_final_state:
-        return o, None
-    final = torch.zeros(N, HV, V, K, dtype=torch.float32, device=dev)
+    final = {}
     for i, (n, _, _, cin, cout) in enumerate(pieces):
-        if cout:
-            continue
-        s = A[i]
-        if cin:
-            s = s + torch.matmul(X[n if cu_seqlens is None else 0], M[i])
-        final[n] = s
-    dist.all_reduce(final, group=sp_group)  # each sequence's state comes from one rank, zeros from the others
+        if not cout:
+            final[n] = A[i] + torch.matmul(X[0] if packed else X[n], M[i]) if cin else A[i]
     return o, final
+
+
+def chunk_fla_cp(family, q, k, v, g=None, beta=None, decay=None, *, cp_context, initial_state=None,
+                 output_final_state=False, **opts):
+    """Context parallelism driven by FLA's context object (``fla.ops.cp.FLACPContext``, contiguous
+    layout, or any object with its fields ``group``, ``cu_seqlens`` - this rank's local offsets -,
+    ``is_first_rank`` and ``is_last_rank``): the FLA drop-ins' ``cp_context``. As in FLA, no
+    initial or final states."""
+    layout = getattr(cp_context, "layout", "contiguous")
+    if layout != "contiguous":
+        raise NotImplementedError(f"cula.dist: cp_context with layout {layout!r}: only the contiguous layout is "
+                                  "supported")
+    if initial_state is not None or output_final_state:
+        raise CulaError("cula.dist: argument 'cp_context': initial and final states are not supported with FLA's "
+                        "context parallelism (as in FLA); use cula.dist.chunk_cp for them")
+    cu = getattr(cp_context, "cu_seqlens", None)
+    if cu is None:
+        raise CulaError("argument 'cp_context': expected a context with this rank's cu_seqlens, got None")
+    dist, _, rank = _group_info(cp_context.group, None, None, "cp_context.group", "cp_context.group")
+    _refuse_cp_options(opts, q, k, v, g, beta, None)
+    offsets = [int(x) for x in cu.tolist()]
+    last = len(offsets) - 2
+    pieces = [(i, offsets[i], offsets[i + 1], i == 0 and not cp_context.is_first_rank,
+               i == last and not cp_context.is_last_rank) for i in range(len(offsets) - 1)]
+    o, _ = _cp_pieces(family, q, k, v, g, beta, decay, dist, cp_context.group, rank, pieces, True, None, opts)
+    return o, None
 
 
 def chunk_tp_cp(family, q, k, v, g=None, beta=None, decay=None, *, tp_group=None, sp_group=None, tp_size=None,

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ._fla_common import fla_chunk_size, gate_param, offsets_for, per_token_head, recurrent_dropin, resolve_state_layout, unsupported
+from ._fla_common import fla_chunk_size, gate_param, offsets_for, per_token_head, recurrent_dropin, resolve_state_layout
 from ._front import chunk, reject_unknown
 
 __all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"]
@@ -20,8 +20,15 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     use_gate_in_kernel = kwargs.pop("use_gate_in_kernel", False)
     A_log, dt_bias = kwargs.pop("A_log", None), kwargs.pop("dt_bias", None)
     reject_unknown("chunk_gated_delta_rule", kwargs)
-    unsupported("chunk_gated_delta_rule", cp_context=cp_context)
     del chunk_indices  # FLA's precomputed chunk bookkeeping: cula derives its own
+    if cp_context is not None:  # FLA's context parallelism (forward only): cula.dist
+        from .dist import chunk_fla_cp
+
+        return chunk_fla_cp("gdn", q, k, v, g, beta, cp_context=cp_context, initial_state=initial_state, scale=scale,
+                            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                            chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel, A_log=gate_param(A_log),
+                            dt_bias=gate_param(dt_bias))
     return chunk("gdn", q, k, v, g, beta, initial_state=initial_state, scale=scale,
                  output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                  use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,

@@ -22,8 +22,17 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     A_log, dt_bias = kwargs.pop("A_log", None), kwargs.pop("dt_bias", None)
     chunk_size = fla_chunk_size("chunk_kda", kwargs.pop("chunk_size", 64), return_intermediate_states)
     reject_unknown("chunk_kda", kwargs)
-    unsupported("chunk_kda", cp_context=cp_context, use_graph=use_graph, max_num_seqs=max_num_seqs)
+    unsupported("chunk_kda", use_graph=use_graph, max_num_seqs=max_num_seqs)
     del disable_recompute  # a memory/recompute trade-off of FLA's backward: no effect on results here
+    if cp_context is not None:  # FLA's context parallelism (forward only): cula.dist
+        from .dist import chunk_fla_cp
+
+        return chunk_fla_cp("kda", q, k, v, g, beta, cp_context=cp_context, A_log=gate_param(A_log),
+                            dt_bias=gate_param(dt_bias), initial_state=initial_state, scale=scale,
+                            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                            use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                            allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound,
+                            chunk_size=chunk_size)
     return chunk("kda", q, k, v, g, beta, A_log=gate_param(A_log), dt_bias=gate_param(dt_bias),
                  initial_state=initial_state, scale=scale, output_final_state=output_final_state,
                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,

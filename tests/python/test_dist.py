@@ -6,6 +6,7 @@ bit for bit. Wrong sizes and offsets that differ between ranks raise on every ra
 
 import os
 import socket
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ import torch.multiprocessing as mp  # noqa: E402
 import cula  # noqa: E402
 from cula import dist  # noqa: E402
 from cula._front import chunk  # noqa: E402
+from cula.kda import chunk_kda as kda_dropin  # noqa: E402
 
 TOL = 2e-5  # float32 on the host, against the single-process result
 TOL_CUDA = 5e-3  # SPEC §5: bf16 inputs and outputs (the carried-query correction adds one more bf16 rounding)
@@ -118,6 +120,14 @@ def _cp_varlen(rank, world, device, rng, family):
     assert _rel(s, s_ref) < tol, rank
     local_cu, span = dist.split_cu_seqlens_for_sp(cu, rank, world)
     assert int(local_cu[-1]) == int(span[1] - span[0]) == local["q"].shape[1]
+    if family == "kda":  # FLA's cp_context through the drop-in: this rank's offsets, chain flags, no states
+        pieces = dist._pieces([int(x) for x in cu.tolist()], int(span[0]), int(span[1]), rank, world)
+        ctx = SimpleNamespace(group=None, cu_seqlens=local_cu, layout="contiguous",
+                              is_first_rank=not pieces[0][3], is_last_rank=not pieces[-1][4])
+        o_ref0, _ = _whole(family, d, dict(kw, decay=decay) if decay is not None else dict(kw), None, cu)
+        with torch.no_grad():
+            o_fla = kda_dropin(local["q"], local["k"], local["v"], local["g"], local["beta"], cp_context=ctx, **kw)[0]
+        assert _rel(o_fla, dist.split_tokens_for_sp(o_ref0, world, rank)) < tol, rank
 
 
 def _cp_errors(rank, world, device, rng):

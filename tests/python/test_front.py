@@ -125,8 +125,11 @@ def test_dropins_reject_what_they_cannot_honour(rng):
     q, k, v = qkv(rng)
     g = -rng.uniform(0.01, 0.5, (1, 24, 2, 16)).astype(f32)
     beta = rng.uniform(0.1, 0.9, (1, 24, 2)).astype(f32)
-    with pytest.raises(NotImplementedError, match="cp_context"):
-        cula.kda.chunk_kda(q, k, v, g, beta, cp_context=object())
+    class Zigzag:  # FLA's other context-parallel layout
+        layout = "zigzag"
+
+    with pytest.raises(NotImplementedError, match="zigzag"):
+        cula.kda.chunk_kda(q, k, v, g, beta, cp_context=Zigzag())
     with pytest.raises(TypeError, match="unexpected keyword"):
         cula.kda.chunk_kda(q, k, v, g, beta, head_first=True)
     with pytest.raises(NotImplementedError, match="gk/gv"):
