@@ -23,6 +23,12 @@ is the rank's tokens in rank order (``split_tokens_for_sp`` / ``split_cu_seqlens
 Initial states are global ``[N, HV, V, K]`` (read by the rank where a sequence starts); the final
 states of all sequences are returned on every rank. CP has no backward yet: it refuses inputs
 that require gradients (call it under ``torch.no_grad()``).
+
+Head parallelism over the same token split (``chunk_heads``, Ulysses): an all-to-all gives each
+rank every token of H / size of the heads, whole sequences run there, and an all-to-all brings the
+outputs back; exact for any number of ranks and differentiable, at the price of moving the
+activations twice. ``chunk_sp`` picks it when the heads divide over the ranks, else CP, and
+``last_plan()`` says which it picked.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from ._lib import CulaError
 from . import ops
 
 __all__ = [
-    "chunk_tp", "chunk_cp", "chunk_tp_cp", "chunk_fla_cp",
+    "chunk_tp", "chunk_cp", "chunk_tp_cp", "chunk_fla_cp", "chunk_heads", "chunk_sp", "last_plan",
     "cula_kda_tp", "cula_kda_cp", "cula_kda_tp_cp", "cula_gdn_tp", "cula_gdn_cp", "cula_gdn_tp_cp",
     "cula_lightning_tp", "cula_lightning_cp",
     "alloc_state_buffer", "alloc_decode_state_pool", "shard_heads", "split_tokens_for_sp", "split_cu_seqlens_for_sp",
@@ -281,6 +287,121 @@ def chunk_fla_cp(family, q, k, v, g=None, beta=None, decay=None, *, cp_context, 
                i == last and not cp_context.is_last_rank) for i in range(len(offsets) - 1)]
     o, _ = _cp_pieces(family, q, k, v, g, beta, decay, dist, cp_context.group, rank, pieces, True, None, opts)
     return o, None
+
+
+# ---------------------------------------------------------------- head parallelism over a token split
+
+
+def _heads_to_tokens(x, group, lengths, rank, size):
+    """[B, T_rank, h, D] -> this rank's h / size heads over every rank's tokens [B, sum T, h / size, D]
+    (an all-to-all; differentiable)."""
+    import torch
+    import torch.distributed.nn.functional as dfn
+
+    B, T, h, D = x.shape
+    per = h // size
+    send = x.reshape(B, T, size, per, D).permute(2, 0, 1, 3, 4).contiguous().reshape(-1)
+    recv = send.new_empty(B * sum(lengths) * per * D)
+    recv = dfn.all_to_all_single(recv, send, [B * t * per * D for t in lengths], [B * T * per * D] * size, group=group)
+    parts = torch.split(recv, [B * t * per * D for t in lengths])
+    return torch.cat([p.reshape(B, t, per, D) for p, t in zip(parts, lengths)], dim=1)
+
+
+def _tokens_to_heads(x, group, lengths, rank, size):
+    """The inverse of _heads_to_tokens: [B, sum T, h / size, D] -> [B, T_rank, h, D]."""
+    import torch
+    import torch.distributed.nn.functional as dfn
+
+    B, _, per, D = x.shape
+    T = lengths[rank]
+    send = torch.cat([p.reshape(-1) for p in torch.split(x, lengths, dim=1)])
+    recv = send.new_empty(size * B * T * per * D)
+    recv = dfn.all_to_all_single(recv, send, [B * T * per * D] * size, [B * t * per * D for t in lengths], group=group)
+    return recv.reshape(size, B, T, per, D).permute(1, 2, 0, 3, 4).reshape(B, T, size * per, D)
+
+
+def chunk_heads(family, q, k, v, g=None, beta=None, decay=None, *, sp_group=None, sp_size=None, sp_rank=None,
+                initial_state=None, output_final_state=True, cu_seqlens=None, A_log=None, dt_bias=None, **opts):
+    """The same contract as chunk_cp (this rank's tokens in, this rank's outputs and every final state
+    out) by head parallelism (Ulysses): an all-to-all gives each rank all the tokens of H / size of
+    the heads, Level 1 runs whole sequences there, and an all-to-all brings the outputs back. Exact:
+    each head is computed as on one GPU, for any number of ranks. Needs H and HV divisible by the
+    group size; moves the activations twice instead of folding state summaries. Differentiable."""
+    import torch
+
+    dist, size, rank = _group_info(sp_group, sp_size, sp_rank, "sp_size", "sp_rank")
+    B, T, H, K = (int(s) for s in q.shape)
+    HV, V = int(v.shape[2]), int(v.shape[3])
+    if H % size or HV % size:
+        raise CulaError(f"argument 'q': head parallelism needs H = {H} and HV = {HV} divisible by the group size "
+                        f"{size}; use chunk_cp")
+    ncu = 0 if cu_seqlens is None else int(cu_seqlens.numel())
+    _same_on_every_rank(dist, sp_group, [B, H, HV, K, V, ncu],
+                        ["q (batch size)", "q (heads)", "v (value heads)", "q (key head size)", "v (value head size)",
+                         "cu_seqlens (length)"], q.device)
+    lengths = [int(t.item()) for t in _all_gather(dist, sp_group, torch.tensor([T], dtype=torch.int64,
+                                                                                   device=q.device))]
+    if cu_seqlens is not None:
+        cu_dev = cu_seqlens.to(device=q.device, dtype=torch.int64)
+        if any(not torch.equal(x, cu_dev) for x in _all_gather(dist, sp_group, cu_dev)):
+            raise CulaError("argument 'cu_seqlens': expected the same global offsets on every rank")
+    hv_per = HV // size
+    mine = [_heads_to_tokens(x, sp_group, lengths, rank, size) for x in (q, k, v)]
+    gates = []
+    for x in (g, beta):
+        if x is None:
+            gates.append(None)
+        elif x.dim() == 3:  # [B, T, HV]
+            gates.append(_heads_to_tokens(x.unsqueeze(-1), sp_group, lengths, rank, size).squeeze(-1))
+        else:
+            gates.append(_heads_to_tokens(x, sp_group, lengths, rank, size))
+    A_log = _slice_param(A_log, HV, hv_per, rank, "A_log") if A_log is not None and A_log.numel() == HV else A_log
+    if dt_bias is not None and dt_bias.numel() in (HV, HV * K):
+        per_channel = dt_bias.numel() == HV * K
+        dt_bias = _slice_param(dt_bias, HV * (K if per_channel else 1), hv_per * (K if per_channel else 1), rank,
+                               "dt_bias")
+    if decay is not None:
+        heads = H if decay.numel() == H else HV
+        decay = _slice_param(decay, heads, heads // size, rank, "decay")
+    h0 = None if initial_state is None else initial_state[:, rank * hv_per:(rank + 1) * hv_per]
+    o, final = chunk(family, *mine, *gates, decay, A_log=A_log, dt_bias=dt_bias, initial_state=h0,
+                     output_final_state=output_final_state, cu_seqlens=cu_seqlens, state_layout="k_last",
+                     state_dtype="float32", **opts)
+    o = _tokens_to_heads(o, sp_group, lengths, rank, size)
+    if not output_final_state:
+        return o, None
+    import torch.distributed.nn.functional as dfn
+
+    return o, torch.cat(dfn.all_gather(final.contiguous(), group=sp_group), dim=1)
+
+
+_LAST_PLAN = {}
+
+
+def chunk_sp(family, q, k, v, g=None, beta=None, decay=None, *, sp_group=None, mode="auto", **kwargs):
+    """Sequence parallelism with the mode chosen: "heads" (chunk_heads: exact, differentiable, moves
+    the activations) when the heads divide over the group, else "cp" (chunk_cp: a constant-size state
+    exchange, forward only); or the mode named. last_plan() says which ran."""
+    dist = _dist()
+    size = dist.get_world_size(sp_group)
+    if mode not in ("auto", "heads", "cp"):
+        raise CulaError(f"argument 'mode': expected 'auto', 'heads' or 'cp', got {mode!r}")
+    H, HV = int(q.shape[2]), int(v.shape[2])
+    if mode == "auto":
+        mode = "heads" if H % size == 0 and HV % size == 0 else "cp"
+        why = (f"H = {H} and HV = {HV} divide over {size} ranks" if mode == "heads" else
+               f"H = {H} or HV = {HV} does not divide over {size} ranks")
+    else:
+        why = "named by the caller"
+    _LAST_PLAN.clear()
+    _LAST_PLAN.update(mode=mode, reason=why)
+    fn = chunk_heads if mode == "heads" else chunk_cp
+    return fn(family, q, k, v, g, beta, decay, sp_group=sp_group, **kwargs)
+
+
+def last_plan():
+    """{"mode": "heads" | "cp", "reason": ...} of the last chunk_sp call of this process."""
+    return dict(_LAST_PLAN)
 
 
 def chunk_tp_cp(family, q, k, v, g=None, beta=None, decay=None, *, tp_group=None, sp_group=None, tp_size=None,

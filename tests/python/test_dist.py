@@ -130,6 +130,38 @@ def _cp_varlen(rank, world, device, rng, family):
         assert _rel(o_fla, dist.split_tokens_for_sp(o_ref0, world, rank)) < tol, rank
 
 
+def _heads(rank, world, device, rng, family):
+    """Head parallelism over a token split (and chunk_sp's choice): exact, with autograd."""
+    seqlens = [5, 0, 70, 3, 90, 0, 12]
+    cu = torch.tensor(np.cumsum([0] + seqlens), dtype=torch.int32, device=device)
+    d, kw, h0 = _problem(rng, family, 1, sum(seqlens), 4, 4, 32, 32, device, N=len(seqlens))
+    leaves = {n: x.clone().requires_grad_() for n, x in d.items()}
+    o_ref, s_ref = _whole(family, leaves, dict(kw), h0, cu)
+    w = torch.randn(o_ref.shape, generator=torch.Generator().manual_seed(3)).to(device)
+    grads_ref = torch.autograd.grad((o_ref.float() * w).sum(), list(leaves.values()))
+    mine = {n: dist.split_tokens_for_sp(x, world, rank).detach().clone().requires_grad_() for n, x in d.items()}
+    decay = kw.pop("decay", None)
+    o, s = dist.chunk_sp(family, mine["q"], mine["k"], mine["v"], mine.get("g"), mine.get("beta"), decay,
+                         initial_state=h0, cu_seqlens=cu, **kw)
+    assert dist.last_plan()["mode"] == "heads"
+    same = torch.equal if device == "cpu" else (lambda a, b: _rel(a, b) < TOL_CUDA)
+    assert same(o, dist.split_tokens_for_sp(o_ref, world, rank)), rank
+    assert same(s, s_ref), rank
+    grads = torch.autograd.grad((o.float() * dist.split_tokens_for_sp(w, world, rank)).sum(), list(mine.values()))
+    for n, g, gr in zip(mine, grads, grads_ref):
+        assert same(g, dist.split_tokens_for_sp(gr, world, rank)), (rank, n)
+    if world > 1:  # 3 heads do not divide over the ranks: the planner takes context parallelism
+        d3, kw3, _ = _problem(rng, "gdn", 1, 40, 3, 3, 32, 32, device)
+        loc3 = {n: dist.split_tokens_for_sp(x, world, rank) for n, x in d3.items()}
+        with torch.no_grad():
+            dist.chunk_sp("gdn", loc3["q"], loc3["k"], loc3["v"], loc3["g"], loc3["beta"], **kw3)
+        assert dist.last_plan()["mode"] == "cp", dist.last_plan()
+
+
+def _heads_all(rank, world, device, rng):
+    _each(_heads, FAMILIES)(rank, world, device, rng)
+
+
 def _cp_errors(rank, world, device, rng):
     d, kw, h0 = _problem(rng, "gdn", 1, 40, 1, 1, 16, 16, device)
     local = {n: dist.split_tokens_for_sp(x, world, rank) for n, x in d.items()}
@@ -227,6 +259,13 @@ def test_context_parallel_dense_matches_one_process(rng, backend, world):
 def test_context_parallel_varlen_with_sequences_across_ranks(rng, backend, world):
     """Packed sequences (empty ones too) cut by the rank boundaries, one across three ranks."""
     _spawn(_cp_varlen_all, _world(backend, world), backend, int(rng.integers(1 << 31)))
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("world", [2, 4])
+def test_head_parallel_sequence_split_is_exact_with_gradients(rng, backend, world):
+    """chunk_sp's head mode (all-to-all): every family, packed sequences, bit for bit on the host."""
+    _spawn(_heads_all, _world(backend, world), backend, int(rng.integers(1 << 31)))
 
 
 @pytest.mark.parametrize("backend", _backends())
