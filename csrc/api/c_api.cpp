@@ -1,5 +1,6 @@
 // The C ABI: validation, then one dispatch table per op.
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <string>
 
@@ -156,6 +157,13 @@ const char* cula_explained_kernel(void) { return g_explained_kernel.c_str(); }
 const char* cula_explained_declines(void) { return g_explained_declines.c_str(); }
 
 cula_status cula_chunk_bwd(const cula_chunk_bwd_args* args) {
+  // Callers built before `decay` was appended pass the shorter struct: read as decay = NULL.
+  cula_chunk_bwd_args full{};
+  if (args && args->struct_size == offsetof(cula_chunk_bwd_args, decay)) {
+    std::memcpy(&full, args, args->struct_size);
+    full.struct_size = sizeof(full);
+    args = &full;
+  }
   return enter(kChunkBwd, "chunk_bwd", "cula_chunk_bwd_args", args, validate_chunk_bwd, Entry::Run);
 }
 

@@ -196,7 +196,8 @@ typedef struct cula_chunk_bwd_args {
   cula_tensor* dA_log;
   cula_tensor* ddt_bias;
   cula_tensor* d_initial_state;
-  const cula_tensor* decay; /* Lightning's per-head decay rate [H] or [HV] */
+  const cula_tensor* decay; /* Lightning's per-head decay rate [H] or [HV]; appended: a struct_size that
+                              ends before it (callers built before it) reads as decay = NULL */
 } cula_chunk_bwd_args;
 
 CULA_API cula_status cula_chunk_bwd(const cula_chunk_bwd_args* args);

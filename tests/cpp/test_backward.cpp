@@ -1,6 +1,7 @@
 // The reference backward against central finite differences of the reference forward.
 #include <gtest/gtest.h>
 
+#include <cstddef>
 #include <functional>
 
 #include "helpers.h"
@@ -131,4 +132,28 @@ TEST(Backward, ReferenceGradientsMatchFiniteDifferences) {
     SCOPED_TRACE(c.name);
     check_case(c, fresh_seed());
   }
+}
+
+TEST(Backward, ArgumentStructOfCallersBuiltBeforeDecayIsAccepted) {
+  // The struct as it was before `decay` was appended (struct_size ends at d_initial_state).
+  Problem p;
+  p.family = CULA_GDN;
+  p.dtype = CULA_FLOAT64;
+  p.state_dtype = CULA_FLOAT64;
+  p.B = 1, p.T = 4, p.H = 1, p.HV = 1, p.K = 3, p.V = 2;
+  p.make(fresh_seed());
+  HostTensor d_out({p.B, p.T, p.HV, p.V}, CULA_FLOAT64), dq = p.q;
+  std::mt19937_64 rng(7);
+  d_out.fill_normal(rng);
+  dq.poison();
+  cula_chunk_bwd_args b{};
+  b.opt = p.options(CULA_BACKEND_ORACLE);
+  b.q = p.q.cptr(), b.k = p.k.cptr(), b.v = p.v.cptr(), b.g = p.g.cptr(), b.beta = p.beta.cptr();
+  b.d_out = d_out.cptr();
+  b.dq = dq.ptr();
+  b.struct_size = offsetof(cula_chunk_bwd_args, decay);
+  ASSERT_EQ(cula_chunk_bwd(&b), CULA_OK) << cula_last_error();
+  EXPECT_TRUE(all_finite(dq));
+  b.struct_size = offsetof(cula_chunk_bwd_args, decay) - sizeof(void*);  // older than any release: refused
+  EXPECT_EQ(cula_chunk_bwd(&b), CULA_ERROR_INVALID_ARGUMENT);
 }
