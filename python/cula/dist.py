@@ -100,6 +100,19 @@ def _slice_param(x, per_head_total, per_head_local, rank, name):
 # ---------------------------------------------------------------- tensor parallelism
 
 
+def _rank_head_params(A_log, dt_bias, decay, H, HV, K, size, rank):
+    """A_log [HV], dt_bias [HV * K] or [HV] and decay [H] or [HV] for this rank's H q/k heads and HV
+    value heads, each given for all heads (sliced here) or for this rank's."""
+    A_log = _slice_param(A_log, HV * size, HV, rank, "A_log")
+    per_channel = dt_bias is not None and dt_bias.numel() in (HV * K, HV * K * size)
+    dt_bias = _slice_param(dt_bias, HV * (K if per_channel else 1) * size, HV * (K if per_channel else 1), rank,
+                           "dt_bias")
+    if decay is not None:
+        heads = HV if decay.numel() in (HV, HV * size) and decay.numel() != H * size else H
+        decay = _slice_param(decay, heads * size, heads, rank, "decay")
+    return A_log, dt_bias, decay
+
+
 def chunk_tp(family, q, k, v, g=None, beta=None, decay=None, *, tp_group=None, tp_size=None, tp_rank=None,
              A_log=None, dt_bias=None, initial_state=None, **opts):
     """Level 1's chunked forward on this rank's heads (q, k [B, T, H/tp, K]; v [B, T, HV/tp, V]).
@@ -109,13 +122,7 @@ def chunk_tp(family, q, k, v, g=None, beta=None, decay=None, *, tp_group=None, t
     _same_on_every_rank(dist, tp_group, [int(q.shape[0]), int(q.shape[1]), H, HV, K, int(v.shape[3])],
                         ["q (batch size)", "q (tokens)", "q (heads per rank)", "v (value heads per rank)",
                          "q (key head size)", "v (value head size)"], q.device)
-    A_log = _slice_param(A_log, HV * size, HV, rank, "A_log")
-    per_channel = dt_bias is not None and dt_bias.numel() in (HV * K, HV * K * size)
-    dt_bias = _slice_param(dt_bias, HV * (K if per_channel else 1) * size, HV * (K if per_channel else 1), rank,
-                           "dt_bias")
-    if decay is not None:
-        heads = HV if decay.numel() in (HV, HV * size) and decay.numel() != H * size else H
-        decay = _slice_param(decay, heads * size, heads, rank, "decay")
+    A_log, dt_bias, decay = _rank_head_params(A_log, dt_bias, decay, H, HV, K, size, rank)
     return chunk(family, q, k, v, g, beta, decay, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
                  state_layout="k_last", state_dtype="float32", **opts)
 
@@ -409,15 +416,8 @@ def chunk_tp_cp(family, q, k, v, g=None, beta=None, decay=None, *, tp_group=None
     """Heads sharded over tp_group and tokens over sp_group (a 2-D grid of ranks): context
     parallelism over this rank's heads, per-head parameters sliced as chunk_tp does."""
     dist, size, rank = _group_info(tp_group, tp_size, tp_rank, "tp_size", "tp_rank")
-    HV, K = int(v.shape[2]), int(q.shape[3])
-    A_log = _slice_param(A_log, HV * size, HV, rank, "A_log")
-    per_channel = dt_bias is not None and dt_bias.numel() in (HV * K, HV * K * size)
-    dt_bias = _slice_param(dt_bias, HV * (K if per_channel else 1) * size, HV * (K if per_channel else 1), rank,
-                           "dt_bias")
-    if decay is not None:
-        H = int(q.shape[2])
-        heads = HV if decay.numel() in (HV, HV * size) and decay.numel() != H * size else H
-        decay = _slice_param(decay, heads * size, heads, rank, "decay")
+    A_log, dt_bias, decay = _rank_head_params(A_log, dt_bias, decay, int(q.shape[2]), int(v.shape[2]),
+                                              int(q.shape[3]), size, rank)
     return chunk_cp(family, q, k, v, g, beta, decay, sp_group=sp_group, sp_size=sp_size, sp_rank=sp_rank,
                     A_log=A_log, dt_bias=dt_bias, **opts)
 

@@ -564,22 +564,17 @@ void cuda_recurrent_bwd(const Recurrence& r, const cula_chunk_bwd_args& a) {
   if (r.K != 64 && r.K != 128 && r.K != 256)
     throw_unsupported(op, "the CUDA backward takes K in {64, 128, 256}, got K = " + std::to_string(r.K) +
                               "; use host tensors (the CPU reference) for other head sizes");
-  using Named = std::pair<const cula_tensor*, const char*>;
-  for (auto [t, name] : {Named{a.initial_state, "initial_state"}, Named{a.d_final_state, "d_final_state"},
-                         Named{a.cu_seqlens, "cu_seqlens"}, Named{a.dt_bias, "dt_bias"}, Named{a.A_log, "A_log"},
-                         Named{a.decay, "decay"}})
-    if (t && !is_contiguous(*t)) throw_arg(op, name, "a contiguous tensor for the CUDA kernel", "a strided view");
-  if (a.cu_seqlens && a.cu_seqlens->device_type != CULA_CUDA)
-    throw_arg(op, "cu_seqlens", "a tensor on the device of q for the CUDA kernel (no host synchronisation)",
-              describe(a.cu_seqlens));
-
-  // The forward's parameters from the same inputs (out, final state and pools unused).
+  // The forward's parameters from the same inputs (out, final state and pools unused), and the
+  // forward's rules for inputs the CUDA kernels read (device offsets, contiguous parameters).
   cula_chunk_fwd_args fa{};
   fa.struct_size = sizeof(fa);
   fa.opt = a.opt;
   fa.q = a.q, fa.k = a.k, fa.v = a.v, fa.g = a.g, fa.beta = a.beta, fa.decay = a.decay;
   fa.A_log = a.A_log, fa.dt_bias = a.dt_bias, fa.cu_seqlens = a.cu_seqlens, fa.initial_state = a.initial_state;
   fa.out = const_cast<cula_tensor*>(a.d_out);  // read only: its strides, not written
+  if (const UnreadableInput u = first_unreadable_input(fa); u.name) throw_arg(op, u.name, u.expected, u.given);
+  if (a.d_final_state && !is_contiguous(*a.d_final_state))
+    throw_arg(op, "d_final_state", "a contiguous tensor for the CUDA kernel", "a strided view");
   BwdParams bp{};
   bp.f = make_fwd_params(r, fa);
   bp.dO = a.d_out->data, bp.dO_dt = a.d_out->dtype;
