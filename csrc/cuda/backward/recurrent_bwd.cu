@@ -191,7 +191,22 @@ __device__ __forceinline__ void row_dots(const float (&x)[kRows][EPL], const flo
   for (int r = 0; r < kRows; ++r) out[r] = __shfl_sync(0xffffffffu, mine, dev::scatter_lane<kRows>(r));
 }
 
-// The forward step on the rows: S' = S * decay; u = v - S'^T k (delta rule) or v; S = S' + beta k u^T.
+// The value each row writes, from the decayed state S' of the rows: u = v - S'^T k with the delta
+// rule, else v.
+template <int EPL>
+__device__ __forceinline__ void written_values(const float (&sp)[kRows][EPL], const Token<EPL>& x, bool delta,
+                                               float (&u)[kRows], int lane) {
+  if (delta) {
+    row_dots<EPL>(sp, x.k, u, lane);
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) u[r] = x.v[r] - u[r];
+  } else {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) u[r] = x.v[r];
+  }
+}
+
+// The forward step on the rows: S' = S * decay; u = written_values; S = S' + beta k u^T.
 template <int EPL>
 __device__ __forceinline__ void forward_step(float (&s)[kRows][EPL], const Token<EPL>& x, bool delta, int lane) {
 #pragma unroll
@@ -199,14 +214,7 @@ __device__ __forceinline__ void forward_step(float (&s)[kRows][EPL], const Token
 #pragma unroll
     for (int e = 0; e < EPL; ++e) s[r][e] *= x.dec[e];
   float u[kRows];
-  if (delta) {
-    row_dots<EPL>(s, x.k, u, lane);
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) u[r] = x.v[r] - u[r];
-  } else {
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) u[r] = x.v[r];
-  }
+  written_values<EPL>(s, x, delta, u, lane);
 #pragma unroll
   for (int r = 0; r < kRows; ++r)
 #pragma unroll
@@ -323,14 +331,7 @@ __global__ void __launch_bounds__(kThreads, 1) recurrent_bwd_kernel(const BwdPar
       }
       const float(&dO)[kRows] = x.dO;
       float u[kRows];
-      if (p.delta) {
-        row_dots<EPL>(sp, x.k, u, lane);
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) u[r] = x.v[r] - u[r];
-      } else {
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) u[r] = x.v[r];
-      }
+      written_values<EPL>(sp, x, p.delta, u, lane);
       // o_t = S_t^T q^: dq^ = S_t dO, and D += q^ dO^T
       float dq[EPL], dk[EPL], da[EPL];
 #pragma unroll
