@@ -147,6 +147,24 @@ def _pieces(cu, start, end, rank, size):
     return pieces
 
 
+def _token_split(dist, group, q, v, cu_seqlens):
+    """Every rank's number of tokens, in rank order, after checking that the ranks agree on the rest
+    of the shapes and on the global offsets."""
+    import torch
+
+    B, T, H, K = (int(s) for s in q.shape)
+    ncu = 0 if cu_seqlens is None else int(cu_seqlens.numel())
+    _same_on_every_rank(dist, group, [B, H, int(v.shape[2]), K, int(v.shape[3]), ncu],
+                        ["q (batch size)", "q (heads)", "v (value heads)", "q (key head size)", "v (value head size)",
+                         "cu_seqlens (length)"], q.device)
+    lengths = [int(t.item()) for t in _all_gather(dist, group, torch.tensor([T], dtype=torch.int64, device=q.device))]
+    if cu_seqlens is not None:
+        cu_dev = cu_seqlens.to(device=q.device, dtype=torch.int64)
+        if any(not torch.equal(x, cu_dev) for x in _all_gather(dist, group, cu_dev)):
+            raise CulaError("argument 'cu_seqlens': expected the same global offsets on every rank")
+    return lengths
+
+
 def _refuse_cp_options(opts, q, k, v, g, beta, initial_state):
     import torch
 
@@ -175,20 +193,13 @@ def chunk_cp(family, q, k, v, g=None, beta=None, decay=None, *, sp_group=None, s
     B, T, H, K = (int(s) for s in q.shape)
     HV, V = int(v.shape[2]), int(v.shape[3])
     dev = q.device
-    ncu = 0 if cu_seqlens is None else int(cu_seqlens.numel())
-    _same_on_every_rank(dist, sp_group, [B, H, HV, K, V, ncu],
-                        ["q (batch size)", "q (heads)", "v (value heads)", "q (key head size)", "v (value head size)",
-                         "cu_seqlens (length)"], dev)
-    lengths = [int(t.item()) for t in _all_gather(dist, sp_group, torch.tensor([T], dtype=torch.int64, device=dev))]
+    lengths = _token_split(dist, sp_group, q, v, cu_seqlens)
     start = sum(lengths[:rank])
     end, total = start + T, sum(lengths)
     if cu_seqlens is not None:
         if B != 1:
             raise CulaError(f"argument 'q': expected batch size 1 when cu_seqlens is given (sequences packed along T), "
                             f"got batch size {B}")
-        cu_dev = cu_seqlens.to(device=dev, dtype=torch.int64)
-        if any(not torch.equal(x, cu_dev) for x in _all_gather(dist, sp_group, cu_dev)):
-            raise CulaError("argument 'cu_seqlens': expected the same global offsets on every rank")
         cu = [int(x) for x in cu_seqlens.tolist()]
         if cu[0] != 0 or cu[-1] != total or any(b < a for a, b in zip(cu, cu[1:])):
             raise CulaError(f"argument 'cu_seqlens': expected non-decreasing global offsets from 0 to the total "
@@ -338,20 +349,11 @@ def chunk_heads(family, q, k, v, g=None, beta=None, decay=None, *, sp_group=None
 
     dist, size, rank = _group_info(sp_group, sp_size, sp_rank, "sp_size", "sp_rank")
     B, T, H, K = (int(s) for s in q.shape)
-    HV, V = int(v.shape[2]), int(v.shape[3])
+    HV = int(v.shape[2])
     if H % size or HV % size:
         raise CulaError(f"argument 'q': head parallelism needs H = {H} and HV = {HV} divisible by the group size "
                         f"{size}; use chunk_cp")
-    ncu = 0 if cu_seqlens is None else int(cu_seqlens.numel())
-    _same_on_every_rank(dist, sp_group, [B, H, HV, K, V, ncu],
-                        ["q (batch size)", "q (heads)", "v (value heads)", "q (key head size)", "v (value head size)",
-                         "cu_seqlens (length)"], q.device)
-    lengths = [int(t.item()) for t in _all_gather(dist, sp_group, torch.tensor([T], dtype=torch.int64,
-                                                                                   device=q.device))]
-    if cu_seqlens is not None:
-        cu_dev = cu_seqlens.to(device=q.device, dtype=torch.int64)
-        if any(not torch.equal(x, cu_dev) for x in _all_gather(dist, sp_group, cu_dev)):
-            raise CulaError("argument 'cu_seqlens': expected the same global offsets on every rank")
+    lengths = _token_split(dist, sp_group, q, v, cu_seqlens)
     hv_per = HV // size
     mine = [_heads_to_tokens(x, sp_group, lengths, rank, size) for x in (q, k, v)]
     gates = []
