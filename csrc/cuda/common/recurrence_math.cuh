@@ -23,6 +23,18 @@ __device__ __forceinline__ float activate_gate(float x, float eA, bool has_lb, f
   return has_lb ? __fdividef(lb, 1.0f + exp_ftz(-eA * x)) : softplus_gate(x, eA);
 }
 
+// The same gate in IEEE precision (expf, log1pf, a true divide), for the standalone gate op, whose
+// output is a tensor the caller keeps: lb * sigmoid(eA x), else -eA softplus(x).
+__device__ __forceinline__ float activate_gate_precise(float x, float eA, bool has_lb, float lb) {
+  if (has_lb) return lb / (1.0f + expf(-eA * x));
+  return -eA * (x > 20.0f ? x : log1pf(expf(x)));
+}
+
+// beta = mult * sigmoid(b) (SPEC §2: mult is 2 with allow_neg_eigval, else 1). The fast form
+// (__fdividef) for the kernels' inner paths; the IEEE form where one value per token is computed.
+__device__ __forceinline__ float beta_sigmoid(float b, float mult) { return __fdividef(mult, 1.0f + __expf(-b)); }
+__device__ __forceinline__ float beta_sigmoid_precise(float b, float mult) { return mult / (1.0f + __expf(-b)); }
+
 // activate_gate over N elements, with the branch on the (uniform) options outside the element
 // loop: one branch per element made each exponential a divergent region of its own, so they ran
 // one MUFU latency after another.

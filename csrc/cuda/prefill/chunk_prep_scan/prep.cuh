@@ -12,51 +12,13 @@
 #include "cuda/kerutils/mma.cuh"
 #include "cuda/prefill/chunk_common.cuh"
 #include "cuda/prefill/chunk_prep_scan/config.cuh"
+#include "cuda/prefill/chunk_prep_scan/prep_common.cuh"
+#include "cuda/prefill/chunk_prep_scan/prep_kt_am.cuh"
+#include "cuda/prefill/chunk_prep_scan/prep_minv.cuh"
+#include "cuda/prefill/chunk_prep_scan/prep_table.cuh"
 
 namespace cula {
 namespace chunk_prep_scan {
-
-// Rows of the per-channel exponent table.
-__device__ __forceinline__ int tab_pair(int I, int J) { return I * (I - 1) / 2 + J; }  // e^{G_bI - G_bJ}, J < I
-constexpr int kTabEb = 6;     // + I: e^{G_bI}
-constexpr int kTabEd = 10;    // + J: e^{G_last - G_bJ}
-constexpr int kTabLast = 14;  // e^{G_last}
-
-// The forms of KDA's gate pass: lb sigmoid(eA (x + dt_bias)) (use_gate_in_kernel with a lower
-// bound), -eA softplus(x + dt_bias) (without one), or a precomputed log-decay g.
-enum KdaGateForm : int { kBoundedGate, kSoftplusGate, kLogDecay };
-
-// Block pair number m >= 0 of the lower triangle, (0,0) (1,0) (1,1) (2,0) ... (3,3) for m = 0..9, as
-// (I, J); I = J = -1 for m >= 10.
-__device__ __forceinline__ void pair_of(int m, int& I, int& J) {
-  I = m < 1 ? 0 : m < 3 ? 1 : m < 6 ? 2 : m < 10 ? 3 : -1;
-  J = I < 0 ? -1 : m - I * (I + 1) / 2;
-}
-
-// fn(i) for i = tid, tid + NT, ... below N: one guarded call where N <= NT (K = 256 has more
-// channels than GDN's and GLA's 128 threads).
-template <int N, int NT, class Fn>
-__device__ __forceinline__ void for_strided(int tid, Fn&& fn) {
-#pragma unroll
-  for (int j = 0; j < (N + NT - 1) / NT; ++j)
-    if (tid + j * NT < N) fn(tid + j * NT);
-}
-
-// Eight consecutive per-channel factors (two 16-byte loads from shared memory).
-__device__ __forceinline__ void load8(const float* p, float (&f)[8]) {
-  *reinterpret_cast<float4*>(f) = *reinterpret_cast<const float4*>(p);
-  *reinterpret_cast<float4*>(f + 4) = *reinterpret_cast<const float4*>(p + 4);
-}
-// Eight bf16 values (16 bytes) times their channels' factors, each rounded once.
-__device__ __forceinline__ uint4 scale8(uint4 v, const float (&f)[8]) {
-  uint32_t* w = reinterpret_cast<uint32_t*>(&v);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float2 x = unpack(w[j]);
-    w[j] = pack(x.x * f[2 * j], x.y * f[2 * j + 1]);
-  }
-  return v;
-}
 
 // kAnyDecay (KDA): any gate form and decay, with the steep-block machinery; without it (the bounded
 // in-kernel gate, lower_bound >= -5: kda_bounded_gate) the pass and the pair products carry none
@@ -71,7 +33,7 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
   constexpr bool kSteep = !F::kDelta || kAnyDecay;  // steep diagonal blocks taken per element
   using Ly = PrepLayout<K, F>;
   using Wk = Work<K, F>;
-  constexpr int LDK = Ly::LDK, LDT = Ly::LDT, MS = Ly::MS;
+  constexpr int LDK = Ly::LDK, MS = Ly::MS;
   constexpr int KS = K / 16;
   constexpr int NW = prep_warps<F>(), NT = 32 * NW, KH = NW / 4;  // KH: warps per row block
   static_assert(KH == 1 || (F::kDelta && !F::kScalarGate), "8 prep warps: KDA");
@@ -285,7 +247,7 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
     float b = 0.0f;
     if (F::kDelta && row_loads) {
       b = dev::from_bits(beta_bits, p.beta_dt);
-      if (p.beta_sigmoid) b = __fdividef(p.beta_mult, 1.0f + __expf(-b));
+      if (p.beta_sigmoid) b = dev::beta_sigmoid(b, p.beta_mult);
     }
     beta_s[tid] = b;
     gs_s[tid] = F::kScalarGate && p.gate_kind == GateKind::Scalar && row_loads ? dev::from_bits(gs_bits, p.g_dt) : 0.0f;
@@ -571,35 +533,8 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
     }
   }
   if constexpr (!F::kScalarGate) {
-    // ---- per-channel exponent table; without the delta rule (and for KDA's steep channels) the
-    // right operands (Kt) are taken through the last row of their block, so the pair and Kd
-    // factors are too (all <= 1)
-    // (8 warps: the pair rows by the first K threads, the others by the next K)
-    for_strided<KH * K, NT>(tid, [&](int i) {
-      const int c = i % K;
-      float gb[4], ge[4], gl = 0.0f;
-#pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        gb[b] = gl + bfirst_s[b * K + c];
-        gl += bsum_s[b * K + c];
-        // the row the right operands of block b are taken through: its last (GLA; KDA's steep
-        // channels) or its first (KDA's Kr)
-        ge[b] = !F::kDelta || (kAnyDecay && kda_steep(bfirst_s[b * K + c], bsum_s[b * K + c])) ? gl : gb[b];
-      }
-      if (KH == 1 || i < K)
-#pragma unroll
-        for (int b = 1; b < 4; ++b)
-#pragma unroll
-          for (int a = 0; a < b; ++a) tab[tab_pair(b, a) * K + c] = dev::exp_ftz(gb[b] - ge[a]);
-      if (KH == 1 || i >= K) {
-#pragma unroll
-        for (int b = 0; b < 4; ++b) {
-          tab[(kTabEb + b) * K + c] = dev::exp_ftz(gb[b]);
-          tab[(kTabEd + b) * K + c] = dev::exp_ftz(gl - ge[b]);
-        }
-        tab[kTabLast * K + c] = dev::exp_ftz(gl);
-      }
-    });
+    // ---- per-channel exponent table (prep_table.cuh)
+    exponent_table<K, F, kAnyDecay, KH, NT>(tid, bfirst_s, bsum_s, tab);
     __syncthreads();  // B_c: Kr and the table visible
   }
 
@@ -883,19 +818,8 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
       w_kd_pass();
     }
   }
-  // Diagonal blocks of Minv: lane c < 16 solves column c by substitution, in fp32.
-  if (kh == 0 && lane < 16) {
-    float xcol[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      float acc = i == lane ? 1.0f : 0.0f;
-#pragma unroll
-      for (int l = 0; l < i; ++l) acc -= m_s[(bI + i) * MS + bI + l] * xcol[l];
-      xcol[i] = acc;
-    }
-#pragma unroll
-    for (int i = 0; i < 16; ++i) t_s[(bI + i) * LDT + bI + lane] = __float2bfloat16_rn(xcol[i]);
-  }
+  // Diagonal blocks of Minv (prep_minv.cuh)
+  if (kh == 0 && lane < 16) invert_diagonal_block<Ly>(m_s, t_s, bI, lane);
   if (overlap_w_kd) {
     if (kh == 0) mbar::named_sync(1, 32 * NW);  // B_f: diagonal inverses visible (warps 4-7 arrived)
   } else {
@@ -903,90 +827,8 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
     if constexpr (F::kDelta && !F::kScalarGate)
       if (kh == 1) w_kd_pass();
   }
-  // Off-diagonal blocks by halves (the first four warps): Minv = [[Ainv, 0], [-Dinv C Ainv, Dinv]]
-  // for M = [[A, 0], [C, D]] split at row 32. Blocks (1,0) and (3,2) (the halves' inverses: Minv_10
-  // = -Minv_11 M_10 Minv_00) by warps 0 and 1; then the bottom-left quarter, block (r,c) = -sum_P Z_rP
-  // Minv_Pc with Z_rP = sum_{L=2..r} Minv_rL M_LP, one block per warp. The products with a diagonal
-  // inverse only go before the halves' barrier, so the chain is four products deep (it was nine, in
-  // warp 0, behind three shared-memory round trips) and every warp has a share.
-  // Z stays in registers: an accumulator is the A fragment of the next product.
-  {
-    auto m_frag_b = [&](int Lb, int Pb, uint32_t (&b)[4]) {  // M block (Lb, Pb) as the B operand [k][n], bf16
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {  // n-tile r / 2, k rows 2t (+ 8 for odd r)
-        const float* col = m_s + (16 * Lb + 2 * t + 8 * (r & 1)) * MS + 16 * Pb + 8 * (r >> 1) + g;
-        b[r] = pack(col[0], col[MS]);
-      }
-    };
-    auto t_frag_a = [&](int Ib, int Lb, uint32_t (&a)[4]) {
-      mma::ldsm_x4(a, t_s + (16 * Ib + mma::a_row(lane)) * LDT + 16 * Lb + mma::a_col(lane));
-    };
-    auto t_frag_b = [&](int Lb, int Pb, uint32_t (&b)[4]) {
-      mma::ldsm_x4_t(b, t_s + (16 * Lb + mma::bk_row(lane)) * LDT + 16 * Pb + mma::bk_col(lane));
-    };
-    auto mma2 = [](float (&x)[2][4], const uint32_t (&a)[4], const uint32_t (&b)[4]) {
-      mma::mma16816(x[0], a, b[0], b[1]);
-      mma::mma16816(x[1], a, b[2], b[3]);
-    };
-    auto as_a = [](const float (&x)[2][4], uint32_t (&a)[4]) {  // accumulator -> A fragment
-      a[0] = pack(x[0][0], x[0][1]), a[1] = pack(x[0][2], x[0][3]);
-      a[2] = pack(x[1][0], x[1][1]), a[3] = pack(x[1][2], x[1][3]);
-    };
-    auto store_neg = [&](int Ib, int Jb, const float (&x)[2][4]) {
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh)
-          u32at(t_s + (16 * Ib + g + 8 * hh) * LDT + 16 * Jb + nt * 8 + 2 * t) = pack(-x[nt][2 * hh], -x[nt][2 * hh + 1]);
-    };
-    if (kh == 0) {
-      uint32_t a[4], b[4];
-      if (I < 2) {  // the halves: (1,0) by warp 0, (3,2) by warp 1
-        const int Ib = 2 * I + 1, Jb = 2 * I;
-        float z[2][4] = {}, x[2][4] = {};
-        t_frag_a(Ib, Ib, a);
-        m_frag_b(Ib, Jb, b);
-        mma2(z, a, b);
-        as_a(z, a);
-        t_frag_b(Jb, Jb, b);
-        mma2(x, a, b);
-        store_neg(Ib, Jb, x);
-      }
-      // bottom-left quarter: warp 0 (3,1), warp 1 (2,1), warp 2 (2,0), warp 3 (3,0)
-      const int r = I == 1 || I == 2 ? 2 : 3, c = I >= 2 ? 0 : 1;
-      float z[2][2][4] = {};  // Z_rP, P = c..1 (unrolled: register arrays)
-      t_frag_a(r, r, a);
-#pragma unroll
-      for (int P = 0; P < 2; ++P)  // Z_rP = Minv_rr M_rP (+ Minv_32 M_2P after the barrier, r = 3)
-        if (P >= c) {
-          m_frag_b(r, P, b);
-          mma2(z[P], a, b);
-        }
-      // B_f2: (1,0) and (3,2) visible to the first four warps (all warps take part in the
-      // block-barriers-only mode, where warps 4-7 are not busy elsewhere)
-      mbar::named_sync(2, overlap_w_kd ? 128 : NT);
-      if (r == 3) {
-        t_frag_a(3, 2, a);
-#pragma unroll
-        for (int P = 0; P < 2; ++P)
-          if (P >= c) {
-            m_frag_b(2, P, b);
-            mma2(z[P], a, b);
-          }
-      }
-      float x[2][4] = {};
-#pragma unroll
-      for (int P = 0; P < 2; ++P)
-        if (P >= c) {
-          as_a(z[P], a);
-          t_frag_b(P, c, b);
-          mma2(x, a, b);
-        }
-      store_neg(r, c, x);
-    } else if (!overlap_w_kd) {
-      mbar::named_sync(2, NT);
-    }
-  }
+  // Off-diagonal blocks of Minv by halves (prep_minv.cuh)
+  invert_off_diagonal<Ly, NT, overlap_w_kd>(m_s, t_s, I, kh, lane, g, t);
   __syncthreads();  // B_g: Minv complete (KDA: W', Kd written, Kr no longer read)
   if constexpr (!F::kScalarGate) {  // KDA: tril(A_qk) in fp32 into the Kr buffer
     each_pair([&](int q, int nt, int hh, int gi, int gj) {
@@ -998,99 +840,15 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
       *reinterpret_cast<float2*>(af_s + gi * MS + gj) = make_float2(aqk[q][nt][2 * hh], aqk[q][nt][2 * hh + 1]);
     });
   }
-  // Kt = Minv^T Kd (Kd in the k tile), written transposed: Kt^T = Kd^T Minv, [channel][token], the
-  // A operand of the scan's state update as it reads it (K-major). Each warp its 16-channel tiles:
-  // token block Jb of Kt^T = sum_{Ib >= Jb} (Kd_Ib)^T Minv_{Ib,Jb}, Kd^T as A fragments (ldmatrix
-  // .trans of the k tile), the ten Minv blocks as B fragments loaded once.
-  // (KDA: before B_h, since it reads neither tril(A_qk) nor anything written after B_g, so the warps
-  // reach B_h with this work done instead of waiting there for the tril(A_qk) writes: -1..-1.5%;
-  // GDN's 4-warp prep measured 2% slower in that order, so it stays after AM)
-  auto kt_pass = [&] {
-    if (16 * NW <= K || 16 * warp < K) {  // (8 warps at K = 64: four idle)
-      constexpr int KT = cmax(1, K / (16 * NW));  // 16-channel tiles per warp
-      uint32_t mb[4][4][4];  // Minv block (Ib, Jb), Jb <= Ib, as the B operand [token i][token j]
-#pragma unroll
-      for (int Ib = 0; Ib < 4; ++Ib)
-#pragma unroll
-        for (int Jb = 0; Jb <= Ib; ++Jb)
-          mma::ldsm_x4_t(mb[Ib][Jb], t_s + (16 * Ib + mma::bk_row(lane)) * LDT + 16 * Jb + mma::bk_col(lane));
-      bf16* kto = reinterpret_cast<bf16*>(blk + Wk::oKt);
-#pragma unroll 1
-      for (int c0 = 16 * KT * warp, c1 = c0 + 16 * KT; c0 < c1; c0 += 16) {
-        float acc[4][2][4] = {};
-#pragma unroll
-        for (int Ib = 0; Ib < 4; ++Ib) {
-          uint32_t a[4];
-          mma::ldsm_x4_t(a, ck_s + (16 * Ib + mma::at_row(lane)) * LDK + c0 + mma::at_col(lane));
-#pragma unroll
-          for (int Jb = 0; Jb <= Ib; ++Jb) {
-            mma::mma16816(acc[Jb][0], a, mb[Ib][Jb][0], mb[Ib][Jb][1]);
-            mma::mma16816(acc[Jb][1], a, mb[Ib][Jb][2], mb[Ib][Jb][3]);
-          }
-        }
-#pragma unroll
-        for (int Jb = 0; Jb < 4; ++Jb)
-#pragma unroll
-          for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh)
-              u32at(kto + (c0 + g + 8 * hh) * kBT + 16 * Jb + 8 * nt + 2 * t) = pack(acc[Jb][nt][2 * hh], acc[Jb][nt][2 * hh + 1]);
-      }
-    }
-  };
+  // Kt = Minv^T Kd, written transposed (prep_kt_am.cuh). KDA: before B_h, since it reads neither
+  // tril(A_qk) nor anything written after B_g (-1..-1.5%); GDN measured 2% slower in that order,
+  // so it stays after AM.
+  auto kt_pass = [&] { kt_product<K, NW, Ly>(t_s, ck_s, reinterpret_cast<bf16*>(blk + Wk::oKt), warp, lane, g, t); };
   if constexpr (!F::kScalarGate) kt_pass();
   __syncthreads();  // B_h: tril(A_qk) visible
 
-  // Vnew = U + W S = Minv Y with Y = beta v + W' S, W' = -beta k e^G (the scan forms Y from v read
-  // from the input), so the intra-chunk part of o is A Vnew = (tril(A_qk) Minv) Y and the state
-  // update Kd^T Vnew = Kt^T Y with Kt = Minv^T Kd (GDN: Kd = diag(ks e^{G_last - G}) k): no U, W
-  // products here and no v tile.
-  // AM = tril(A_qk) Minv, block (Ib, Cb) = sum_{Jb=Cb..Ib} A_{Ib,Jb} Minv_{Jb,Cb}; the ten lower
-  // block pairs dealt as for the pair products (4-6 k-steps per warp); A from fp32 as bf16 hi + lo
-  // for the diagonal blocks, which come out as hi + lo, and as bf16 for those below the diagonal,
-  // which come out as one bf16 plane.
-  // (8 warps: the pairs dealt by cost, Ib - Cb + 1 steps: (3,0); (2,0); (3,1); (1,0); (2,1) and
-  // (1,1); (3,2) and (2,2); (3,3); (0,0), as pair numbers in two nibble tables)
-  bf16* amo = reinterpret_cast<bf16*>(blk + Wk::oA);
-#pragma unroll
-  for (int q = 0; q < (KH == 2 ? 2 : 3); ++q) {
-    int Ib = pi[q], Cb = pj[q];
-    if (KH == 2) pair_of(((q == 0 ? 0x09841736u : 0xFF52FFFFu) >> (4 * warp)) & 15, Ib, Cb);
-    if (Ib < 0) continue;
-    float acc[2][4] = {};
-    // A's lo part only where the output keeps a lo plane (the diagonal blocks, one k-step): a block
-    // written as one bf16 plane is rounded to bf16 anyway
-    const bool a_lo = Wk::kAPlanes == 2 && Ib == Cb;
-    for (int Jb = Cb; Jb <= Ib; ++Jb) {
-      uint32_t ah[4], al[4], b[4];
-#pragma unroll
-      for (int rr = 0; rr < 4; ++rr) {
-        const float2 x = *reinterpret_cast<const float2*>(af_s + (16 * Ib + g + 8 * (rr & 1)) * MS + 16 * Jb + 2 * t + 8 * (rr >> 1));
-        ah[rr] = pack(x.x, x.y);
-        const float2 h2 = unpack(ah[rr]);
-        al[rr] = pack(x.x - h2.x, x.y - h2.y);
-      }
-      mma::ldsm_x4_t(b, t_s + (16 * Jb + mma::bk_row(lane)) * LDT + 16 * Cb + mma::bk_col(lane));
-      mma::mma16816(acc[0], ah, b[0], b[1]);
-      mma::mma16816(acc[1], ah, b[2], b[3]);
-      if (a_lo) {
-        mma::mma16816(acc[0], al, b[0], b[1]);
-        mma::mma16816(acc[1], al, b[2], b[3]);
-      }
-    }
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int at = (16 * Ib + g + 8 * hh) * kBT + 16 * Cb + nt * 8 + 2 * t;
-        const uint32_t hi = pack(acc[nt][2 * hh], acc[nt][2 * hh + 1]);
-        u32at(amo + at) = hi;
-        if (a_lo) {  // the lo plane (a diagonal block)
-          const float2 h2 = unpack(hi);
-          u32at(amo + kBT * kBT + at) = pack(acc[nt][2 * hh] - h2.x, acc[nt][2 * hh + 1] - h2.y);
-        }
-      }
-  }
+  // AM = tril(A_qk) Minv (prep_kt_am.cuh)
+  am_product<KH, QP, Ly, Wk>(pi, pj, af_s, t_s, reinterpret_cast<bf16*>(blk + Wk::oA), warp, lane, g, t);
   if constexpr (F::kScalarGate) kt_pass();
 }
 
