@@ -11,6 +11,7 @@
 
 #include "common/error.h"
 #include "cuda/runtime/check.h"
+#include "cuda/common/recurrence_math.cuh"
 #include "cuda/gate/kda_gate.h"
 #include "cuda/runtime/runtime.h"
 
@@ -39,15 +40,8 @@ __global__ void kda_gate_kernel(const Tin* __restrict__ g, const float* __restri
     const int h = static_cast<int>((i / K) % HV);
     float x = to_float(g[i]);
     if (dt_bias) x += dt_bias[h * K + k];
-    float a;
-    if (has_lb) {
-      const float z = A_log ? expf(A_log[h]) * x : x;
-      a = lb / (1.0f + expf(-z));
-    } else {
-      const float sp = x > 20.0f ? x : log1pf(expf(x));
-      a = -expf(A_log[h]) * sp;
-    }
-    out[i] = from_float<Tout>(a);
+    const float eA = A_log ? expf(A_log[h]) : 1.0f;
+    out[i] = from_float<Tout>(dev::activate_gate_precise(x, eA, has_lb, lb));
   }
 }
 
