@@ -3,6 +3,7 @@
 #include <cstddef>
 #include <cstring>
 #include <string>
+#include <tuple>
 
 #include "common/error.h"
 #include "common/parallel.h"
@@ -26,41 +27,80 @@
 namespace cula {
 namespace {
 
-// One row of a dispatch table: which backend, on which device, runs what.
-template <typename Args>
+// One row of a dispatch table: which backend, on which device, runs what. Problem: what the op's
+// validator returns (the recurrence; the gate op's shape).
+template <typename Args, typename Problem = Recurrence>
 struct Kernel {
   int32_t backend;
   int32_t device_type;
   const char* name;
-  void (*run)(const Recurrence&, const Args&);
-  // Why the row declines the call (AUTO tries the next row), or nullptr when it takes it; no
-  // predicate: the row takes every call of its device (and refuses in run what it cannot do).
-  const char* (*declines)(const Recurrence&, const Args&) = nullptr;
+  void (*run)(const Problem&, const Args&);
+  // Why the row will not run the call (Refusal: AUTO tries the next row), or Refusal::takes(); no
+  // predicate: the row takes every call of its device. Every backend-specific input rule lives
+  // here, so the capability answer (explain) states it before anything runs.
+  Refusal (*declines)(const Problem&, const Args&) = nullptr;
 };
+
+// A predicate that names only why (the tensor-core engines'), as a refusal of kind Unsupported.
+template <typename Args, const char* (*Why)(const Recurrence&, const Args&)>
+Refusal cannot(const Recurrence& r, const Args& a) {
+  const char* why = Why(r, a);
+  return why ? Refusal::unsupported(why) : Refusal::takes();
+}
 
 // float64 inputs ask for float64 arithmetic: AUTO sends them to the reference, not the float32 path.
 template <typename Args>
-const char* float64_inputs(const Recurrence& r, const Args&) {
-  return r.q.t->dtype == CULA_FLOAT64 ? "float64 inputs (the float64 reference takes them)" : nullptr;
+Refusal float64_inputs(const Recurrence& r, const Args&) {
+  return r.q.t->dtype == CULA_FLOAT64 ? Refusal::prefers("float64 inputs (the float64 reference takes them)") : Refusal::takes();
 }
+
+// The gate op: its CUDA kernel reads g, A_log and dt_bias as contiguous tensors, the parameters as float32.
+Refusal cuda_kda_gate_declines(const KdaGateShape&, const cula_kda_gate_args& a) {
+  for (auto [t, name, fp32] : {std::tuple<const cula_tensor*, const char*, bool>{a.g, "g", false},
+                               {a.A_log, "A_log", true}, {a.dt_bias, "dt_bias", true}}) {
+    if (!t) continue;
+    const bool dense = is_contiguous(*t);
+    if (!dense || (fp32 && t->dtype != CULA_FLOAT32))
+      return Refusal::bad_argument(name, fp32 ? "a contiguous float32 tensor for the CUDA kernel" : "a contiguous tensor for the CUDA kernel",
+                                   describe(t) + (dense ? "" : " (a strided view)"));
+  }
+  return Refusal::takes();
+}
+void run_cuda_kda_gate(const KdaGateShape& s, const cula_kda_gate_args& a) { cuda_kda_gate(a, s.HV, s.K); }
+void run_cpu_kda_gate(const KdaGateShape& s, const cula_kda_gate_args& a) { cpu_kda_gate(a, *a.g, s.HV, s.K); }
 
 // Tables are ordered best first; AUTO takes the first row for the tensors' device.
 const Kernel<cula_chunk_fwd_args> kChunkFwd[] = {
-    {CULA_BACKEND_CUDA, CULA_CUDA, "cuda_fused", cuda_chunk_fwd_fused, chunk_fwd_fused_declines},
-    {CULA_BACKEND_CUDA, CULA_CUDA, "cuda_mma", cuda_chunk_fwd_mma, chunk_fwd_mma_declines},
-    {CULA_BACKEND_CUDA, CULA_CUDA, "cuda", cuda_recurrent_fwd},
+    {CULA_BACKEND_CUDA, CULA_CUDA, "cuda_fused", cuda_chunk_fwd_fused, cannot<cula_chunk_fwd_args, chunk_fwd_fused_declines>},
+    {CULA_BACKEND_CUDA, CULA_CUDA, "cuda_mma", cuda_chunk_fwd_mma, cannot<cula_chunk_fwd_args, chunk_fwd_mma_declines>},
+    {CULA_BACKEND_CUDA, CULA_CUDA, "cuda", cuda_recurrent_fwd, cuda_recurrent_fwd_declines},
     {CULA_BACKEND_CPU, CULA_CPU, "cpu", cpu_chunk_fwd, float64_inputs},
     {CULA_BACKEND_ORACLE, CULA_CPU, "reference", reference_chunk_fwd},
 };
 const Kernel<cula_decode_args> kDecode[] = {
-    {CULA_BACKEND_CUDA, CULA_CUDA, "cuda", cuda_decode},
+    {CULA_BACKEND_CUDA, CULA_CUDA, "cuda", cuda_decode, cuda_decode_declines},
     {CULA_BACKEND_CPU, CULA_CPU, "cpu", cpu_decode, float64_inputs},
     {CULA_BACKEND_ORACLE, CULA_CPU, "reference", reference_decode},
 };
 const Kernel<cula_chunk_bwd_args> kChunkBwd[] = {
-    {CULA_BACKEND_CUDA, CULA_CUDA, "cuda", cuda_recurrent_bwd},
+    {CULA_BACKEND_CUDA, CULA_CUDA, "cuda", cuda_recurrent_bwd, cuda_recurrent_bwd_declines},
     {CULA_BACKEND_ORACLE, CULA_CPU, "reference", reference_chunk_bwd},
 };
+const Kernel<cula_kda_gate_args, KdaGateShape> kKdaGate[] = {
+    {CULA_BACKEND_CUDA, CULA_CUDA, "cuda", run_cuda_kda_gate, cuda_kda_gate_declines},
+    {CULA_BACKEND_CPU, CULA_CPU, "cpu", run_cpu_kda_gate},
+    // (the CPU gate is elementwise in float64: it is its own reference)
+    {CULA_BACKEND_ORACLE, CULA_CPU, "reference", run_cpu_kda_gate},
+};
+
+// What an op computes, for the "no kernel runs ..." error.
+const char* problem_name(const Recurrence& r) { return r.tr.name; }
+const char* problem_name(const KdaGateShape&) { return "the KDA gate"; }
+
+// The device of an op's tensors (validated to agree): the gate op has no q.
+template <typename Args>
+int32_t device_of(const Args& a) { return a.q->device_type; }
+int32_t device_of(const cula_kda_gate_args& a) { return a.g->device_type; }
 
 const char* backend_name(int32_t b) {
   switch (b) {
@@ -72,25 +112,29 @@ const char* backend_name(int32_t b) {
 }
 
 // AUTO: the first row for the tensors' device that takes the call. An explicit backend: the first
-// of its rows that takes the call, else its last (most general) row. Each row tried and declined
-// adds "name: why" to declined (when given).
-template <typename Args, size_t N>
-const Kernel<Args>* select(const Kernel<Args> (&table)[N], const char* op, const Recurrence& r, const Args& args,
-                           int32_t backend, int32_t device_type, std::string* declined = nullptr) {
-  const Kernel<Args>* fallback = nullptr;
+// of its rows that takes the call, else its last row that only prefers another (float64 inputs on
+// the CPU). When no row takes the call, the last refusal is its error (named argument, expected,
+// given; or what is unsupported). Each row tried and declined adds "name: why" to declined.
+template <typename Args, typename Problem, size_t N>
+const Kernel<Args, Problem>* select(const Kernel<Args, Problem> (&table)[N], const char* op, const Problem& r,
+                                    const Args& args, int32_t backend, int32_t device_type, std::string* declined = nullptr) {
+  const Kernel<Args, Problem>* fallback = nullptr;
+  Refusal last;
   for (const auto& k : table) {
     const bool mine = backend == CULA_BACKEND_AUTO ? k.device_type == device_type : k.backend == backend;
     if (!mine) continue;
     if (k.device_type != device_type)
       throw_arg(op, "backend", std::string("a backend for ") + (device_type == CULA_CUDA ? "CUDA" : "host") + " tensors",
                 std::string(backend_name(backend)) + ", which runs on " + (k.device_type == CULA_CUDA ? "CUDA" : "host") + " tensors");
-    const char* why = k.declines ? k.declines(r, args) : nullptr;
+    const Refusal why = k.declines ? k.declines(r, args) : Refusal::takes();
     if (!why) return &k;
-    if (declined) *declined += std::string(k.name) + ": " + why + "\n";
-    if (backend != CULA_BACKEND_AUTO) fallback = &k;
+    if (declined) *declined += std::string(k.name) + ": " + why.reason() + "\n";
+    if (why.kind == Refusal::Prefers && backend != CULA_BACKEND_AUTO) fallback = &k;
+    if (why.kind != Refusal::Prefers) last = why;
   }
   if (fallback) return fallback;
-  throw_unsupported(op, std::string("no ") + backend_name(backend) + " kernel in this build runs " + r.tr.name + " on " +
+  if (last) last.raise(op);
+  throw_unsupported(op, std::string("no ") + backend_name(backend) + " kernel in this build runs " + problem_name(r) + " on " +
                             (device_type == CULA_CUDA ? "CUDA tensors yet; use host tensors (the CPU backend)"
                                                       : "host tensors"));
 }
@@ -103,26 +147,26 @@ enum class Entry { Run, Explain };
 
 // An op's C entry: the arguments checked and validated, then the table's row for the call run
 // (Run) or only named, with why each row before it declined (Explain).
-template <typename Args, size_t N>
-cula_status enter(const Kernel<Args> (&table)[N], const char* op, const char* args_type, const Args* args,
-                  Recurrence (*validate)(const Args&), Entry what) {
+template <typename Args, typename Problem, size_t N>
+cula_status enter(const Kernel<Args, Problem> (&table)[N], const char* op, const char* args_type, const Args* args,
+                  Problem (*validate)(const Args&), Entry what) {
   return guarded([&] {
     if (!args) throw_arg(op, "args", std::string("a pointer to ") + args_type, "NULL");
-    const Recurrence r = validate(*args);
+    const Problem r = validate(*args);
     if (what == Entry::Explain) {
       std::string declined;
-      g_explained_kernel = select(table, op, r, *args, args->opt.backend, args->q->device_type, &declined)->name;
+      g_explained_kernel = select(table, op, r, *args, args->opt.backend, device_of(*args), &declined)->name;
       g_explained_declines = declined;
       return;
     }
-    const Kernel<Args>* k = select(table, op, r, *args, args->opt.backend, args->q->device_type);
+    const Kernel<Args, Problem>* k = select(table, op, r, *args, args->opt.backend, device_of(*args));
     k->run(r, *args);
     g_last_kernel = k->name;
   });
 }
 
-template <typename Args, size_t N>
-const char* first_name(const Kernel<Args> (&table)[N], int32_t device_type) {
+template <typename Args, typename Problem, size_t N>
+const char* first_name(const Kernel<Args, Problem> (&table)[N], int32_t device_type) {
   // The backend (not the kernel row: several rows may share one backend, see cula_last_kernel).
   for (const auto& k : table)
     if (k.device_type == device_type)
@@ -156,46 +200,33 @@ cula_status cula_decode_explain(const cula_decode_args* args) {
 const char* cula_explained_kernel(void) { return g_explained_kernel.c_str(); }
 const char* cula_explained_declines(void) { return g_explained_declines.c_str(); }
 
-cula_status cula_chunk_bwd(const cula_chunk_bwd_args* args) {
-  // Callers built before `decay` was appended pass the shorter struct: read as decay = NULL.
-  cula_chunk_bwd_args full{};
+// Callers built before `decay` was appended pass the shorter struct: read as decay = NULL.
+const cula_chunk_bwd_args* current_bwd_args(const cula_chunk_bwd_args* args, cula_chunk_bwd_args& full) {
   if (args && args->struct_size == offsetof(cula_chunk_bwd_args, decay)) {
+    full = cula_chunk_bwd_args{};
     std::memcpy(&full, args, args->struct_size);
     full.struct_size = sizeof(full);
-    args = &full;
+    return &full;
   }
-  return enter(kChunkBwd, "chunk_bwd", "cula_chunk_bwd_args", args, validate_chunk_bwd, Entry::Run);
+  return args;
+}
+
+cula_status cula_chunk_bwd(const cula_chunk_bwd_args* args) {
+  cula_chunk_bwd_args full;
+  return enter(kChunkBwd, "chunk_bwd", "cula_chunk_bwd_args", current_bwd_args(args, full), validate_chunk_bwd, Entry::Run);
+}
+
+cula_status cula_chunk_bwd_explain(const cula_chunk_bwd_args* args) {
+  cula_chunk_bwd_args full;
+  return enter(kChunkBwd, "chunk_bwd", "cula_chunk_bwd_args", current_bwd_args(args, full), validate_chunk_bwd, Entry::Explain);
 }
 
 cula_status cula_kda_gate(const cula_kda_gate_args* args) {
-  return guarded([&] {
-    const char* op = "kda_gate";
-    if (!args) throw_arg(op, "args", "a pointer to cula_kda_gate_args", "NULL");
-    const cula_kda_gate_args& a = *args;
-    const KdaGateShape shape = validate_kda_gate(a);
-    const int64_t HV = shape.HV, K = shape.K;
-    const int32_t dev = a.g->device_type;
-    // The CUDA kernel reads g, A_log and dt_bias as contiguous tensors, the parameters as float32.
-    auto cuda_ready = [&](const cula_tensor* t, const char* name, bool fp32) {
-      if (!t) return;
-      const bool dense = is_contiguous(*t);
-      if (!dense || (fp32 && t->dtype != CULA_FLOAT32))
-        throw_arg(op, name, fp32 ? "a contiguous float32 tensor for the CUDA kernel" : "a contiguous tensor for the CUDA kernel",
-                  describe(t) + (dense ? "" : " (a strided view)"));
-    };
-    const int32_t backend = a.opt.backend == CULA_BACKEND_AUTO ? (dev == CULA_CUDA ? CULA_BACKEND_CUDA : CULA_BACKEND_CPU)
-                                                               : a.opt.backend;
-    if (backend == CULA_BACKEND_CUDA) {
-      if (dev != CULA_CUDA) throw_arg(op, "backend", "a host backend for host tensors", "CUDA");
-      cuda_ready(a.g, "g", false);
-      cuda_ready(a.A_log, "A_log", true);
-      cuda_ready(a.dt_bias, "dt_bias", true);
-      cuda_kda_gate(a, HV, K);
-    } else {
-      if (dev != CULA_CPU) throw_arg(op, "backend", "CUDA (or AUTO) for CUDA tensors", backend_name(backend));
-      cpu_kda_gate(a, *a.g, HV, K);
-    }
-  });
+  return enter(kKdaGate, "kda_gate", "cula_kda_gate_args", args, validate_kda_gate, Entry::Run);
+}
+
+cula_status cula_kda_gate_explain(const cula_kda_gate_args* args) {
+  return enter(kKdaGate, "kda_gate", "cula_kda_gate_args", args, validate_kda_gate, Entry::Explain);
 }
 
 const char* cula_last_error(void) { return last_error(); }
@@ -235,7 +266,7 @@ const char* cula_backend_for(const char* op, int32_t device_type, int32_t family
   if (o == "chunk_fwd") return first_name(kChunkFwd, device_type);
   if (o == "decode") return first_name(kDecode, device_type);
   if (o == "chunk_bwd") return first_name(kChunkBwd, device_type);
-  if (o == "kda_gate") return device_type == CULA_CUDA ? "cuda" : "cpu";
+  if (o == "kda_gate") return first_name(kKdaGate, device_type);
   return "none";
 }
 

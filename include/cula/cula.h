@@ -236,11 +236,14 @@ CULA_API cula_status cula_cuda_device_info(int32_t device, char* buf, size_t buf
 CULA_API const char* cula_backend_for(const char* op, int32_t device_type, int32_t family);
 
 /* The capability answer for a call, without running it: validates args as cula_chunk_fwd /
- * cula_decode do (same errors), then records which kernel (dispatch-table row, as
- * cula_last_kernel names it) would run the call and why each row tried before it declined.
+ * cula_decode / cula_chunk_bwd / cula_kda_gate do (same errors), then records which kernel
+ * (dispatch-table row, as cula_last_kernel names it) would run the call and why each row tried
+ * before it declined. When no row takes the call it fails with the error the op would return.
  * Outputs are neither read nor written. Read the answer with the two functions below. */
 CULA_API cula_status cula_chunk_fwd_explain(const cula_chunk_fwd_args* args);
 CULA_API cula_status cula_decode_explain(const cula_decode_args* args);
+CULA_API cula_status cula_chunk_bwd_explain(const cula_chunk_bwd_args* args);
+CULA_API cula_status cula_kda_gate_explain(const cula_kda_gate_args* args);
 /* After a successful *_explain on this thread: the kernel's name, and one "row: reason" line per
  * row that declined the call ("" when the first row takes it). */
 CULA_API const char* cula_explained_kernel(void);

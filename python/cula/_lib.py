@@ -134,6 +134,8 @@ def _load():
         ("cula_kda_gate", KdaGateArgs),
         ("cula_chunk_fwd_explain", ChunkFwdArgs),
         ("cula_decode_explain", DecodeArgs),
+        ("cula_chunk_bwd_explain", ChunkBwdArgs),
+        ("cula_kda_gate_explain", KdaGateArgs),
     ]:
         f = getattr(lib, fn)
         f.argtypes = [ctypes.c_void_p]  # the address of an argument buffer laid out as argtype

@@ -8,6 +8,8 @@ runs cula's kernels where cula has one for the call (others fall through to FLA'
 
 from __future__ import annotations
 
+import functools
+
 from . import kda as _kda
 from . import ops
 
@@ -20,6 +22,22 @@ _registered = False
 def _device_ok(op, x):
     dev = x.device.type if hasattr(x, "device") else "cpu"
     return ops.backend_for(op, dev) != "none", dev
+
+
+@functools.lru_cache(maxsize=64)
+def _cuda_decode_head_size(K: int, V: int, dtype, device):
+    """None when the library's CUDA decode takes head sizes K, V in this dtype, else its reason:
+    asked of the library once per (K, V, dtype, device) through explain() on a one-token probe, so
+    the rule lives in the decode row's declines predicate, not here."""
+    import torch
+
+    x = lambda *s, dt=dtype: torch.ones(*s, dtype=dt, device=device)  # noqa: E731
+    try:
+        ops.explain("decode", x(1, 1, 1, K), x(1, 1, 1, K), x(1, 1, 1, V), x(1, 1, V, K, dt=torch.float32),
+                    g=x(1, 1, 1, K), beta=x(1, 1, 1))
+    except (ops.CulaError, NotImplementedError, ValueError) as e:
+        return str(e)
+    return None
 
 
 def _grad_needed(*tensors) -> bool:
@@ -63,8 +81,10 @@ def register(priority: int = 1) -> None:
                 return False, f"cula has no decode kernel for {dev} tensors"
             if beta.ndim == v.ndim:
                 return False, "cula does not support head-wise (per-V) beta"
-            if dev == "cuda" and q.shape[-1] not in (64, 128, 256):
-                return False, f"cula's CUDA decode takes K in (64, 128, 256), got {q.shape[-1]}"
+            if dev == "cuda":
+                why = _cuda_decode_head_size(q.shape[-1], v.shape[-1], q.dtype, q.device)
+                if why:
+                    return False, f"cula's CUDA decode declines the call: {why}"
             return True, None
 
         def fused_recurrent_kda_fwd(self, q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, scale=None,

@@ -165,7 +165,7 @@ def decode(q, k, v, state_pool, *, mode="kda", g=None, beta=None, decay=None, st
 def chunk_bwd(family, q, k, v, g, beta, d_out, *, decay=None, d_final_state=None, scale=None, initial_state=None,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
               allow_neg_eigval=False, safe_gate=False, lower_bound=None, A_log=None, dt_bias=None, cu_seqlens=None,
-              state_layout="k_last", backend="auto", grads=None):
+              state_layout="k_last", backend="auto", grads=None, _entry=None):
     """Backward of every family: returns a dict with dq, dk, dv, dg (gated families), dbeta
     (delta families), dA_log and ddt_bias (gate in kernel, when given) and d_initial_state.
     Lightning takes its constant decay and has no decay gradient. Deterministic: the same call
@@ -191,11 +191,12 @@ def chunk_bwd(family, q, k, v, g, beta, d_out, *, decay=None, d_final_state=None
                        safe_gate=safe_gate, lower_bound=lower_bound, beta_sigmoid=use_beta_sigmoid_in_kernel,
                        allow_neg_eigval=allow_neg_eigval, state_layout=state_layout, backend=backend,
                        stream=stream_of(arrays.get("q")))
-    call(_lib.ChunkBwdArgs, _lib.LIB.cula_chunk_bwd, opt, {**arrays, **grads})
+    call(_lib.ChunkBwdArgs, _entry or _lib.LIB.cula_chunk_bwd, opt, {**arrays, **grads})
     return {n: x for n, x in grads.items() if x is not None}
 
 
-def kda_gate(g, A_log=None, dt_bias=None, lower_bound=None, safe_gate=False, output_dtype="float32", backend="auto"):
+def kda_gate(g, A_log=None, dt_bias=None, lower_bound=None, safe_gate=False, output_dtype="float32", backend="auto",
+             _entry=None):
     """KDA gate activation (FLA fused_kda_gate): -exp(A_log) softplus(g + dt_bias), or with a lower
     bound lb * sigmoid(exp(A_log) (g + dt_bias)). g [B,T,HV,K]; returns an array shaped like g."""
     g, A_log, dt_bias = as_array(g, "g"), as_array(A_log, "A_log"), as_array(dt_bias, "dt_bias")
@@ -204,7 +205,7 @@ def kda_gate(g, A_log=None, dt_bias=None, lower_bound=None, safe_gate=False, out
         raise CulaError(f"argument 'output_dtype': expected 'float32' or 'bfloat16', got {output_dtype!r}")
     out = empty_like_family(g, tuple(g.shape), output_dtype)
     opt = _lib.options("kda", lower_bound=lower_bound, safe_gate=safe_gate, backend=backend, stream=stream_of(g))
-    call(_lib.KdaGateArgs, _lib.LIB.cula_kda_gate, opt, {"g": g, "A_log": A_log, "dt_bias": dt_bias, "g_out": out})
+    call(_lib.KdaGateArgs, _entry or _lib.LIB.cula_kda_gate, opt, {"g": g, "A_log": A_log, "dt_bias": dt_bias, "g_out": out})
     return out
 
 
@@ -224,10 +225,12 @@ class Explanation(NamedTuple):
 
 
 def explain(op, *args, **kwargs) -> Explanation:
-    """Which kernel would run ``op(*args, **kwargs)`` ("chunk_fwd" or "decode", the arguments of
-    chunk_fwd / decode) and why the rows before it declined, without running it. The call is
-    validated as the op validates it (same errors); outputs are allocated but not written."""
-    entries = {"chunk_fwd": (chunk_fwd, "cula_chunk_fwd_explain"), "decode": (decode, "cula_decode_explain")}
+    """Which kernel would run ``op(*args, **kwargs)`` ("chunk_fwd", "decode", "chunk_bwd" or
+    "kda_gate", with that op's arguments) and why the rows before it declined, without running it.
+    The call is validated as the op validates it (same errors; a call no row takes raises the op's
+    error); outputs are allocated but not written."""
+    entries = {"chunk_fwd": (chunk_fwd, "cula_chunk_fwd_explain"), "decode": (decode, "cula_decode_explain"),
+               "chunk_bwd": (chunk_bwd, "cula_chunk_bwd_explain"), "kda_gate": (kda_gate, "cula_kda_gate_explain")}
     if op not in entries:
         raise CulaError(f"argument 'op': expected one of {sorted(entries)}, got {op!r}")
     fn, entry = entries[op]

@@ -290,5 +290,8 @@ def test_explain_names_the_kernel_and_why_the_rows_before_it_declined(rng):
     assert d.kernel == "cpu"
     with pytest.raises(cula.CulaError, match="argument 'beta'"):  # validated as the op validates
         cula.explain("chunk_fwd", "kda", q, k, v, g, beta[:, :3])
+    do = rng.standard_normal((B, T, H, K)).astype(np.float32)
+    assert cula.explain("chunk_bwd", "kda", q, k, v, g, beta, do).kernel == "reference"
+    assert cula.explain("kda_gate", g, A_log=np.zeros(H, np.float32)).kernel == "cpu"
     with pytest.raises(cula.CulaError, match="argument 'op'"):
-        cula.explain("chunk_bwd", "kda", q, k, v, g, beta)
+        cula.explain("chunk_fwd_twice", "kda", q, k, v, g, beta)

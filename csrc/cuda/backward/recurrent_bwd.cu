@@ -159,7 +159,7 @@ __global__ void prepare_tokens_kernel(const BwdParams bp) {
     float beta = 1.0f;
     if (p.delta) {
       beta = ld(p.beta, p.beta_dt, b * p.beta_s[0] + t * p.beta_s[1] + hv * p.beta_s[2]);
-      if (p.beta_sigmoid) beta = p.beta_mult / (1.0f + __expf(-beta));
+      if (p.beta_sigmoid) beta = dev::beta_sigmoid_precise(beta, p.beta_mult);
     }
     bp.beta[f * p.HV + hv] = beta;
   }
@@ -540,42 +540,36 @@ __global__ void zero_kernel(void* p, int dt, int64_t n) {
 
 void check(cudaError_t e, const char* what) { cuda_check(e, "chunk_bwd", what); }
 
-// Stream-ordered workspace from the pool of the chunk engines (graph-capturable, no host sync).
-struct Workspace {
-  void* ptr = nullptr;
-  cudaStream_t stream;
-  Workspace(int64_t bytes, int device, cudaStream_t s) : stream(s) {
-    if (bytes > 0)
-      check(cudaMallocFromPoolAsync(&ptr, static_cast<size_t>(bytes), chunk_workspace_pool(device), stream),
-            "workspace allocation");
-  }
-  ~Workspace() {
-    if (ptr) cudaFreeAsync(ptr, stream);
-  }
-  Workspace(const Workspace&) = delete;
-  Workspace& operator=(const Workspace&) = delete;
-};
-
 int64_t align256(int64_t b) { return (b + 255) / 256 * 256; }
 
-}  // namespace
-
-void cuda_recurrent_bwd(const Recurrence& r, const cula_chunk_bwd_args& a) {
-  const char* op = "chunk_bwd";
-  if (r.K != 64 && r.K != 128 && r.K != 256)
-    throw_unsupported(op, "the CUDA backward takes K in {64, 128, 256}, got K = " + std::to_string(r.K) +
-                              "; use host tensors (the CPU reference) for other head sizes");
-  // The forward's parameters from the same inputs (out, final state and pools unused), and the
-  // forward's rules for inputs the CUDA kernels read (device offsets, contiguous parameters).
+// The forward's arguments from the backward's inputs (out, final state and pools unused): the
+// forward's parameters and its rules for inputs the CUDA kernels read.
+cula_chunk_fwd_args forward_args(const cula_chunk_bwd_args& a) {
   cula_chunk_fwd_args fa{};
   fa.struct_size = sizeof(fa);
   fa.opt = a.opt;
   fa.q = a.q, fa.k = a.k, fa.v = a.v, fa.g = a.g, fa.beta = a.beta, fa.decay = a.decay;
   fa.A_log = a.A_log, fa.dt_bias = a.dt_bias, fa.cu_seqlens = a.cu_seqlens, fa.initial_state = a.initial_state;
   fa.out = const_cast<cula_tensor*>(a.d_out);  // read only: its strides, not written
-  if (const UnreadableInput u = first_unreadable_input(fa); u.name) throw_arg(op, u.name, u.expected, u.given);
+  return fa;
+}
+
+}  // namespace
+
+Refusal cuda_recurrent_bwd_declines(const Recurrence& r, const cula_chunk_bwd_args& a) {
+  if (r.K != 64 && r.K != 128 && r.K != 256)
+    return Refusal::unsupported("the CUDA backward takes K in {64, 128, 256}, got K = " + std::to_string(r.K) +
+                                "; use host tensors (the CPU reference) for other head sizes");
+  // the forward's rules for inputs the CUDA kernels read (device offsets, contiguous parameters)
+  if (const UnreadableInput u = first_unreadable_input(forward_args(a)); u.name) return Refusal::bad_argument(u.name, u.expected, u.given);
   if (a.d_final_state && !is_contiguous(*a.d_final_state))
-    throw_arg(op, "d_final_state", "a contiguous tensor for the CUDA kernel", "a strided view");
+    return Refusal::bad_argument("d_final_state", "a contiguous tensor for the CUDA kernel", "a strided view");
+  return Refusal::takes();
+}
+
+void cuda_recurrent_bwd(const Recurrence& r, const cula_chunk_bwd_args& a) {
+  const char* op = "chunk_bwd";
+  const cula_chunk_fwd_args fa = forward_args(a);
   BwdParams bp{};
   bp.f = make_fwd_params(r, fa);
   bp.dO = a.d_out->data, bp.dO_dt = a.d_out->dtype;
@@ -600,8 +594,8 @@ void cuda_recurrent_bwd(const Recurrence& r, const cula_chunk_bwd_args& a) {
   const int64_t raw_bytes = r.gate_in_kernel ? align256(BT * r.HV * n_raw * 4) + align256(BT * r.HV * 4) : 0;
   const int64_t qk_bytes = align256(BT * r.H * K * 4), dec_bytes = align256(BT * r.HV * K * 4);
   const int64_t prep_bytes = 2 * qk_bytes + dec_bytes + align256(BT * r.HV * 4);
-  Workspace ws(ckpt_bytes + scratch_bytes + part_bytes + raw_bytes + prep_bytes, device, stream);
-  char* w = static_cast<char*>(ws.ptr);
+  chunk::Workspace ws(ckpt_bytes + scratch_bytes + part_bytes + raw_bytes + prep_bytes, device, stream, op);
+  char* w = static_cast<char*>(ws.get());
   char* prep = w + ckpt_bytes + scratch_bytes + part_bytes + raw_bytes;
   bp.qh = reinterpret_cast<float*>(prep);
   bp.kh = reinterpret_cast<float*>(prep + qk_bytes);
@@ -661,7 +655,9 @@ void cuda_recurrent_bwd(const Recurrence& r, const cula_chunk_bwd_args& a) {
         if (t) zero_kernel<<<8, 256, 0, stream>>>(t->data, t->dtype, numel(*t));
     }
   }
-  check(cudaGetLastError(), "kernel launch");
+  const cudaError_t launched = cudaGetLastError();
+  ws.release();
+  check(launched, "kernel launch");
 }
 
 }  // namespace cula

@@ -323,7 +323,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
       if (gate_in_kernel) a = dev::activate_gate(a + rbias[e], eA, has_lb, p.lb);
       put(e, rq[e] * qs, rk[e] * ks, __expf(a));
     }
-    return (delta && beta_sigmoid) ? __fdividef(p.beta_mult, 1.0f + __expf(-rbeta)) : rbeta;
+    return (delta && beta_sigmoid) ? dev::beta_sigmoid(rbeta, p.beta_mult) : rbeta;
   };
   float one_q[EPL], one_k[EPL], one_a[EPL], one_beta = 0.0f;  // kOneToken: the token, in every warp
   if constexpr (kOneToken) {
@@ -498,32 +498,33 @@ void launch_state(const DecodeParams& p, int state_dtype, bool k_last, bool pdl,
 
 }  // namespace
 
-void cuda_decode(const Recurrence& r, const cula_decode_args& a) {
-  const char* op = "decode";
-  auto need_contiguous = [&](const cula_tensor* t, const char* name) {
-    if (t && !is_contiguous(*t)) throw_arg(op, name, "a contiguous tensor for the CUDA kernel", "a strided view");
-  };
+Refusal cuda_decode_declines(const Recurrence& r, const cula_decode_args& a) {
   for (auto [t, name] : {std::pair<const cula_tensor*, const char*>{a.q, "q"}, {a.k, "k"}, {a.v, "v"}, {a.g, "g"},
                          {a.beta, "beta"}, {a.out, "out"}, {a.state_pool, "state_pool"},
                          {a.state_indices, "state_indices"}, {a.num_accepted_tokens, "num_accepted_tokens"},
                          {a.decay, "decay"}, {a.A_log, "A_log"}, {a.dt_bias, "dt_bias"}})
-    need_contiguous(t, name);
-  if (a.k->dtype != a.q->dtype) throw_arg(op, "k", std::string("the dtype of q (") + dtype_name(a.q->dtype) + ")", dtype_name(a.k->dtype));
+    if (t && !is_contiguous(*t)) return Refusal::bad_argument(name, "a contiguous tensor for the CUDA kernel", "a strided view");
+  if (a.k->dtype != a.q->dtype)
+    return Refusal::bad_argument("k", std::string("the dtype of q (") + dtype_name(a.q->dtype) + ")", dtype_name(a.k->dtype));
   for (auto [t, name] : {std::pair<const cula_tensor*, const char*>{a.state_indices, "state_indices"},
                          {a.num_accepted_tokens, "num_accepted_tokens"}})
     if (t && t->device_type != CULA_CUDA)
-      throw_arg(op, name, "a tensor on the device of q for the CUDA kernel (no host synchronisation)", describe(t));
+      return Refusal::bad_argument(name, "a tensor on the device of q for the CUDA kernel (no host synchronisation)", describe(t));
   for (auto [t, name] : {std::pair<const cula_tensor*, const char*>{a.decay, "decay"}, {a.A_log, "A_log"}, {a.dt_bias, "dt_bias"}})
-    if (t && t->dtype != CULA_FLOAT32) throw_arg(op, name, "a float32 tensor for the CUDA kernel", describe(t));
+    if (t && t->dtype != CULA_FLOAT32) return Refusal::bad_argument(name, "a float32 tensor for the CUDA kernel", describe(t));
   if (a.state_pool->dtype != CULA_FLOAT32 && a.state_pool->dtype != CULA_BFLOAT16)
-    throw_arg(op, "state_pool", "a float32 or bfloat16 pool for the CUDA kernel", describe(a.state_pool));
+    return Refusal::bad_argument("state_pool", "a float32 or bfloat16 pool for the CUDA kernel", describe(a.state_pool));
   if (r.K != 64 && r.K != 128 && r.K != 256)
-    throw_unsupported(op, "the CUDA decode kernel takes K in {64, 128, 256}, got K = " + std::to_string(r.K) +
-                              "; use host tensors (the CPU backend) for other head sizes");
+    return Refusal::unsupported("the CUDA decode kernel takes K in {64, 128, 256}, got K = " + std::to_string(r.K) +
+                                "; use host tensors (the CPU backend) for other head sizes");
   if (reinterpret_cast<uintptr_t>(a.state_pool->data) % 16 != 0)
-    throw_arg(op, "state_pool", "a 16-byte aligned buffer for the CUDA kernel", "a misaligned view");
+    return Refusal::bad_argument("state_pool", "a 16-byte aligned buffer for the CUDA kernel", "a misaligned view");
   if (r.N * r.T * r.HV * r.V >= (int64_t{1} << 31) || r.N >= (1 << 30))
-    throw_unsupported(op, "problem too large for the CUDA decode kernel's 32-bit token indices");
+    return Refusal::unsupported("problem too large for the CUDA decode kernel's 32-bit token indices");
+  return Refusal::takes();
+}
+
+void cuda_decode(const Recurrence& r, const cula_decode_args& a) {
   DecodeParams p{};
   p.q = a.q->data;
   p.k = a.k->data;

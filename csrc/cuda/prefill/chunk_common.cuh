@@ -88,6 +88,34 @@ inline int64_t base_bytes(const FwdParams& p) { return p.cu ? ((p.N + 1) * 4 + 2
 
 inline void check(cudaError_t e, const char* what) { cuda_check(e, "chunk_fwd", what); }
 
+// Stream-ordered workspace from the pool (chunk_workspace_pool), released on the stream when it
+// leaves scope, also when a launch in between throws: graph-capturable, no host sync. release()
+// is the checked release for the normal path (a destructor cannot raise).
+class Workspace {
+ public:
+  Workspace(int64_t bytes, int device, cudaStream_t stream, const char* op) : stream_(stream), op_(op) {
+    if (bytes > 0)
+      cuda_check(cudaMallocFromPoolAsync(&ptr_, static_cast<size_t>(bytes), chunk_workspace_pool(device), stream), op,
+                 "workspace allocation");
+  }
+  ~Workspace() {
+    if (ptr_) cudaFreeAsync(ptr_, stream_);
+  }
+  void* get() const { return ptr_; }
+  void release() {
+    void* p = ptr_;
+    ptr_ = nullptr;
+    if (p) cuda_check(cudaFreeAsync(p, stream_), op_, "workspace release");
+  }
+  Workspace(const Workspace&) = delete;
+  Workspace& operator=(const Workspace&) = delete;
+
+ private:
+  void* ptr_ = nullptr;
+  cudaStream_t stream_;
+  const char* op_;
+};
+
 // The dynamic shared-memory limit of a kernel belongs to the function in a device's context: it
 // is set once per (kernel, device) instead of by a driver call per launch (2-6 us of host time per
 // call when the host's caches are cold).

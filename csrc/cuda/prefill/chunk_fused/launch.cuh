@@ -38,10 +38,8 @@ void run(const Recurrence& r, const FwdParams& p, int nseg, int nsub, int device
   if (pairs >= (int64_t{1} << 31) || fused_blocks >= (int64_t{1} << 31))
     throw_unsupported("chunk_fwd", "too many chunks x heads for one launch");
   if (max_chunks == 0) return;
-  void* work = nullptr;
-  if (bytes > 0)
-    chunk::check(cudaMallocFromPoolAsync(&work, static_cast<size_t>(bytes), chunk_workspace_pool(device), stream),
-                 "workspace allocation");
+  chunk::Workspace workspace(bytes, device, stream, "chunk_fwd");
+  void* const work = workspace.get();
   int32_t* chunk_base = p.cu ? static_cast<int32_t*>(work) : nullptr;
   float* const after_base = reinterpret_cast<float*>(static_cast<unsigned char*>(work) + base_bytes);
   float* fac = own_factors ? nullptr : after_base;
@@ -77,7 +75,7 @@ void run(const Recurrence& r, const FwdParams& p, int nseg, int nsub, int device
   else
     launch(std::false_type{});
   const cudaError_t launched = cudaGetLastError();
-  if (work) chunk::check(cudaFreeAsync(work, stream), "workspace release");
+  workspace.release();
   chunk::check(launched, "kernel launch");
 }
 

@@ -24,11 +24,9 @@ void run(const Recurrence& r, const FwdParams& p, int device, cudaStream_t strea
   if (prep_blocks >= (int64_t{1} << 31) || scan_blocks >= (int64_t{1} << 31))
     throw_unsupported("chunk_fwd", "too many chunks x heads for one launch");
   if (max_chunks == 0) return;
-  void* ws = nullptr;
-  chunk::check(cudaMallocFromPoolAsync(&ws, static_cast<size_t>(bytes), chunk_workspace_pool(device), stream),
-        "workspace allocation");
-  int32_t* chunk_base = p.cu ? static_cast<int32_t*>(ws) : nullptr;
-  unsigned char* work = static_cast<unsigned char*>(ws) + base_bytes;
+  chunk::Workspace ws(bytes, device, stream, "chunk_fwd");
+  int32_t* chunk_base = p.cu ? static_cast<int32_t*>(ws.get()) : nullptr;
+  unsigned char* work = static_cast<unsigned char*>(ws.get()) + base_bytes;
   if (p.cu) chunk::launch_chunk_base(p, chunk_base, stream);
   using Scan = ScanLayout<K, VB, F>;
   using Prep = PrepLayout<K, F>;
@@ -47,7 +45,7 @@ void run(const Recurrence& r, const FwdParams& p, int device, cudaStream_t strea
   chunk_scan_kernel<K, VB, F, kBlockBarriersOnly>
       <<<static_cast<unsigned>(scan_blocks), 32 * scan_warps(VB), Scan::bytes, stream>>>(p, chunk_base, work);
   const cudaError_t launched = cudaGetLastError();
-  chunk::check(cudaFreeAsync(ws, stream), "workspace release");
+  ws.release();
   chunk::check(launched, "kernel launch");
 }
 

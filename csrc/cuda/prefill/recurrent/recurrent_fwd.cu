@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(kWarps * 32) recurrent_fwd_kernel(const FwdPar
       kv[e] = cur.k[e] * ks;
     }
     float b = cur.beta;
-    if (p.beta_sigmoid) b = p.beta_mult / (1.0f + __expf(-b));
+    if (p.beta_sigmoid) b = dev::beta_sigmoid_precise(b, p.beta_mult);
     float u[kRows];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) u[r] = cur.v[r];
@@ -158,12 +158,16 @@ void check(cudaError_t e, const char* what) { cuda_check(e, "chunk_fwd", what); 
 
 }  // namespace
 
+Refusal cuda_recurrent_fwd_declines(const Recurrence& r, const cula_chunk_fwd_args& a) {
+  if (r.K != 64 && r.K != 128 && r.K != 256)
+    return Refusal::unsupported("the CUDA forward takes K in {64, 128, 256}, got K = " + std::to_string(r.K) +
+                                "; use host tensors (the CPU backend) for other head sizes");
+  if (const UnreadableInput u = first_unreadable_input(a); u.name) return Refusal::bad_argument(u.name, u.expected, u.given);
+  return Refusal::takes();
+}
+
 void cuda_recurrent_fwd(const Recurrence& r, const cula_chunk_fwd_args& a) {
   const char* op = "chunk_fwd";
-  if (r.K != 64 && r.K != 128 && r.K != 256)
-    throw_unsupported(op, "the CUDA forward takes K in {64, 128, 256}, got K = " + std::to_string(r.K) +
-                              "; use host tensors (the CPU backend) for other head sizes");
-  if (const UnreadableInput u = first_unreadable_input(a); u.name) throw_arg(op, u.name, u.expected, u.given);
   const FwdParams p = make_fwd_params(r, a);
   if (r.N == 0) return;
   check(cudaSetDevice(a.q->device_id), "cudaSetDevice");
