@@ -22,12 +22,13 @@ from .ops import (
     set_num_threads,
 )
 
+from .options import Options  # noqa: E402
 from .api import cula_decode, cula_kda, cula_lightning  # noqa: E402  (Level 1)
 
 __version__ = _LIB.cula_version().decode()
 
 __all__ = [
-    "CulaError", "CulaRuntimeError", "CulaUnsupportedError", "backend_for", "chunk_bwd", "chunk_fwd",
+    "CulaError", "CulaRuntimeError", "CulaUnsupportedError", "Options", "backend_for", "chunk_bwd", "chunk_fwd",
     "chunk_gated_delta_rule", "chunk_gdn", "chunk_gla", "chunk_kda", "chunk_lightning", "chunk_simple_gla", "decode",
     "explain", "kda_gate", "last_kernel", "set_num_threads", "__version__", "cula_kda", "cula_lightning", "cula_decode",
 ]

@@ -8,6 +8,7 @@ import sys
 from . import ops
 from ._lib import CulaError
 from ._tensor import is_torch
+from .options import NAMES as OPTION_NAMES
 
 _DIFF_NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
 
@@ -27,9 +28,7 @@ def _needs_grad(*tensors) -> bool:
 
 # The options the registered op cula::chunk_fwd takes (torch_ops.chunk_fwd); a call with others
 # (intermediate states, state pools, caller buffers) runs eagerly through cula.ops.
-_OP_OPTIONS = frozenset({"cu_seqlens", "scale", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
-                         "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "safe_gate", "lower_bound", "state_layout",
-                         "chunk_size", "output_final_state", "state_dtype"})
+_OP_OPTIONS = frozenset({*OPTION_NAMES, "cu_seqlens", "chunk_size", "output_final_state", "state_dtype"})
 
 
 def _through_op(q, opts) -> bool:
@@ -89,8 +88,7 @@ def _make_fn():
         def backward(ctx, do, dht):
             q, k, v, g, beta, A_log, dt_bias, initial_state = ctx.saved_tensors
             o = ctx.opts
-            keep = ("scale", "use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel",
-                    "allow_neg_eigval", "safe_gate", "lower_bound", "cu_seqlens", "state_layout", "decay")
+            keep = (*OPTION_NAMES, "cu_seqlens", "decay")
             grads = ops.chunk_bwd(ctx.family, q, k, v, g, beta, do.contiguous(),
                                   d_final_state=None if dht is None else dht.contiguous(), initial_state=initial_state,
                                   A_log=A_log, dt_bias=dt_bias, **{n: o[n] for n in keep if n in o})

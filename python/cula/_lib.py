@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
-import math
 import os
 import pathlib
 import struct
@@ -215,21 +214,4 @@ def check(status: int) -> None:
     raise CulaRuntimeError(msg)
 
 
-def options(family, *, scale=None, l2norm=False, gate_in_kernel=False, safe_gate=False, lower_bound=None,
-            beta_sigmoid=False, allow_neg_eigval=False, state_layout="k_last", backend="auto", stream=None):
-    if family not in FAMILIES:
-        raise CulaError(f"argument 'family': expected one of {sorted(FAMILIES)}, got {family!r}")
-    if state_layout not in LAYOUTS:
-        raise CulaError(f"argument 'state_layout': expected 'k_last' or 'k_first', got {state_layout!r}")
-    if backend not in BACKENDS:
-        raise CulaError(f"argument 'backend': expected one of {sorted(BACKENDS)}, got {backend!r}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        raise CulaError(f"argument 'scale': expected a float or None, got {type(scale).__name__}")
-    if scale is not None and math.isnan(scale):  # (NaN is the C ABI's "None": K^-0.5)
-        raise CulaError("argument 'scale': expected a finite number (or None for K^-0.5), got nan")
-    if lower_bound is not None and (isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float))):
-        raise CulaError(f"argument 'lower_bound': expected a float or None, got {type(lower_bound).__name__}")
-    # In the field order of Options (OPTIONS_PACK); stream: a cudaStream_t as an int, 0 for none.
-    return (FAMILIES[family], math.nan if scale is None else float(scale), int(bool(l2norm)), int(bool(gate_in_kernel)),
-            int(bool(safe_gate)), int(lower_bound is not None), float(lower_bound) if lower_bound is not None else 0.0,
-            int(bool(beta_sigmoid)), int(bool(allow_neg_eigval)), LAYOUTS[state_layout], BACKENDS[backend], stream or 0)
+

@@ -140,7 +140,7 @@ def _fast_ready():
 def call(args_type, entry, opt, tensors: dict, fast: bool = True, **scalars) -> None:
     """Calls a C ABI entry with its argument struct (laid out as args_type) built from `tensors`
     (field name -> array; fields not given stay NULL) and `scalars`, raising the library's error
-    as a Python exception. opt: _lib.options(...). The arrays stay alive for the call.
+    as a Python exception. opt: Options.pack(...). The arrays stay alive for the call.
 
     Torch tensors go through the fast-call module when it is built (the struct packed in C);
     anything it does not take (numpy arrays, an unknown dtype, another device) comes here, where

@@ -7,10 +7,13 @@ canonical layout) or ``"k_first"`` ([.., HV, K, V], FLA's default).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 from . import _lib
 from ._lib import CulaError
+from .options import NAMES as OPTION_NAMES
+from .options import Options
 from ._tensor import as_array, call, dtype_name, empty_like_family, is_torch, stream_of
 
 __all__ = [
@@ -49,14 +52,27 @@ def _shape(x, name, ndim):
     return tuple(x.shape)  # ints for numpy and torch alike
 
 
-def chunk_fwd(family, q, k, v, g=None, beta=None, decay=None, *, scale=None, initial_state=None,
-              output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
-              use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False, lower_bound=None,
+def _options(fn: str, options, kw: dict) -> Options:
+    """The call's options: ``options`` (an Options, or None for the defaults) with the keyword
+    options of the call on top; any other keyword is an error naming it."""
+    unknown = sorted(set(kw) - set(OPTION_NAMES))
+    if unknown:
+        raise TypeError(f"{fn}() got unexpected keyword argument(s) {unknown}")
+    if options is not None and not isinstance(options, Options):
+        raise CulaError(f"argument 'options': expected a cula.Options or None, got {type(options).__name__}")
+    return dataclasses.replace(options or Options(), **kw) if kw else (options or Options())
+
+
+def chunk_fwd(family, q, k, v, g=None, beta=None, decay=None, *, initial_state=None, output_final_state=False,
               A_log=None, dt_bias=None, cu_seqlens=None, state_pool=None, state_indices=None,
-              return_intermediate_states=False, chunk_size=64, state_layout="k_last", state_dtype=None,
-              intermediate_dtype=None, out=None, final_state_out=None, intermediate_states_out=None,
-              backend="auto", _entry=None):
+              return_intermediate_states=False, chunk_size=64, state_dtype=None, intermediate_dtype=None, out=None,
+              final_state_out=None, intermediate_states_out=None, backend="auto", options=None, _entry=None,
+              **option_kw):
     """Chunked forward of any family ("kda", "gdn", "gla", "simple_gla", "lightning").
+
+    The options (cula.Options: scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+    use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, state_layout) come as
+    keywords, or as one ``options`` object with keywords on top.
 
     Returns ``(o, final_state)`` or ``(o, final_state, intermediate_states)`` when
     ``return_intermediate_states``; final_state is None unless ``output_final_state`` (or a
@@ -65,6 +81,8 @@ def chunk_fwd(family, q, k, v, g=None, beta=None, decay=None, *, scale=None, ini
     With ``state_pool`` the initial states are read from ``state_pool[state_indices[n]]`` and the
     final states written back there in place (negative index: zero state, pool untouched).
     """
+    opts = _options("chunk_fwd", options, option_kw)
+    state_layout = opts.state_layout
     arrays = _given(q=q, k=k, v=v, g=g, beta=beta, decay=decay, initial_state=initial_state, A_log=A_log,
                     dt_bias=dt_bias, cu_seqlens=cu_seqlens, state_pool=state_pool, state_indices=state_indices, out=out)
     q, k, v = arrays.get("q"), arrays.get("k"), arrays.get("v")
@@ -92,10 +110,7 @@ def chunk_fwd(family, q, k, v, g=None, beta=None, decay=None, *, scale=None, ini
         inter = as_array(intermediate_states_out, "intermediate_states")
         if inter is None:
             inter = empty_like_family(q, shape, idt)
-    opt = _lib.options(family, scale=scale, l2norm=use_qk_l2norm_in_kernel, gate_in_kernel=use_gate_in_kernel,
-                       safe_gate=safe_gate, lower_bound=lower_bound, beta_sigmoid=use_beta_sigmoid_in_kernel,
-                       allow_neg_eigval=allow_neg_eigval, state_layout=state_layout, backend=backend,
-                       stream=stream_of(q))
+    opt = opts.pack(family, backend, stream_of(q))
     arrays["out"] = o
     if final is not None:
         arrays["final_state"] = final
@@ -137,40 +152,36 @@ def chunk_lightning(q, k, v, decay, **kw):
 
 
 def decode(q, k, v, state_pool, *, mode="kda", g=None, beta=None, decay=None, state_indices=None,
-           num_accepted_tokens=None, scale=None, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
-           use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None, A_log=None, dt_bias=None,
-           state_layout="k_last", out=None, backend="auto", _entry=None):
+           num_accepted_tokens=None, A_log=None, dt_bias=None, out=None, backend="auto", options=None, _entry=None,
+           **option_kw):
     """Decode T tokens per sequence (q [N,T,H,K]) against ``state_pool`` [P,HV,V,K], in place.
 
     ``state_indices`` [N] int32 maps sequence -> slot (negative = padding: output zeros, pool
     untouched); [N, T] int32 gives one slot per draft token for speculative decoding, with
     ``num_accepted_tokens`` [N] choosing the slot to start from (FLA fused_recurrent_kda).
-    Returns ``(o, state_pool)``.
+    Returns ``(o, state_pool)``. Options as for chunk_fwd.
     """
+    opts = _options("decode", options, option_kw)
     arrays = _given(q=q, k=k, v=v, state_pool=state_pool, g=g, beta=beta, decay=decay, state_indices=state_indices,
                     num_accepted_tokens=num_accepted_tokens, A_log=A_log, dt_bias=dt_bias, out=out)
     q = arrays.get("q")
     N, T, H, K = _shape(q, "q", 4)
     _, _, HV, V = _shape(arrays.get("v"), "v", 4)
     o = arrays["out"] if out is not None else empty_like_family(q, (N, T, HV, V))
-    opt = _lib.options(mode, scale=scale, l2norm=use_qk_l2norm_in_kernel, gate_in_kernel=use_gate_in_kernel,
-                       lower_bound=lower_bound, beta_sigmoid=use_beta_sigmoid_in_kernel,
-                       allow_neg_eigval=allow_neg_eigval, state_layout=state_layout, backend=backend,
-                       stream=stream_of(q))
+    opt = opts.pack(mode, backend, stream_of(q))
     arrays["out"] = o
     call(_lib.DecodeArgs, _entry or _lib.LIB.cula_decode, opt, arrays, fast=_entry is None)
     return o, arrays.get("state_pool")
 
 
-def chunk_bwd(family, q, k, v, g, beta, d_out, *, decay=None, d_final_state=None, scale=None, initial_state=None,
-              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
-              allow_neg_eigval=False, safe_gate=False, lower_bound=None, A_log=None, dt_bias=None, cu_seqlens=None,
-              state_layout="k_last", backend="auto", grads=None, _entry=None):
+def chunk_bwd(family, q, k, v, g, beta, d_out, *, decay=None, d_final_state=None, initial_state=None, A_log=None,
+              dt_bias=None, cu_seqlens=None, backend="auto", grads=None, options=None, _entry=None, **option_kw):
     """Backward of every family: returns a dict with dq, dk, dv, dg (gated families), dbeta
     (delta families), dA_log and ddt_bias (gate in kernel, when given) and d_initial_state.
     Lightning takes its constant decay and has no decay gradient. Deterministic: the same call
     gives bitwise-identical gradients. grads: caller buffers by name (e.g. {"dq": t}) written in
-    place of fresh ones."""
+    place of fresh ones. Options as for chunk_fwd."""
+    opts = _options("chunk_bwd", options, option_kw)
     arrays = _given(q=q, k=k, v=v, g=g, beta=beta, d_out=d_out, d_final_state=d_final_state,
                     initial_state=initial_state, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens, decay=decay)
 
@@ -187,10 +198,7 @@ def chunk_bwd(family, q, k, v, g, beta, d_out, *, decay=None, d_final_state=None
     if unknown:
         raise CulaError(f"argument 'grads': expected names among {sorted(names)}, got {unknown}")
     grads = {n: (as_array(given[n], n) if n in given else like(src)) for n, src in names.items()}
-    opt = _lib.options(family, scale=scale, l2norm=use_qk_l2norm_in_kernel, gate_in_kernel=use_gate_in_kernel,
-                       safe_gate=safe_gate, lower_bound=lower_bound, beta_sigmoid=use_beta_sigmoid_in_kernel,
-                       allow_neg_eigval=allow_neg_eigval, state_layout=state_layout, backend=backend,
-                       stream=stream_of(arrays.get("q")))
+    opt = opts.pack(family, backend, stream_of(arrays.get("q")))
     call(_lib.ChunkBwdArgs, _entry or _lib.LIB.cula_chunk_bwd, opt, {**arrays, **grads})
     return {n: x for n, x in grads.items() if x is not None}
 
@@ -204,7 +212,7 @@ def kda_gate(g, A_log=None, dt_bias=None, lower_bound=None, safe_gate=False, out
     if output_dtype not in ("float32", "bfloat16"):
         raise CulaError(f"argument 'output_dtype': expected 'float32' or 'bfloat16', got {output_dtype!r}")
     out = empty_like_family(g, tuple(g.shape), output_dtype)
-    opt = _lib.options("kda", lower_bound=lower_bound, safe_gate=safe_gate, backend=backend, stream=stream_of(g))
+    opt = Options(lower_bound=lower_bound, safe_gate=safe_gate).pack("kda", backend, stream_of(g))
     call(_lib.KdaGateArgs, _entry or _lib.LIB.cula_kda_gate, opt, {"g": g, "A_log": A_log, "dt_bias": dt_bias, "g_out": out})
     return out
 

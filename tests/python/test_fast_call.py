@@ -11,6 +11,7 @@ import pytest
 
 import cula
 from cula import _lib, _tensor, ops
+from cula.options import Options
 
 
 def test_fast_call_module_is_built_and_loaded():
@@ -62,7 +63,7 @@ def test_fast_call_packs_what_ctypes_packs(rng):
     try:
         arrays = {n: HostTensor(x) for n, x in dict(q=q, k=k, v=v, decay=decay, initial_state=h0, cu_seqlens=cu,
                                                      out=out, final_state=fin).items()}
-        opt = _lib.options("lightning", scale=0.3, state_layout="k_first")
+        opt = Options(scale=0.3, state_layout="k_first").pack("lightning")
         assert fast.call(kind, addr, opt, 64, arrays) == _lib.OK
         # an array the module does not take (a float16 one): nothing called, None
         arrays["decay"] = HostTensor(decay.astype(np.float16))
@@ -227,7 +228,7 @@ def test_what_the_fast_path_does_not_take_falls_back(rng):
 def test_fast_call_refuses_misuse():
     fc = _lib.FAST_CALL
     kind, addr, _ = _lib.FAST_ENTRIES[_lib.ChunkFwdArgs]
-    opt = _lib.options("lightning")
+    opt = Options().pack("lightning")
     with pytest.raises(TypeError):
         fc.call(kind, addr, opt, 0)  # no arrays dict
     with pytest.raises(TypeError):

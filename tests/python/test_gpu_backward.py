@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed")
 if not torch.cuda.is_available() or cula._lib.LIB.cula_cuda_device_count() == 0:
     pytest.skip("no CUDA device visible to torch and cula", allow_module_level=True)
 
-from test_gpu_chunk_mma import FAMILIES, _draw, _inputs  # noqa: E402
+from cases import FAMILIES, chunk_inputs, draw_chunk_config  # noqa: E402
 
 # The kernel computes in fp32 from the same (rounded) inputs the float64 reference reads: what
 # remains is fp32 accumulation over the sequence, far inside FLA's own backward tolerances
@@ -25,13 +25,13 @@ _BWD_OPTIONS = ("use_qk_l2norm_in_kernel", "use_gate_in_kernel", "lower_bound", 
 
 
 def _problem(rng, family):
-    c = _draw(rng, family)
+    c = draw_chunk_config(rng, family)
     c["inter"] = False
     c["V"] = int(rng.choice([48, 64, 100, 128, 256]))  # any V: rows past V are masked
     if family not in ("kda", "gdn", "gla"):
         c["K"] = int(rng.choice([64, 128, 256]))
     c["idt"] = rng.choice([torch.bfloat16, torch.float16, torch.float32])
-    d, cu, kw = _inputs(rng, c)
+    d, cu, kw = chunk_inputs(rng, c)
     kw = {n: x for n, x in kw.items() if n in _BWD_OPTIONS}
     B, T, HV, V = d["v"].shape
     N = B if cu is None else len(cu) - 1

@@ -4,6 +4,7 @@ any decay), with poisoned outputs and states. Skipped without a CUDA device."""
 
 import numpy as np
 import pytest
+from cases import FAMILIES, chunk_inputs, draw_chunk_config
 from conftest import rel, worst
 
 import cula
@@ -20,107 +21,11 @@ TOL = 5e-3  # SPEC §5 for bf16 inputs
 TOL_FP16 = 8e-3
 
 
-FAMILIES = ("kda", "gdn", "gla", "simple_gla", "lightning")
 KERNEL = dict(kda="cuda_mma", gdn="cuda_mma", gla="cuda_mma", simple_gla="cuda_fused", lightning="cuda_fused")
 
 
-def _draw(rng, family="kda"):
-    """One random configuration of everything the kernel takes."""
-    # K = 256 on the prep + scan engine (KDA, GDN, GLA); the fused engine takes 64 and 128
-    K = int(rng.choice([64, 128, 256], p=[0.4, 0.4, 0.2])) if family in ("kda", "gdn", "gla") else int(rng.choice([64, 128]))
-    varlen = bool(rng.random() < 0.4)
-    seqlens = [int(x) for x in rng.choice([0, 1, 63, 64, 65, 130, 200], size=int(rng.integers(2, 5)))]
-    if sum(seqlens) == 0:
-        seqlens.append(64)  # at least one token, so there is something to dispatch
-    return dict(
-        family=family, gin=bool(rng.random() < 0.5), K=K, V=int(rng.choice([64, 128, 256])), H=int(rng.choice([1, 2])), group=int(rng.choice([1, 2])),
-        seqlens=seqlens if varlen else None,
-        B=int(rng.integers(1, 3)), T=int(rng.choice([1, 17, 64, 100, 192, 257])),
-        layout=str(rng.choice(["k_last", "k_first"])), sdt=rng.choice([torch.float32, torch.bfloat16]),
-        gdt=rng.choice([torch.float32, torch.bfloat16]), l2=bool(rng.random() < 0.8), bsig=bool(rng.random() < 0.7),
-        lb=float(rng.choice([-5.0, -2.0, -0.5, -10.0])), h0=bool(rng.random() < 0.7),
-        kgate=str(rng.choice(["bounded", "softplus", "log_decay"])),
-        # input dtype: fp16 on the prep + scan engine (KDA, GDN, GLA), bf16 everywhere
-        idt=rng.choice([torch.bfloat16, torch.float16]) if family in ("kda", "gdn", "gla") else torch.bfloat16,
-        inter=(not varlen) and bool(rng.random() < 0.4),
-    )
-
-
-def _family_inputs(rng, c, d, kw, B, T, HV):
-    """The gate arguments of the families other than KDA: raw log-decays reach -30 per token (GDN,
-    simple GLA: exact per-pair exponents; GLA: factors <= 1 and steep diagonal blocks per element,
-    so none needs a bound), in-kernel gates use A_log, dt_bias."""
-    fam = c["family"]
-    for n in ("g", "A_log", "dt_bias"):
-        d.pop(n)
-    for n in ("use_gate_in_kernel", "lower_bound", "safe_gate"):
-        kw.pop(n)
-    if fam != "gdn":  # no beta; the q/k L2 norm applies to every family (SPEC §2)
-        d.pop("beta")
-        kw.pop("use_beta_sigmoid_in_kernel")
-    if fam == "lightning":
-        d["decay"] = torch.from_numpy(rng.uniform(0.0, 4.0, c["H"]).astype(np.float32))
-        return
-    if fam == "gdn" and c["gin"]:
-        d["g"] = torch.from_numpy(rng.standard_normal((B, T, HV)).astype(np.float32)).to(c["gdt"])
-        d["A_log"] = torch.from_numpy(rng.uniform(-1, 1.5, HV).astype(np.float32))
-        d["dt_bias"] = torch.from_numpy(rng.standard_normal(HV).astype(np.float32))
-        kw["use_gate_in_kernel"] = True
-        return
-    shape = (B, T, HV, c["K"]) if fam == "gla" else (B, T, HV)
-    g = -rng.exponential(rng.choice([0.05, 0.5, 3.0]), shape)
-    g[rng.random(shape) < 0.02] = -30.0
-    d["g"] = torch.from_numpy(g.astype(np.float32)).to(c["gdt"])
-
-
-def _inputs(rng, c):
-    H, HV, K, V = c["H"], c["H"] * c["group"], c["K"], c["V"]
-    if c["seqlens"] is not None:
-        B, T, N = 1, int(sum(c["seqlens"])), len(c["seqlens"])
-    else:
-        B, T, N = c["B"], c["T"], c["B"]
-    t = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32))  # noqa: E731
-    kscale = 1.0 if c["l2"] else K ** -0.5  # keep the delta rule contractive without normalisation
-    idt = c.get("idt", torch.bfloat16)
-    d = dict(q=t(B, T, H, K).to(idt), k=(t(B, T, H, K) * kscale).to(idt), v=t(B, T, HV, V).to(idt),
-             g=t(B, T, HV, K).to(c["gdt"]),
-             beta=t(B, T, HV) if c["bsig"] else torch.from_numpy(rng.uniform(0.05, 1.0, (B, T, HV)).astype(np.float32)),
-             A_log=torch.from_numpy(rng.uniform(-1, 0.5, HV).astype(np.float32)), dt_bias=t(HV * K) * 0.5)
-    if c["h0"]:
-        shape = (N, HV, V, K) if c["layout"] == "k_last" else (N, HV, K, V)
-        d["initial_state"] = (t(*shape) * 0.3).to(c["sdt"])
-    cu = torch.tensor(np.cumsum([0] + c["seqlens"]), dtype=torch.int32) if c["seqlens"] is not None else None
-    kw = dict(use_qk_l2norm_in_kernel=c["l2"], use_gate_in_kernel=True, lower_bound=c["lb"], safe_gate=True,
-              use_beta_sigmoid_in_kernel=c["bsig"], output_final_state=True, state_layout=c["layout"],
-              return_intermediate_states=c["inter"])
-    if c.get("family", "kda") != "kda":
-        _family_inputs(rng, c, d, kw, B, T, HV)
-    else:
-        _kda_gate(rng, c, d, kw, B, T, HV)
-    return d, cu, kw
-
-
-def _kda_gate(rng, c, d, kw, B, T, HV):
-    """KDA's gate forms: bounded (lower_bound, safe_gate), softplus without a bound (e^{A_log} up to
-    20, so some 16-token blocks fall by hundreds), or a precomputed log-decay reaching -30 per token."""
-    form = c.get("kgate", "bounded")
-    if form == "bounded" and c["lb"] < -5.0:  # safe_gate takes lower bounds in [-5, 0)
-        kw["safe_gate"] = False
-    if form == "softplus":
-        kw.update(lower_bound=None, safe_gate=False)
-        d["A_log"] = torch.from_numpy(rng.uniform(-1, 3.0, HV).astype(np.float32))
-    elif form == "log_decay":
-        for n in ("A_log", "dt_bias"):
-            d.pop(n)
-        kw.update(use_gate_in_kernel=False, lower_bound=None, safe_gate=False)
-        shape = (B, T, HV, c["K"])
-        g = -rng.exponential(rng.choice([0.05, 0.5, 3.0]), shape)
-        g[rng.random(shape) < 0.02] = -30.0
-        d["g"] = torch.from_numpy(g.astype(np.float32)).to(c["gdt"])
-
-
 def _check(rng, c):
-    d, cu, kw = _inputs(rng, c)
+    d, cu, kw = chunk_inputs(rng, c)
     fam = c.get("family", "kda")
     ref = cula.chunk_fwd(fam, **{n: (x.float() if n in "qkv" else x) for n, x in d.items()}, cu_seqlens=cu,
                          backend="reference", **kw)
@@ -150,14 +55,14 @@ def _check(rng, c):
 @pytest.mark.parametrize("draw", range(12))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_mma_forward_matches_reference_on_random_configs(rng, family, draw):
-    _check(rng, _draw(rng, family))
+    _check(rng, draw_chunk_config(rng, family))
 
 
 def test_mma_forward_gdn_single_token_within_tolerance():
     """A GDN configuration (T = 1, an initial state) whose o came to 5.2e-3 of the oracle while AM's
     diagonal blocks were one bf16 plane: at T = 1, q_1.k_1 carries most of o."""
     seeded = np.random.default_rng(9141)
-    _check(seeded, _draw(seeded, "gdn"))
+    _check(seeded, draw_chunk_config(seeded, "gdn"))
 
 
 @pytest.mark.sanitize
@@ -477,3 +382,32 @@ def test_explain_says_why_the_chunk_engines_decline_on_gpu(rng):
     assert odd.kernel == "cuda" and "bfloat16 (or all float16)" in odd.declined["cuda_mma"]
     cula.chunk_fwd("kda", q2, k2, v2, g, beta)
     assert cula.last_kernel() == odd.kernel
+
+
+def test_explain_states_the_cuda_rows_input_rules(rng):
+    """Decode's, the backward's and the gate op's CUDA input rules are their rows' declines
+    predicates: explain raises the op's own error for a call no row takes, before anything runs,
+    and the FLA backend asks the library instead of restating them."""
+    from cula import fla_backend
+
+    N, H, V = 2, 2, 64
+    for K, takes in ((96, False), (128, True)):
+        q, k = (torch.randn(N, 1, H, K, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        v = torch.randn(N, 1, H, V, device="cuda", dtype=torch.bfloat16)
+        g, beta = -torch.rand(N, 1, H, K, device="cuda"), torch.rand(N, 1, H, device="cuda")
+        pool = torch.randn(N, H, V, K, device="cuda")
+        if takes:
+            assert cula.explain("decode", q, k, v, pool, g=g, beta=beta).kernel == "cuda"
+            assert fla_backend._cuda_decode_head_size(K, V, torch.bfloat16, q.device) is None
+        else:
+            with pytest.raises(NotImplementedError, match=r"takes K in \{64, 128, 256\}, got K = 96"):
+                cula.explain("decode", q, k, v, pool, g=g, beta=beta)
+            assert "got K = 96" in fla_backend._cuda_decode_head_size(K, V, torch.bfloat16, q.device)
+            with pytest.raises(NotImplementedError, match="backward takes K in"):
+                cula.explain("chunk_bwd", "kda", q, k, v, g, beta, torch.randn_like(v))
+    with pytest.raises(cula.CulaError, match="argument 'state_pool': expected a contiguous tensor"):
+        cula.explain("decode", q, k, v, torch.randn(N, H, V, 2 * K, device="cuda")[..., ::2], g=g, beta=beta)
+    gate = torch.randn(1, 8, H, 128, device="cuda")
+    assert cula.explain("kda_gate", gate, A_log=torch.rand(H, device="cuda")).kernel == "cuda"
+    with pytest.raises(cula.CulaError, match="argument 'A_log'"):
+        cula.explain("kda_gate", gate, A_log=torch.rand(H, device="cuda", dtype=torch.float16))

@@ -3,6 +3,7 @@ and a poisoned pool whose unnamed slots must stay bit-identical. Skipped without
 
 import numpy as np
 import pytest
+from cases import family_arrays
 from conftest import rel, worst
 
 import cula
@@ -16,21 +17,15 @@ if not torch.cuda.is_available() or cula._lib.LIB.cula_cuda_device_count() == 0:
 
 
 def make(rng, mode, N, T, H, HV, K, V, gate_in_kernel, dtype=torch.bfloat16):
-    t = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32))  # noqa: E731
-    d = dict(q=t(N, T, H, K).to(dtype), k=t(N, T, H, K).to(dtype), v=t(N, T, HV, V).to(dtype))
+    """Decode inputs (cases.family_arrays) as torch tensors, q, k, v in dtype; q/k L2 norm and beta
+    sigmoid in the kernel, KDA's in-kernel gate with lower bound -5."""
+    gate = gate_in_kernel and mode != "lightning"
+    a = family_arrays(rng, mode, N, T, H, HV, K, V, gate_in_kernel=gate, beta_sigmoid=True, l2norm=True)
+    d = {n: torch.from_numpy(x).to(dtype) if n in ("q", "k", "v") else torch.from_numpy(x) for n, x in a.items()}
     kw = dict(use_qk_l2norm_in_kernel=True)
-    if mode == "kda":
-        d["g"] = t(N, T, HV, K) if gate_in_kernel else -torch.from_numpy(rng.uniform(0.01, 0.5, (N, T, HV, K)).astype(np.float32))
-    elif mode == "gdn":
-        d["g"] = t(N, T, HV) if gate_in_kernel else -torch.from_numpy(rng.uniform(0.01, 0.5, (N, T, HV)).astype(np.float32))
-    else:
-        d["decay"] = torch.from_numpy(rng.uniform(0.01, 0.5, H).astype(np.float32))
     if mode in ("kda", "gdn"):
-        d["beta"] = t(N, T, HV)
         kw["use_beta_sigmoid_in_kernel"] = True
-        if gate_in_kernel:
-            d["A_log"] = torch.from_numpy(rng.uniform(-1, 0.5, HV).astype(np.float32))
-            d["dt_bias"] = t(HV * K) * 0.5 if mode == "kda" else t(HV) * 0.5
+        if gate:
             kw.update(use_gate_in_kernel=True, lower_bound=-5.0 if mode == "kda" else None)
     return d, kw
 

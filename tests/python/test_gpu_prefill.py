@@ -3,6 +3,7 @@ over families and options, with poisoned outputs. Skipped without a CUDA device.
 
 import numpy as np
 import pytest
+from cases import family_arrays, offsets, state_shape
 from conftest import rel, worst
 
 import cula
@@ -29,25 +30,15 @@ def _make(rng, family, o, K=128, V=128):
     HV = 4 if o.get("gva") else 2
     seqlens = [100, 0, 257, 1, 64] if o.get("varlen") else None
     B, T = (1, sum(seqlens)) if seqlens else (2, 150)
-    t = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32))  # noqa: E731
-    d = dict(q=t(B, T, H, K).bfloat16(), k=t(B, T, H, K).bfloat16(), v=t(B, T, HV, V).bfloat16())
     gate = o.get("gate", False)
-    if family in ("kda", "gla"):
-        d["g"] = t(B, T, HV, K) if gate else -torch.from_numpy(rng.uniform(0.01, 0.5, (B, T, HV, K)).astype(np.float32))
-    elif family in ("gdn", "simple_gla"):
-        d["g"] = t(B, T, HV) if gate else -torch.from_numpy(rng.uniform(0.01, 0.5, (B, T, HV)).astype(np.float32))
-    else:
-        d["decay"] = torch.from_numpy(rng.uniform(0.01, 0.5, H).astype(np.float32))
-    if family in ("kda", "gdn"):
-        d["beta"] = t(B, T, HV) if o.get("bsig") else torch.rand(B, T, HV)
-    if gate:
-        d["A_log"] = torch.from_numpy(rng.uniform(-1, 0.5, HV).astype(np.float32))
-        d["dt_bias"] = t(HV * K if family == "kda" else HV) * 0.5
+    a = family_arrays(rng, family, B, T, H, HV, K, V, gate_in_kernel=gate, beta_sigmoid=o.get("bsig", False),
+                      l2norm=o.get("l2", False))
+    d = {n: torch.from_numpy(x).bfloat16() if n in ("q", "k", "v") else torch.from_numpy(x) for n, x in a.items()}
     N = len(seqlens) if seqlens else B
     layout = o.get("layout", "k_last")
-    shape = (N, HV, V, K) if layout == "k_last" else (N, HV, K, V)
-    d["initial_state"] = (t(*shape) * 0.5).to(o.get("sdt", torch.float32))
-    cu = torch.tensor(np.cumsum([0] + seqlens), dtype=torch.int64) if seqlens else None
+    h0 = rng.standard_normal(state_shape(N, HV, K, V, layout)).astype(np.float32) * 0.5
+    d["initial_state"] = torch.from_numpy(h0).to(o.get("sdt", torch.float32))
+    cu = torch.from_numpy(offsets(seqlens)) if seqlens else None
     kw = dict(use_qk_l2norm_in_kernel=o.get("l2", False), use_gate_in_kernel=gate, lower_bound=o.get("lb"),
               safe_gate=o.get("lb") is not None, use_beta_sigmoid_in_kernel=o.get("bsig", False),
               output_final_state=True, state_layout=layout, return_intermediate_states=o.get("inter", False),

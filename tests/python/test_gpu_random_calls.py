@@ -16,13 +16,14 @@ torch = pytest.importorskip("torch", reason="torch is not installed")
 if not torch.cuda.is_available() or cula._lib.LIB.cula_cuda_device_count() == 0:
     pytest.skip("no CUDA device visible to torch and cula", allow_module_level=True)
 
-from test_gpu_chunk_mma import FAMILIES, TOL, _draw, _inputs  # noqa: E402
+from cases import FAMILIES, chunk_inputs, draw_chunk_config  # noqa: E402
+from test_gpu_chunk_mma import TOL  # noqa: E402
 
 
 def _problem(rng):
-    c = _draw(rng, str(rng.choice(FAMILIES)))
+    c = draw_chunk_config(rng, str(rng.choice(FAMILIES)))
     c["inter"] = False  # intermediate states are compared by the chunk tests
-    d, cu, kw = _inputs(rng, c)
+    d, cu, kw = chunk_inputs(rng, c)
     return c, d, cu, kw
 
 

@@ -3,6 +3,7 @@ implementation, over families and options."""
 
 import numpy as np
 import pytest
+from cases import family_arrays, offsets, state_shape
 from conftest import rel
 from naive_numpy import recurrence
 
@@ -28,26 +29,13 @@ def make(rng, family, opts, B=2, T=19, H=2, K=8, V=6):
     seqlens = [7, 0, 11, 1] if opts.get("varlen") else None
     if seqlens:
         B, T = 1, sum(seqlens)
-    f = np.float32
-    q = rng.standard_normal((B, T, H, K)).astype(f)
-    k = rng.standard_normal((B, T, H, K)).astype(f) / (1 if opts.get("l2norm") else np.sqrt(K))
-    v = rng.standard_normal((B, T, HV, V)).astype(f)
-    kw = {}
-    gate_in_kernel = opts.get("gate_in_kernel", False)
-    if family in ("kda", "gla"):
-        kw["g"] = (rng.standard_normal((B, T, HV, K)) if gate_in_kernel else -rng.uniform(0.01, 0.5, (B, T, HV, K))).astype(f)
-    elif family in ("gdn", "simple_gla"):
-        kw["g"] = (rng.standard_normal((B, T, HV)) if gate_in_kernel else -rng.uniform(0.01, 0.5, (B, T, HV))).astype(f)
-    else:
-        kw["decay"] = rng.uniform(0.01, 0.5, H).astype(f)
-    if family in ("kda", "gdn"):
-        kw["beta"] = (rng.standard_normal((B, T, HV)) if opts.get("beta_sigmoid") else rng.uniform(0.05, 0.95, (B, T, HV))).astype(f)
-    if gate_in_kernel:
-        kw["A_log"] = None if opts.get("no_A_log") else rng.uniform(-1, 0.5, HV).astype(f)
-        kw["dt_bias"] = (rng.standard_normal(HV * K if family == "kda" else HV) * 0.5).astype(f)
+    kw = family_arrays(rng, family, B, T, H, HV, K, V, gate_in_kernel=opts.get("gate_in_kernel", False),
+                       beta_sigmoid=opts.get("beta_sigmoid", False), l2norm=opts.get("l2norm", False),
+                       no_A_log=opts.get("no_A_log", False))
+    q, k, v = kw.pop("q"), kw.pop("k"), kw.pop("v")
     N = len(seqlens) if seqlens else B
-    h0 = rng.standard_normal((N, HV, K, V)).astype(f) * 0.5
-    cu = np.cumsum([0] + seqlens).astype(np.int64) if seqlens else None
+    h0 = rng.standard_normal(state_shape(N, HV, K, V, "k_first")).astype(np.float32) * 0.5
+    cu = offsets(seqlens) if seqlens else None
     return q, k, v, kw, h0, cu
 
 
