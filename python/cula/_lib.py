@@ -136,7 +136,9 @@ def _load():
         ("cula_chunk_bwd_explain", ChunkBwdArgs),
         ("cula_kda_gate_explain", KdaGateArgs),
     ]:
-        f = getattr(lib, fn)
+        f = getattr(lib, fn, None)
+        if f is None and fn.endswith("_explain"):  # a library built before this entry: explain() fails, calls run
+            continue
         f.argtypes = [ctypes.c_void_p]  # the address of an argument buffer laid out as argtype
         f.restype = ctypes.c_int
     for fn in ("cula_last_error", "cula_version", "cula_build_info", "cula_last_kernel", "cula_explained_kernel",

@@ -405,7 +405,7 @@ def test_explain_states_the_cuda_rows_input_rules(rng):
             assert "got K = 96" in fla_backend._cuda_decode_head_size(K, V, torch.bfloat16, q.device)
             with pytest.raises(NotImplementedError, match="backward takes K in"):
                 cula.explain("chunk_bwd", "kda", q, k, v, g, beta, torch.randn_like(v))
-    with pytest.raises(cula.CulaError, match="argument 'state_pool': expected a contiguous tensor"):
+    with pytest.raises(cula.CulaError, match="argument 'state_pool': expected a contiguous"):
         cula.explain("decode", q, k, v, torch.randn(N, H, V, 2 * K, device="cuda")[..., ::2], g=g, beta=beta)
     gate = torch.randn(1, 8, H, 128, device="cuda")
     assert cula.explain("kda_gate", gate, A_log=torch.rand(H, device="cuda")).kernel == "cuda"

@@ -271,8 +271,10 @@ def test_decode_op_passes_opcheck_and_compiles_fullgraph(rng):
     dev = {n: x.cuda() for n, x in d.items()}
     pool = torch.randn(N + 3, H, V, K, device="cuda")
     idx = torch.randperm(N + 3, device="cuda")[:N].to(torch.int32)
+    opts = cula.Options(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                        lower_bound=-5.0)
     args = (dev["q"], dev["k"], dev["v"], pool.clone(), dev["g"], dev["beta"], None, idx, None, dev["A_log"],
-            dev["dt_bias"], "kda", None, True, True, True, False, -5.0, "k_last")
+            dev["dt_bias"], "kda", *opts.values())  # the schema's options: cula.Options's fields in order
     torch.library.opcheck(torch.ops.cula.decode.default, args)
 
     def step(q, k, v, g, beta, pool):
