@@ -12,6 +12,7 @@
 #include "cuda/prefill/chunk_common.cuh"
 #include "cuda/prefill/chunk_fused/config.cuh"
 #include "cuda/prefill/chunk_fused/factors.cuh"
+#include "cuda/prefill/chunk_fused/qk_block.cuh"
 #include "cuda/prefill/state_slice.cuh"
 
 namespace cula {
@@ -195,24 +196,14 @@ __global__ void __launch_bounds__(kThreads, kLocal ? 3 : 1)  // the local pass: 
 #pragma unroll
       for (int Jb = 0; Jb < 4; ++Jb) {
         if (Jb > I || (Jb & 1) != hw) continue;
-        float a[2][4] = {}, a2[2][4] = {};
-#pragma unroll
-        for (int kk = 0; kk < KS; ++kk) {
-          uint32_t b[4];
-          mma::ldsm_x4(b, k_s + (16 * Jb + mma::bn_row(lane)) * LDK + 16 * kk + mma::bn_col(lane));
-          mma::mma16816((kk & 1) ? a2[0] : a[0], qf[kk], b[0], b[1]);
-          mma::mma16816((kk & 1) ? a2[1] : a[1], qf[kk], b[2], b[3]);
-        }
+        float x[2][2][2];
+        masked_qk_block<KS, LDK>(qf, k_s, Jb, bI, lane, F, gi, qi, x);
         uint32_t ahi[4], alo[4];
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
-          const int j = 16 * Jb + nt * 8 + 2 * t;
-          const float2 pj = *reinterpret_cast<const float2*>(F + kFP + j);
 #pragma unroll
           for (int hh = 0; hh < 2; ++hh) {
-            const int i = bI + g + 8 * hh;
-            const float x0 = dev::masked_exp_scale(j <= i, (a[nt][2 * hh] + a2[nt][2 * hh]) * qi[hh], gi[hh] - pj.x);
-            const float x1 = dev::masked_exp_scale(j + 1 <= i, (a[nt][2 * hh + 1] + a2[nt][2 * hh + 1]) * qi[hh], gi[hh] - pj.y);
+            const float x0 = x[nt][hh][0], x1 = x[nt][hh][1];
             const uint32_t hi = pack(x0, x1);
             const float2 h2 = unpack(hi);
             ahi[2 * nt + hh] = hi;  // fragment a0..a3 = (row g, k lo), (row g+8, k lo), (row g, k hi), (row g+8, k hi)
