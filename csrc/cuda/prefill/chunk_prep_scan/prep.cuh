@@ -15,6 +15,7 @@
 #include "cuda/prefill/chunk_prep_scan/prep_common.cuh"
 #include "cuda/prefill/chunk_prep_scan/prep_kt_am.cuh"
 #include "cuda/prefill/chunk_prep_scan/prep_minv.cuh"
+#include "cuda/prefill/chunk_prep_scan/prep_norms.cuh"
 #include "cuda/prefill/chunk_prep_scan/prep_table.cuh"
 
 namespace cula {
@@ -257,43 +258,9 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
   __syncthreads();  // B_a0: tiles landed
 
   if constexpr (F::kDelta && !F::kScalarGate) {
-    // ---- KDA. Row norms: 4 lanes per row (warp w rows 8w..8w+7), each lane K / 4 channels in
-    // 16-byte pieces 16c + 8(p & 1) + 64(p >> 1), so the two rows of a quarter warp hit disjoint
-    // banks; the row scales go to shared memory for the gate pass.
+    // ---- KDA. Row norms (prep_norms.cuh); the row scales go to shared memory for the gate pass
     float* rs_s = reinterpret_cast<float*>(smem + Ly::oNRM);  // qs per row, then ks per row
-    {
-      const int row = 8 * warp + (lane >> 2), c = lane & 3;
-      float q2 = 0.0f, k2 = 0.0f, qk = 0.0f;
-#pragma unroll
-      for (int pc = 0; pc < K / 32; ++pc) {
-        const int col = 16 * c + 8 * (pc & 1) + 64 * (pc >> 1);
-        const uint4 qv = *reinterpret_cast<const uint4*>(q_s + row * LDK + col);
-        const uint4 kv = *reinterpret_cast<const uint4*>(k_s + row * LDK + col);
-        const uint32_t* qw = reinterpret_cast<const uint32_t*>(&qv);
-        const uint32_t* kw = reinterpret_cast<const uint32_t*>(&kv);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 a = unpack(qw[j]), b = unpack(kw[j]);
-          q2 += a.x * a.x + a.y * a.y;
-          k2 += b.x * b.x + b.y * b.y;
-          qk += a.x * b.x + a.y * b.y;
-        }
-      }
-#pragma unroll
-      for (int o = 1; o < 4; o <<= 1) {
-        q2 += __shfl_xor_sync(0xffffffffu, q2, o);
-        k2 += __shfl_xor_sync(0xffffffffu, k2, o);
-        qk += __shfl_xor_sync(0xffffffffu, qk, o);
-      }
-      if (c == 0) {
-        const float qsr = p.l2norm ? p.scale * rsqrtf(q2 + 1e-6f) : p.scale;
-        const float ksr = p.l2norm ? rsqrtf(k2 + 1e-6f) : 1.0f;
-        rs_s[row] = qsr, rs_s[kBT + row] = ksr;
-        // The diagonal of A_qk in fp32 from the unrounded rows: for short sequences it is most of
-        // o, and q.k of two nearly orthogonal rows loses its digits to bf16 rounding of q el and Kr.
-        qk_s[row] = qsr * ksr * qk;
-      }
-    }
+    kda_row_norms<K, Ly>(p, q_s, k_s, rs_s, qk_s, warp, lane);
     __syncthreads();  // B_a1: row scales visible
 
     // ---- KDA gate pass, a channel pair per thread down the 16 rows of block I (warps w and w + 4
@@ -423,42 +390,8 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
     else gate_forms(std::false_type{});
     __syncthreads();  // B_b: block sums visible
   } else {
-    // ---- row norms of this warp's rows (before the tiles are scaled in place)
-    float qs[2], ks[2];
-    {
-      float q2[2] = {0.0f, 0.0f}, k2[2] = {0.0f, 0.0f}, qk[2] = {0.0f, 0.0f};
-#pragma unroll 1
-      for (int kk = 0; kk < KS; ++kk)
-#pragma unroll
-        for (int rr = 0; rr < 4; ++rr) {
-          const int row = bI + g + 8 * (rr & 1), col = 16 * kk + 2 * t + 8 * (rr >> 1);
-          const float2 qv = bf2(q_s + row * LDK + col), kv = bf2(k_s + row * LDK + col);
-          q2[rr & 1] += qv.x * qv.x + qv.y * qv.y;
-          k2[rr & 1] += kv.x * kv.x + kv.y * kv.y;
-          qk[rr & 1] += qv.x * kv.x + qv.y * kv.y;
-        }
-#pragma unroll
-      for (int x = 0; x < 2; ++x) {
-        q2[x] += __shfl_xor_sync(0xffffffffu, q2[x], 1);
-        q2[x] += __shfl_xor_sync(0xffffffffu, q2[x], 2);
-        k2[x] += __shfl_xor_sync(0xffffffffu, k2[x], 1);
-        k2[x] += __shfl_xor_sync(0xffffffffu, k2[x], 2);
-        qk[x] += __shfl_xor_sync(0xffffffffu, qk[x], 1);
-        qk[x] += __shfl_xor_sync(0xffffffffu, qk[x], 2);
-      }
-#pragma unroll
-      for (int x = 0; x < 2; ++x) {
-        qs[x] = p.l2norm ? p.scale * rsqrtf(q2[x] + 1e-6f) : p.scale;
-        ks[x] = p.l2norm ? rsqrtf(k2[x] + 1e-6f) : 1.0f;
-        // The diagonal of A_qk in fp32 from the unrounded rows: for short sequences it is most of o,
-        // and q.k of two nearly orthogonal rows loses its digits to bf16 rounding of q el and Kr.
-        if (t == 0) {
-          qk_s[bI + g + 8 * x] = qs[x] * ks[x] * qk[x];
-          if (F::kScalarGate) qsc_s[bI + g + 8 * x] = qs[x], ksc_s[bI + g + 8 * x] = ks[x];
-          if (!F::kDelta) rowq_s[bI + g + 8 * x] = qs[x], rowk_s[bI + g + 8 * x] = ks[x];
-        }
-      }
-    }
+    // ---- row norms of this warp's rows, before the tiles are scaled in place (prep_norms.cuh)
+    block_row_norms<K, F, Ly>(p, q_s, k_s, qk_s, qsc_s, ksc_s, rowq_s, rowk_s, bI, g, t);
 
     if constexpr (F::kScalarGate) {
       // One log-decay per row: warp 0 scans the 64 rows (lane holds rows lane and lane + 32); rows
