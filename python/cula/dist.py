@@ -21,8 +21,13 @@ every sequence spans every rank. Packed varlen batches (B = 1): ``cu_seqlens`` h
 offsets (the same tensor on every rank), and sequences may cross rank boundaries; the local slice
 is the rank's tokens in rank order (``split_tokens_for_sp`` / ``split_cu_seqlens_for_sp``).
 Initial states are global ``[N, HV, V, K]`` (read by the rank where a sequence starts); the final
-states of all sequences are returned on every rank. CP has no backward yet: it refuses inputs
-that require gradients (call it under ``torch.no_grad()``).
+states of all sequences are returned on every rank. The backward mirrors it (``_cp_backward``):
+a local backward with no gradient leaving the slice gives, per sequence entering it, the gradient
+it sends back (R) beside its transition (M); the ranks all-gather (R, M) and each folds its
+successors from the last (Y <- Y M^T + R), which gives the gradient arriving at the end of its
+slice, and a second local backward uses it. Gradients of the final states are summed over the
+ranks (they are returned on every rank); those of inputs every rank holds whole (A_log, dt_bias,
+the global initial states) are each rank's part, to be summed over the group as for any weight.
 
 Head parallelism over the same token split (``chunk_heads``, Ulysses): an all-to-all gives each
 rank every token of H / size of the heads, whole sequences run there, and an all-to-all brings the
@@ -165,7 +170,8 @@ def _token_split(dist, group, q, v, cu_seqlens):
     return lengths
 
 
-def _refuse_cp_options(opts, q, k, v, g, beta, initial_state):
+def _refuse_cp_options(opts, q, k, v, g, beta, initial_state, grads=True):
+    """Options context parallelism does not take; with grads=False, also inputs that require gradients."""
     import torch
 
     if opts.get("state_layout", "k_last") == "k_last" and opts.get("state_dtype", "float32") == "float32":
@@ -174,11 +180,11 @@ def _refuse_cp_options(opts, q, k, v, g, beta, initial_state):
         if opts.get(name) not in (None, False):
             raise CulaError(f"cula.dist: argument '{name}': not supported with context parallelism")
         opts.pop(name, None)
-    if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
-                                       for x in (q, k, v, g, beta, initial_state, opts.get("A_log"),
-                                                 opts.get("dt_bias"))):
-        raise NotImplementedError("cula.dist: context parallelism has no backward yet; call it under "
-                                  "torch.no_grad() (tensor parallelism supports autograd)")
+    if not grads and torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
+                                                     for x in (q, k, v, g, beta, initial_state, opts.get("A_log"),
+                                                               opts.get("dt_bias"))):
+        raise NotImplementedError("cula.dist: FLA's cp_context has no backward in cula; use cula.dist.chunk_cp "
+                                  "(with autograd) or call it under torch.no_grad()")
 
 
 def chunk_cp(family, q, k, v, g=None, beta=None, decay=None, *, sp_group=None, sp_size=None, sp_rank=None,
@@ -186,7 +192,6 @@ def chunk_cp(family, q, k, v, g=None, beta=None, decay=None, *, sp_group=None, s
     """The chunked forward of this rank's tokens (q, k, v ... [B, T_rank, ...], rank order = token
     order) with the state carried over from the ranks before: see the module docstring. Returns
     (o of the local tokens, final states [N, HV, V, K] of every sequence on every rank, or None)."""
-    import torch
 
     dist, size, rank = _group_info(sp_group, sp_size, sp_rank, "sp_size", "sp_rank")
     _refuse_cp_options(opts, q, k, v, g, beta, initial_state)
@@ -212,15 +217,147 @@ def chunk_cp(family, q, k, v, g=None, beta=None, decay=None, *, sp_group=None, s
     if initial_state is not None and tuple(initial_state.shape) != (N, HV, V, K):
         raise CulaError(f"argument 'initial_state': expected the global K-last states [N, HV, V, K] = "
                         f"{[N, HV, V, K]}, got shape {list(initial_state.shape)}")
-    o, final = _cp_pieces(family, q, k, v, g, beta, decay, dist, sp_group, rank, pieces, cu_seqlens is not None,
-                          initial_state, opts)
+    packed = cu_seqlens is not None
+    A_log, dt_bias = opts.pop("A_log", None), opts.pop("dt_bias", None)
+    if _needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
+        o, out = _ChunkCP.apply(family, decay, dist, sp_group, rank, size, pieces, packed, N, opts,
+                                q, k, v, g, beta, A_log, dt_bias, initial_state)
+        return o, (out if output_final_state else None)
+    o, final, _ = _cp_pieces(family, q, k, v, g, beta, decay, dist, sp_group, rank, pieces, packed, initial_state,
+                             dict(opts, A_log=A_log, dt_bias=dt_bias))
     if not output_final_state:
         return o, None
+    return o, _gather_finals(dist, sp_group, final, N, HV, V, K, dev)
+
+
+def _gather_finals(dist, group, final, N, HV, V, K, dev):
+    import torch
+
     out = torch.zeros(N, HV, V, K, dtype=torch.float32, device=dev)
     for n, s in final.items():
         out[n] = s
-    dist.all_reduce(out, group=sp_group)  # each sequence's state comes from one rank, zeros from the others
-    return o, out
+    dist.all_reduce(out, group=group)  # each sequence's state comes from one rank, zeros from the others
+    return out
+
+
+def _needs_grad(*tensors) -> bool:
+    import torch
+
+    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in tensors)
+
+
+def _cp_backward(family, q, k, v, g, beta, decay, A_log, dt_bias, dist, group, rank, size, pieces, packed, saved,
+                 d_out, d_final, opts):
+    """The gradients of this rank's inputs (the reverse of _cp_pieces). The gradient leaving a piece
+    that continues on the next rank is not known here: a first local backward, with zero for it,
+    gives the gradient each crossing-in piece sends back (R, at the piece's start); the ranks
+    all-gather (R, M) of their first pieces - a size independent of the number of tokens - and each
+    folds its successors from the last (Y <- Y M_j^T + R_j), which gives the gradient arriving at
+    its crossing-out piece; the second local backward uses it. Linear attention's state gradient
+    at a piece's start is affine in the one at its end (dS_in = dS_out M^T + R), so this is exact."""
+    import torch
+
+    B, T, H, K = (int(s) for s in q.shape)
+    HV, V = int(v.shape[2]), int(v.shape[3])
+    dev = q.device
+    rows = 1 if packed else B
+    n_p = len(pieces)
+    dfin = torch.zeros(n_p, HV, V, K, dtype=torch.float32, device=dev)
+    for i, (n, _, _, _, cout) in enumerate(pieces):
+        if not cout and d_final is not None:
+            dfin[i] = d_final[n]
+
+    def local_backward(d_final_state):
+        if not pieces:
+            return {}
+        return ops.chunk_bwd(family, q, k, v, g, beta, d_out, decay=decay, d_final_state=d_final_state,
+                             initial_state=saved["init"], A_log=A_log, dt_bias=dt_bias, cu_seqlens=saved["local_cu"],
+                             state_layout="k_last", **opts)
+
+    crossing_out = [i for i, p in enumerate(pieces) if p[4]]
+    first = local_backward(dfin)
+    # exchange: the first piece's R and M where it crosses in (dense: every row)
+    send_R = torch.zeros(rows, HV, V, K, dtype=torch.float32, device=dev)
+    send_M = torch.zeros(rows, HV, K, K, dtype=torch.float32, device=dev)
+    flags = torch.zeros(rows, 2, dtype=torch.int64, device=dev)  # (crosses in, also crosses out)
+    for i, (n, _, _, cin, cout) in enumerate(pieces):
+        if cin:
+            row = 0 if packed else n
+            send_R[row] = first["d_initial_state"][i].float()
+            send_M[row] = saved["M"][i]
+            flags[row, 0], flags[row, 1] = 1, int(cout)
+    all_R, all_M, all_flags = (_all_gather(dist, group, x) for x in (send_R, send_M, flags))
+    if not crossing_out:
+        return first
+    Y = torch.zeros(rows, HV, V, K, dtype=torch.float32, device=dev)  # the gradient arriving from the ranks after
+    for j in range(size - 1, rank, -1):
+        cin, through = (all_flags[j][:, c].view(rows, 1, 1, 1) > 0 for c in (0, 1))
+        back = torch.matmul(torch.where(through, Y, torch.zeros_like(Y)), all_M[j].transpose(-1, -2)) + all_R[j]
+        Y = torch.where(cin, back, torch.zeros_like(Y))
+    for i in crossing_out:
+        dfin[i] = Y[0] if packed else Y[pieces[i][0]]
+    return local_backward(dfin)
+
+
+def _make_chunk_cp_fn():
+    import torch
+
+    class ChunkCP(torch.autograd.Function):
+        """chunk_cp with autograd: the forward of _cp_pieces, the backward of _cp_backward. The final
+        states are returned on every rank (an all-reduce): their gradients are summed over the ranks,
+        as torch.distributed.nn's all_reduce does. The gradients of inputs every rank holds whole
+        (A_log, dt_bias, the global initial states) are this rank's part: sum them over the group as
+        for any weight under sequence parallelism."""
+
+        @staticmethod
+        def forward(ctx, family, decay, dist, group, rank, size, pieces, packed, N, opts,
+                    q, k, v, g, beta, A_log, dt_bias, initial_state):
+            o, final, saved = _cp_pieces(family, q, k, v, g, beta, decay, dist, group, rank, pieces, packed,
+                                         initial_state, dict(opts, A_log=A_log, dt_bias=dt_bias))
+            HV, V, K = int(v.shape[2]), int(v.shape[3]), int(q.shape[3])
+            out = _gather_finals(dist, group, final, N, HV, V, K, q.device)
+            ctx.meta = (family, decay, dist, group, rank, size, pieces, packed, N, opts, saved)
+            ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state)
+            return o, out
+
+        @staticmethod
+        def backward(ctx, d_out, d_final):
+            family, decay, dist, group, rank, size, pieces, packed, N, opts, saved = ctx.meta
+            q, k, v, g, beta, A_log, dt_bias, initial_state = ctx.saved_tensors
+            HV, V, K = int(v.shape[2]), int(v.shape[3]), int(q.shape[3])
+            # (every rank takes part in the all-reduce, also where its final states were unused)
+            d_final = (torch.zeros(N, HV, V, K, dtype=torch.float32, device=q.device) if d_final is None
+                       else d_final.float().contiguous())
+            dist.all_reduce(d_final, group=group)
+            grads = _cp_backward(family, q, k, v, g, beta, decay, A_log, dt_bias, dist, group, rank, size, pieces,
+                                 packed, saved, d_out.contiguous(), d_final, opts)
+            out = []
+            for name, x in (("dq", q), ("dk", k), ("dv", v), ("dg", g), ("dbeta", beta), ("dA_log", A_log),
+                            ("ddt_bias", dt_bias)):
+                gr = grads.get(name)
+                out.append(None if x is None or gr is None else gr.to(x.dtype))
+            d_h0 = None
+            if initial_state is not None and "d_initial_state" in grads:
+                d_h0 = torch.zeros_like(initial_state, dtype=torch.float32)
+                for i, (n, _, _, cin, _) in enumerate(pieces):
+                    if not cin:
+                        d_h0[n] = grads["d_initial_state"][i]
+                d_h0 = d_h0.to(initial_state.dtype)
+            return (None,) * 10 + (*out, d_h0)
+
+    return ChunkCP
+
+
+class _ChunkCP:
+    """The autograd Function, built on first use (importing cula.dist does not import torch)."""
+
+    fn = None
+
+    @classmethod
+    def apply(cls, *args):
+        if cls.fn is None:
+            cls.fn = _make_chunk_cp_fn()
+        return cls.fn.apply(*args)
 
 
 def _cp_pieces(family, q, k, v, g, beta, decay, dist, group, rank, pieces, packed, initial_state, opts):
@@ -278,7 +415,13 @@ def _cp_pieces(family, q, k, v, g, beta, decay, dist, group, rank, pieces, packe
     for i, (n, _, _, cin, cout) in enumerate(pieces):
         if not cout:
             final[n] = A[i] + torch.matmul(X[0] if packed else X[n], M[i]) if cin else A[i]
-    return o, final
+    # for the backward: each piece's initial state (the incoming state where it crosses in) and
+    # transition, the local offsets
+    init_bwd = init[:, :, :V, :].clone()
+    for i, (n, _, _, cin, _) in enumerate(pieces):
+        if cin:
+            init_bwd[i] = X[0] if packed else X[n]
+    return o, final, dict(init=init_bwd, M=M, local_cu=local_cu)
 
 
 def chunk_fla_cp(family, q, k, v, g=None, beta=None, decay=None, *, cp_context, initial_state=None,
@@ -298,12 +441,12 @@ def chunk_fla_cp(family, q, k, v, g=None, beta=None, decay=None, *, cp_context, 
     if cu is None:
         raise CulaError("argument 'cp_context': expected a context with this rank's cu_seqlens, got None")
     dist, _, rank = _group_info(cp_context.group, None, None, "cp_context.group", "cp_context.group")
-    _refuse_cp_options(opts, q, k, v, g, beta, None)
+    _refuse_cp_options(opts, q, k, v, g, beta, None, grads=False)
     offsets = [int(x) for x in cu.tolist()]
     last = len(offsets) - 2
     pieces = [(i, offsets[i], offsets[i + 1], i == 0 and not cp_context.is_first_rank,
                i == last and not cp_context.is_last_rank) for i in range(len(offsets) - 1)]
-    o, _ = _cp_pieces(family, q, k, v, g, beta, decay, dist, cp_context.group, rank, pieces, True, None, opts)
+    o, _, _ = _cp_pieces(family, q, k, v, g, beta, decay, dist, cp_context.group, rank, pieces, True, None, opts)
     return o, None
 
 

@@ -172,8 +172,54 @@ def _cp_errors(rank, world, device, rng):
         with pytest.raises(cula.CulaError, match="argument 'cu_seqlens'"):
             dist.chunk_cp("gdn", local["q"], local["k"], local["v"], local["g"], local["beta"], cu_seqlens=cu)
     leaf = local["q"].clone().requires_grad_()
-    with pytest.raises(NotImplementedError, match="no_grad"):
-        dist.chunk_cp("gdn", leaf, local["k"], local["v"], local["g"], local["beta"])
+    T = local["q"].shape[1]
+    ctx = SimpleNamespace(group=None, cu_seqlens=torch.tensor([0, T], dtype=torch.int32, device=device),
+                          layout="contiguous", is_first_rank=rank == 0, is_last_rank=rank == world - 1)
+    with pytest.raises(NotImplementedError, match="no_grad"):  # FLA's cp_context: forward only
+        dist.chunk_fla_cp("gdn", leaf, local["k"], local["v"], local["g"], local["beta"], cp_context=ctx)
+
+
+def _cp_grad(rank, world, device, rng, family, varlen):
+    """chunk_cp's backward against autograd through the whole problem in one process: every input's
+    gradient (the token slices on their rank; A_log, dt_bias and the initial states summed over the
+    ranks), with the final states in the loss on rank 0 only."""
+    if varlen:
+        seqlens = [5, 0, 70, 3, 90, 0, 12]
+        cu = torch.tensor(np.cumsum([0] + seqlens), dtype=torch.int32, device=device)
+        d, kw, h0 = _problem(rng, family, 1, sum(seqlens), 2, 2, 32, 32, device, N=len(seqlens))
+    else:
+        cu = None
+        d, kw, h0 = _problem(rng, family, 2, 150, 2, 4 if family in ("kda", "gdn") else 2, 32, 32, device)
+    params = {n: kw.pop(n) for n in ("A_log", "dt_bias") if n in kw}
+    w_o = torch.from_numpy(rng.standard_normal(tuple(d["v"].shape)).astype(np.float32)).to(device)
+    w_s = torch.from_numpy(rng.standard_normal(tuple(h0.shape)).astype(np.float32)).to(device)
+    leaves = {n: x.detach().clone().requires_grad_() for n, x in {**d, **params, "h0": h0}.items()}
+    o_ref, s_ref = _whole(family, {n: leaves[n] for n in d}, {**kw, **{n: leaves[n] for n in params}},
+                          leaves["h0"], cu)
+    ((o_ref.float() * w_o).sum() + (s_ref * w_s).sum()).backward()
+
+    mine = {n: dist.split_tokens_for_sp(x.detach(), world, rank).clone().requires_grad_() for n, x in d.items()}
+    whole = {n: x.detach().clone().requires_grad_() for n, x in {**params, "h0": h0}.items()}
+    decay = kw.pop("decay", None)
+    o, s = dist.chunk_cp(family, mine["q"], mine["k"], mine["v"], mine.get("g"), mine.get("beta"), decay,
+                         initial_state=whole["h0"], cu_seqlens=cu, **kw, **{n: whole[n] for n in params})
+    loss = (o.float() * dist.split_tokens_for_sp(w_o, world, rank)).sum()
+    if rank == 0:
+        loss = loss + (s * w_s).sum()
+    loss.backward()
+    tol = TOL_CUDA if device == "cuda" else TOL
+    for n, x in mine.items():
+        want = dist.split_tokens_for_sp(leaves[n].grad, world, rank)
+        assert _rel(x.grad, want) < tol, (rank, family, varlen, n, _rel(x.grad, want))
+    for n, x in whole.items():
+        got = x.grad.clone()
+        torch_dist.all_reduce(got)
+        assert _rel(got, leaves[n].grad) < tol, (rank, family, varlen, n, _rel(got, leaves[n].grad))
+
+
+def _cp_grad_all(rank, world, device, rng):
+    _each(lambda *a: _cp_grad(*a, varlen=False), FAMILIES)(rank, world, device, rng)
+    _each(lambda *a: _cp_grad(*a, varlen=True), ("kda", "gdn", "lightning"))(rank, world, device, rng)
 
 
 def _tp(rank, world, device, rng, family):
@@ -266,6 +312,13 @@ def test_context_parallel_varlen_with_sequences_across_ranks(rng, backend, world
 def test_head_parallel_sequence_split_is_exact_with_gradients(rng, backend, world):
     """chunk_sp's head mode (all-to-all): every family, packed sequences, bit for bit on the host."""
     _spawn(_heads_all, _world(backend, world), backend, int(rng.integers(1 << 31)))
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_backward_matches_one_process(rng, backend, world):
+    """chunk_cp under autograd: every family dense, three packed with sequences across ranks."""
+    _spawn(_cp_grad_all, _world(backend, world), backend, int(rng.integers(1 << 31)))
 
 
 @pytest.mark.parametrize("backend", _backends())
