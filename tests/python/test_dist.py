@@ -5,7 +5,7 @@ tolerance (the ranks' states are folded in a different order of operations), ten
 bit for bit. Wrong sizes and offsets that differ between ranks raise on every rank."""
 
 import os
-import socket
+import tempfile
 from types import SimpleNamespace
 
 import numpy as np
@@ -26,23 +26,20 @@ TOL_CUDA = 5e-3  # SPEC §5: bf16 inputs and outputs (the carried-query correcti
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(fn, world, backend, seed, *args):
     os.environ.update(NCCL_ENV)
-    port = _free_port()
-    mp.spawn(_worker, args=(world, backend, port, seed, fn, args), nprocs=world, join=True)
+    # the rendezvous through a fresh file (a free TCP port picked here could be taken before rank 0
+    # binds it)
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        mp.spawn(_worker, args=(world, backend, store, seed, fn, args), nprocs=world, join=True)
 
 
-def _worker(rank, world, backend, port, seed, fn, args):
+def _worker(rank, world, backend, store, seed, fn, args):
     os.environ.update(NCCL_ENV)
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    torch_dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch_dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         fn(rank, world, "cuda" if backend == "nccl" else "cpu", np.random.default_rng(seed), *args)
         torch_dist.barrier()  # no rank tears its connections down while another still reads from them
