@@ -4,6 +4,7 @@ shard against the whole problem computed in one process: context parallelism wit
 tolerance (the ranks' states are folded in a different order of operations), tensor parallelism
 bit for bit. Wrong sizes and offsets that differ between ranks raise on every rank."""
 
+import json
 import os
 import tempfile
 from types import SimpleNamespace
@@ -343,3 +344,16 @@ def test_state_buffers_and_head_shards():
     x = torch.arange(2 * 7 * 4).reshape(2, 7, 4)
     assert [dist.split_tokens_for_sp(x, 3, r).shape[1] for r in range(3)] == [3, 2, 2]
     assert torch.equal(torch.cat([dist.split_tokens_for_sp(x, 3, r) for r in range(3)], dim=1), x)
+
+
+def test_bench_cp_harness_runs_on_host_ranks(tmp_path):
+    """`cula bench cp --device cpu`: the suite's harness (processes, barriers, slowest-rank times,
+    forward and forward + backward, the report) on gloo host ranks, cula's rows only."""
+    from cula.bench.cp import SMOKE_CONFIGS, bench_cp
+
+    assert bench_cp(str(tmp_path), device="cpu", configs=SMOKE_CONFIGS[:1]) == 0
+    records = json.load(open(tmp_path / "cp_x2.json"))["records"]
+    got = {(r["impl"], r["step"]) for r in records}
+    assert got == {(i, s) for i in ("cula_cp", "one_gpu") for s in ("forward", "forward + backward")}
+    assert all(r["median_ms"] > 0 for r in records)
+    assert "| kda 1x192 H2 | forward + backward |" in (tmp_path / "cp_x2.md").read_text()

@@ -34,12 +34,13 @@ def main(argv=None) -> int:
     demo.add_argument("--quick", action="store_true", help="smaller sizes (for tests)")
     bench = sub.add_parser("bench", help="benchmarks")
     bench.add_argument("suite", choices=["cpu", "decode", "kda", "gdn", "gla", "simple_gla", "lightning", "coverage",
-                                          "train", "replot"],
+                                          "train", "cp", "replot"],
                        help="cpu: fast CPU path vs the float64 reference; decode: CUDA decode vs FLA; kda: KDA chunked "
                        "forward vs FLA, FlashKDA and SDPA; gdn, gla, simple_gla, lightning: that family's chunked "
                        "forward vs FLA and SDPA; coverage: the configurations real models run (Kimi-Linear, Qwen3-Next, "
                        "FLA's default layers, fp16) vs FLA; train: KDA and GDN forward + backward vs FLA and SDPA (GPU suites need "
-                       "torch + a GPU); replot: re-draw the PNG beside "
+                       "torch + a GPU); cp: context parallelism over the machine's GPUs vs FLA's KCP and one GPU (--world ranks; "
+                       "--device cpu: a check of the harness on gloo host ranks); replot: re-draw the PNG beside "
                        "every results JSON in --out (needs matplotlib)")
     bench.add_argument("--only", default=None, help="chunked-forward suites: comma-separated config names to run "
                        "(default: all)")
@@ -48,6 +49,8 @@ def main(argv=None) -> int:
     bench.add_argument("--resume", action="store_true", help="kda: keep the configurations already in --out's "
                        "kda_fwd.json (same GPU) and run only the others")
     bench.add_argument("--reps", type=int, default=5)
+    bench.add_argument("--world", type=int, default=None, help="cp: the number of ranks (default: every GPU)")
+    bench.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cp: cuda (NCCL) or cpu (gloo)")
     args = parser.parse_args(argv)
     if args.cmd == "info":
         return _info()
@@ -82,6 +85,12 @@ def main(argv=None) -> int:
                 if any(c[1] == family for c in configs):
                     bench_train(args.out or "bench/results/gpu", family, configs=configs)
             return 0
+        if args.suite == "cp":
+            from ..bench.cp import CONFIGS, SMOKE_CONFIGS, bench_cp
+
+            pool = CONFIGS if args.device == "cuda" else SMOKE_CONFIGS
+            return bench_cp(args.out or "bench/results/gpu", world=args.world, device=args.device,
+                            configs=[c for c in pool if not only or c[0] in only] or None)
         if args.suite in ("gdn", "gla", "simple_gla", "lightning"):
             from ..bench.fwd import CONFIGS, bench_fwd
 

@@ -1,0 +1,211 @@
+"""`cula bench cp`: context parallelism over the GPUs of one machine against FLA's KCP and against one
+GPU: KDA and GDN, forward and forward + backward, one packed sequence split over the ranks.
+
+Every rank is a process (torch.multiprocessing, NCCL with NVLink multicast off). Per configuration
+and implementation: warm-up steps, then steps each between two barriers, timed by CUDA events on
+every rank; a step's time is the slowest rank's (all-reduced max), the result is the median over
+steps. "one_gpu" runs the whole sequence on rank 0 alone (the others wait at the barrier). The
+implementations take turns step by step. --device cpu runs cula's rows on gloo host ranks with small
+shapes (a check of the harness, not a measurement).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+# (name, family, T total, H, HV)
+CONFIGS = [
+    ("kda 1x65536 H16", "kda", 65536, 16, 16),
+    ("kda 1x131072 H16", "kda", 131072, 16, 16),
+    ("gdn 1x32768 H64", "gdn", 32768, 64, 64),
+    ("gdn 1x131072 H16 HV32", "gdn", 131072, 16, 32),
+]
+SMOKE_CONFIGS = [("kda 1x192 H2", "kda", 192, 2, 2), ("gdn 1x160 H2 HV4", "gdn", 160, 2, 4)]
+K = V = 128
+REPS, WARMUP = 15, 3
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def _inputs(torch, family, T, H, HV, Kd, Vd, dev, dt, seed):
+    """The whole sequence's inputs (the same on every rank: one seed), bf16 q/k/v on the GPU; q/k L2
+    norm in the kernel; KDA with its gate (lower bound -5) and beta sigmoid in the kernel, GDN with a
+    log-space scalar gate."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    x = dict(q=r(1, T, H, Kd), k=r(1, T, H, Kd), v=r(1, T, HV, Vd), beta=r(1, T, HV))
+    kw = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    if family == "kda":
+        x["g"] = r(1, T, HV, Kd)
+        kw.update(use_gate_in_kernel=True, lower_bound=-5.0, safe_gate=True, A_log=r(HV).to(dev) * 0.5,
+                  dt_bias=(r(HV * Kd) * 0.5).to(dev))
+    else:  # beta as a probability: FLA's GDN has no in-kernel sigmoid
+        x["g"] = -torch.nn.functional.softplus(r(1, T, HV))
+        x["beta"] = torch.sigmoid(x["beta"])
+        kw = dict(use_qk_l2norm_in_kernel=True)
+    x = {n: t.to(dev, dt if n in "qkv" else torch.float32) for n, t in x.items()}
+    return x, kw
+
+
+def _worker(rank, world, backend, store, out_dir, configs, families, with_fla):
+    import torch
+    import torch.distributed as td
+
+    os.environ.update(NCCL_ENV)
+    cuda = backend == "nccl"
+    if cuda:
+        torch.cuda.set_device(rank)
+    td.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
+    from .. import dist
+    from ..kda import chunk_kda as cula_kda_whole
+    from ..gated_delta_rule import chunk_gated_delta_rule as cula_gdn_whole
+
+    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    dt = torch.bfloat16 if cuda else torch.float32
+    Kd = Vd = K if cuda else 32
+    records = []
+    try:
+        for name, family, T, H, HV in configs:
+            if family not in families:
+                continue
+            x, kw = _inputs(torch, family, T, H, HV, Kd, Vd, dev, dt, seed=1234)
+            cu = torch.tensor([0, T], dtype=torch.int32, device=dev)
+            mine = {n: dist.split_tokens_for_sp(t, world, rank).contiguous() for n, t in x.items()}
+            do_whole = torch.randn_like(x["v"])
+            do_mine = dist.split_tokens_for_sp(do_whole, world, rank).contiguous()
+            whole_fn = cula_kda_whole if family == "kda" else cula_gdn_whole
+
+            def cula_cp(grad):
+                inp = {n: t.detach().requires_grad_(grad) for n, t in mine.items()}
+                with torch.set_grad_enabled(grad):
+                    o, _ = dist.chunk_cp(family, inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], cu_seqlens=cu,
+                                         output_final_state=False, **kw)
+                    if grad:
+                        torch.autograd.grad(o, list(inp.values()), do_mine)
+
+            def one_gpu(grad):
+                if rank != 0:
+                    return
+                inp = {n: t.detach().requires_grad_(grad) for n, t in x.items()}
+                with torch.set_grad_enabled(grad):
+                    o = whole_fn(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], cu_seqlens=cu, **kw)[0]
+                    if grad:
+                        torch.autograd.grad(o, list(inp.values()), do_whole)
+
+            impls = [("cula_cp", cula_cp), ("one_gpu", one_gpu)]
+            if with_fla:
+                fla_ctx, fla_fn = _fla(torch, family, cu, td)
+                if fla_fn is not None:
+                    def fla_kcp(grad, ctx=fla_ctx, fn=fla_fn):
+                        inp = {n: t.detach().requires_grad_(grad) for n, t in mine.items()}
+                        with torch.set_grad_enabled(grad):
+                            o = fn(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], cu_seqlens=ctx.cu_seqlens,
+                                   cp_context=ctx, **kw)[0]
+                            if grad:
+                                torch.autograd.grad(o, list(inp.values()), do_mine)
+                    impls.append(("fla_kcp", fla_kcp))
+            for grad in (False, True):
+                times = _time(torch, td, impls, grad, cuda)
+                for impl, ms in times.items():
+                    records.append(dict(op="cp", config=dict(name=name, family=family, T=T, H=H, HV=HV, K=Kd, V=Vd,
+                                                             world=world), impl=impl,
+                                        step="forward + backward" if grad else "forward", median_ms=ms))
+                if rank == 0:
+                    print(name, "fwd+bwd" if grad else "fwd", {n: round(t, 3) for n, t in times.items()}, flush=True)
+        if rank == 0:
+            _write(torch, out_dir, world, records, cuda)
+        td.barrier()
+    finally:
+        td.destroy_process_group()
+
+
+def _fla(torch, family, cu, td):
+    """FLA's context (build_cp_context over the global offsets) and its chunk function, or (None, None)."""
+    try:
+        from fla.ops.cp import build_cp_context
+        if family == "kda":
+            from fla.ops.kda import chunk_kda as fn
+        else:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fn
+        return build_cp_context(cu, group=td.group.WORLD), fn
+    except Exception as e:  # noqa: BLE001  (recorded in the output instead)
+        print(f"FLA's KCP unavailable: {type(e).__name__}: {e}", flush=True)
+        return None, None
+
+
+def _time(torch, td, impls, grad, cuda):
+    """Median over REPS of each step's slowest-rank time (ms), the implementations taking turns."""
+    for _ in range(WARMUP):
+        for _, fn in impls:
+            fn(grad)
+    steps = {name: [] for name, _ in impls}
+    for _ in range(REPS):
+        for name, fn in impls:
+            td.barrier()
+            if cuda:
+                torch.cuda.synchronize()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn(grad)
+                b.record()
+                b.synchronize()
+                ms = a.elapsed_time(b)
+            else:
+                t0 = time.perf_counter()
+                fn(grad)
+                ms = (time.perf_counter() - t0) * 1e3
+            t = torch.tensor([ms], dtype=torch.float64, device="cuda" if cuda else "cpu")
+            td.all_reduce(t, op=td.ReduceOp.MAX)
+            steps[name].append(float(t.item()))
+    return {name: statistics.median(v) for name, v in steps.items()}
+
+
+def _write(torch, out_dir, world, records, cuda):
+    gpu = torch.cuda.get_device_name(0) if cuda else "host (gloo), harness check"
+    meta = dict(gpu=gpu, world=world, torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
+                method=f"median over {REPS} steps after {WARMUP} warm-up steps of the slowest rank's time per step "
+                       "(CUDA events between barriers, all-reduced max); the implementations take turns step by step; "
+                       "one_gpu: the whole sequence on one GPU")
+    rows = {}
+    for r in records:
+        rows.setdefault((r["config"]["name"], r["step"]), {})[r["impl"]] = r["median_ms"]
+    lines = [f"# Context parallelism on {world} x {gpu}", "", f"{meta['method']}. Times in ms.", "",
+             "| config | step | cula_cp | fla_kcp | one_gpu | fla_kcp/cula_cp | one_gpu/cula_cp |", "|---|---|---|---|---|---|---|"]
+    for (name, step), t in rows.items():
+        c = t.get("cula_cp")
+        f = lambda x: f"{x:.3f}" if x is not None else "-"  # noqa: E731
+        ratio = lambda x: f"{x / c:.2f}x" if x is not None and c else "-"  # noqa: E731
+        lines.append(f"| {name} | {step} | {f(c)} | {f(t.get('fla_kcp'))} | {f(t.get('one_gpu'))} | "
+                     f"{ratio(t.get('fla_kcp'))} | {ratio(t.get('one_gpu'))} |")
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, f"cp_x{world}")
+    with open(stem + ".json", "w") as fh:
+        json.dump(dict(meta=meta, records=records), fh, indent=1)
+    with open(stem + ".md", "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def bench_cp(out_dir: str, world: int | None = None, device: str = "cuda", families=("kda", "gdn"),
+             configs=None) -> int:
+    """Runs the suite over `world` ranks (default: every visible GPU; --device cpu: 2 gloo ranks)."""
+    import tempfile
+
+    import torch
+    import torch.multiprocessing as mp
+
+    os.environ.update(NCCL_ENV)
+    os.environ.setdefault("FLA_FLASH_KDA", "0")
+    if device == "cuda":
+        world = world or torch.cuda.device_count()
+        if world < 2:
+            raise SystemExit("bench cp: needs 2 or more GPUs (or --device cpu for the harness check)")
+        backend, configs, with_fla = "nccl", configs or CONFIGS, True
+    else:
+        world, backend, configs, with_fla = world or 2, "gloo", configs or SMOKE_CONFIGS, False
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(world, backend, os.path.join(tmp, "store"), out_dir, configs, families, with_fla),
+                 nprocs=world, join=True)
+    return 0
