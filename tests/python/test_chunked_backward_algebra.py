@@ -38,3 +38,23 @@ def test_chunk_form_backward_matches_the_reference(rng, family, C):
     if delta:
         errs["dbeta"] = rel(got["dbeta"], ref["dbeta"][0, :, 0])
     assert worst(errs.values()) < 1e-9, errs
+
+
+def test_state_gradient_scan_is_the_forward_scans_adjoint(rng):
+    """The state-gradient step in the forward scan's operands (backward/DESIGN.md): with W' = -beta
+    Kg, AM = P Minv and Kt = Minv^T Kr, dY = AM^T dO + Kt dS_C and dS0 = Qg^T dO + e^{G_C} dS_C +
+    W'^T dY equal the chunk form's dS0, and beta dY is its dv."""
+    from chunked_bwd_numpy import _chunk_factors, chunk_backward
+
+    C, K, V = 64, 16, 12
+    q, k = rng.standard_normal((C, K)), rng.standard_normal((C, K)) / np.sqrt(K)
+    v, beta = rng.standard_normal((C, V)), rng.uniform(0.1, 0.9, C)
+    a, S0 = -rng.uniform(0.01, 0.6, (C, K)), rng.standard_normal((K, V))
+    dO, dSC = rng.standard_normal((C, V)), rng.standard_normal((K, V))
+    f = _chunk_factors(q, k, v, beta, a, S0, True)
+    Minv, Kg, Qg, Kr, P, G = (f[n] for n in ("T", "Kg", "Qg", "Kr", "P", "G"))
+    Wp, AM, Kt = -beta[:, None] * Kg, P @ Minv, Minv.T @ Kr
+    dY = AM.T @ dO + Kt @ dSC
+    dS0 = Qg.T @ dO + np.exp(G[-1])[:, None] * dSC + Wp.T @ dY
+    grads, want = chunk_backward(q, k, v, beta, a, S0, dO, dSC, True)
+    assert rel(dS0, want) < 1e-12 and rel(beta[:, None] * dY, grads["dv"]) < 1e-12
