@@ -39,6 +39,12 @@ CONFIGS = [
     ("varlen6 H64", 1, None, 64, [1300, 547, 2048, 963, 271, 3063]),
     ("varlen 8x1024 H64", 1, None, 64, [1024] * 8),
     ("varlen [512,7680] H64", 1, None, 64, [512, 7680]),
+    # serving prefill: many short sequences, and a mix with many below one chunk (64 tokens)
+    ("varlen 64x512 H32", 1, None, 32, [512] * 64),
+    ("varlen 96 short H32", 1, None, 32, [1, 7, 16, 33, 48, 63, 100, 250] * 12),
+    # few heads, long sequences (B x H too small to fill the GPU)
+    ("1x65536 H16", 1, 65536, 16, None),
+    ("1x32768 H4", 1, 32768, 4, None),
 ]
 def _peers():
     """FLA's Triton chunk_kda (with FlashKDA dispatch off) and FlashKDA, each when importable."""
