@@ -105,13 +105,16 @@ def _make_fn():
     return ChunkFn
 
 
-class _ChunkFn:
-    """The autograd Function, built on first use so that importing cula does not import torch."""
+class LazyFunction:
+    """An autograd Function built by make() on first use, so that importing cula does not import torch."""
 
-    fn = None
+    def __init__(self, make):
+        self._make, self._fn = make, None
 
-    @classmethod
-    def apply(cls, *args):
-        if cls.fn is None:
-            cls.fn = _make_fn()
-        return cls.fn.apply(*args)
+    def apply(self, *args):
+        if self._fn is None:
+            self._fn = self._make()
+        return self._fn.apply(*args)
+
+
+_ChunkFn = LazyFunction(_make_fn)

@@ -38,7 +38,7 @@ activations twice. ``chunk_sp`` picks it when the heads divide over the ranks, e
 
 from __future__ import annotations
 
-from ._front import chunk
+from ._front import LazyFunction, _needs_grad, chunk
 from ._lib import CulaError
 from . import ops
 
@@ -240,12 +240,6 @@ def _gather_finals(dist, group, final, N, HV, V, K, dev):
     return out
 
 
-def _needs_grad(*tensors) -> bool:
-    import torch
-
-    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in tensors)
-
-
 def _cp_backward(family, q, k, v, g, beta, decay, A_log, dt_bias, dist, group, rank, size, pieces, packed, saved,
                  d_out, d_final, opts):
     """The gradients of this rank's inputs (the reverse of _cp_pieces). The gradient leaving a piece
@@ -313,7 +307,7 @@ def _make_chunk_cp_fn():
         def forward(ctx, family, decay, dist, group, rank, size, pieces, packed, N, opts,
                     q, k, v, g, beta, A_log, dt_bias, initial_state):
             o, final, saved = _cp_pieces(family, q, k, v, g, beta, decay, dist, group, rank, pieces, packed,
-                                         initial_state, dict(opts, A_log=A_log, dt_bias=dt_bias))
+                                         initial_state, dict(opts, A_log=A_log, dt_bias=dt_bias), for_backward=True)
             HV, V, K = int(v.shape[2]), int(v.shape[3]), int(q.shape[3])
             out = _gather_finals(dist, group, final, N, HV, V, K, q.device)
             ctx.meta = (family, decay, dist, group, rank, size, pieces, packed, N, opts, saved)
@@ -348,19 +342,11 @@ def _make_chunk_cp_fn():
     return ChunkCP
 
 
-class _ChunkCP:
-    """The autograd Function, built on first use (importing cula.dist does not import torch)."""
-
-    fn = None
-
-    @classmethod
-    def apply(cls, *args):
-        if cls.fn is None:
-            cls.fn = _make_chunk_cp_fn()
-        return cls.fn.apply(*args)
+_ChunkCP = LazyFunction(_make_chunk_cp_fn)
 
 
-def _cp_pieces(family, q, k, v, g, beta, decay, dist, group, rank, pieces, packed, initial_state, opts):
+def _cp_pieces(family, q, k, v, g, beta, decay, dist, group, rank, pieces, packed, initial_state, opts,
+               for_backward=False):
     """The context-parallel pass over this rank's pieces [(sequence n, local begin, local end,
     crosses in, crosses out)] (packed: one row of packed sequences, else one piece per batch row).
     Returns (o, {n: final state [HV, V, K] of each sequence ending here})."""
@@ -415,6 +401,8 @@ def _cp_pieces(family, q, k, v, g, beta, decay, dist, group, rank, pieces, packe
     for i, (n, _, _, cin, cout) in enumerate(pieces):
         if not cout:
             final[n] = A[i] + torch.matmul(X[0] if packed else X[n], M[i]) if cin else A[i]
+    if not for_backward:
+        return o, final, None
     # for the backward: each piece's initial state (the incoming state where it crosses in) and
     # transition, the local offsets
     init_bwd = init[:, :, :V, :].clone()

@@ -42,11 +42,6 @@ class Options:
         if self.state_layout not in LAYOUTS:
             raise CulaError(f"argument 'state_layout': expected 'k_last' or 'k_first', got {self.state_layout!r}")
 
-    @classmethod
-    def take(cls, kwargs: dict) -> "Options":
-        """The options among kwargs, removed from it (the rest are the caller's to check)."""
-        return cls(**{n: kwargs.pop(n) for n in NAMES if n in kwargs})
-
     def as_kwargs(self) -> dict:
         return {n: getattr(self, n) for n in NAMES}
 
@@ -69,11 +64,10 @@ class Options:
 
 
 NAMES = tuple(f.name for f in dataclasses.fields(Options))
-DEFAULT = Options()
 
-# torch.library schema types of the fields, for the registered ops (torch_ops.py)
-_SCHEMA_TYPES = {Optional[float]: "float?", bool: "bool", str: "str", "Optional[float]": "float?", "bool": "bool",
-                 "str": "str"}
+# torch.library schema types of the fields (their annotations, strings under `from __future__ import
+# annotations`), for the registered ops (torch_ops.py)
+_SCHEMA_TYPES = {"Optional[float]": "float?", "bool": "bool", "str": "str"}
 
 
 def schema_args() -> str:
