@@ -9,6 +9,7 @@
 #include "common/parallel.h"
 #include "common/problem.h"
 #include "cpu/cpu_backend.h"
+#include "cuda/backward/chunk_bwd.h"
 #include "cuda/backward/recurrent_bwd.h"
 #include "cuda/decode/decode.h"
 #include "cuda/gate/kda_gate.h"
@@ -83,6 +84,7 @@ const Kernel<cula_decode_args> kDecode[] = {
     {CULA_BACKEND_ORACLE, CULA_CPU, "reference", reference_decode},
 };
 const Kernel<cula_chunk_bwd_args> kChunkBwd[] = {
+    {CULA_BACKEND_CUDA, CULA_CUDA, "cuda_chunk", cuda_chunk_bwd, cuda_chunk_bwd_declines},
     {CULA_BACKEND_CUDA, CULA_CUDA, "cuda", cuda_recurrent_bwd, cuda_recurrent_bwd_declines},
     {CULA_BACKEND_ORACLE, CULA_CPU, "reference", reference_chunk_bwd},
 };
@@ -273,5 +275,11 @@ const char* cula_backend_for(const char* op, int32_t device_type, int32_t family
 void cula_set_num_threads(int32_t n) { set_num_threads(n); }
 
 const char* cula_last_kernel(void) { return g_last_kernel; }
+
+int64_t cula_workspace_peak_bytes(int32_t device, int32_t reset) {
+  int64_t bytes = 0;
+  guarded([&] { bytes = cuda_workspace_peak_bytes(device, reset != 0); });
+  return bytes;
+}
 
 }  // extern "C"

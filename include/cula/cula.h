@@ -252,6 +252,10 @@ CULA_API const char* cula_explained_declines(void);
 /* Name of the kernel (dispatch-table row) that ran the last successful op call on this thread,
  * e.g. "cuda_mma", "cuda", "cpu", "reference"; "" before any call. */
 CULA_API const char* cula_last_kernel(void);
+/* Bytes of the CUDA kernels' workspace pool on a device (stream-ordered, outside the caller's
+ * allocator): the most in use at once since the last reset (reset != 0 starts a new count);
+ * 0 when the pool was never used or CUDA is absent. For peak-memory accounting beside torch's. */
+CULA_API int64_t cula_workspace_peak_bytes(int32_t device, int32_t reset);
 /* Threads used by the CPU backend (0 = hardware concurrency). */
 CULA_API void cula_set_num_threads(int32_t n);
 

@@ -151,6 +151,9 @@ def _load():
     lib.cula_cuda_device_info.restype = ctypes.c_int
     lib.cula_backend_for.argtypes = [ctypes.c_char_p, ctypes.c_int32, ctypes.c_int32]
     lib.cula_backend_for.restype = ctypes.c_char_p
+    if hasattr(lib, "cula_workspace_peak_bytes"):  # (a library built before this entry: no workspace accounting)
+        lib.cula_workspace_peak_bytes.argtypes = [ctypes.c_int32, ctypes.c_int32]
+        lib.cula_workspace_peak_bytes.restype = ctypes.c_int64
     lib.cula_set_num_threads.argtypes = [ctypes.c_int32]
     lib.cula_set_num_threads.restype = None
     lib.path = path

@@ -8,7 +8,7 @@
 // chunked tensor-core backward is the fast path to come), and deterministic: every sum runs in a
 // fixed order, no floating-point atomics.
 //
-// Four kernels:
+// Four kernels (0, 2 and 3 shared with the chunk form, in chain.cu):
 //  0. prepare_tokens_kernel, per (token, value head): q^, k^ (scale, L2 norm), e^a (gate activation)
 //     and beta (sigmoid) once, in parallel, so that the sequential loops below only load them.
 //  1. recurrent_bwd_kernel, one CTA per (sequence n, value head hv, tile of 32 state rows along V);
@@ -35,6 +35,8 @@
 
 #include "common/error.h"
 #include "cuda/backward/recurrent_bwd.h"
+#include "cuda/backward/block_sum.cuh"
+#include "cuda/backward/chain.h"
 #include "cuda/common/fwd_params.cuh"
 #include "cuda/common/recurrence_math.cuh"
 #include "cuda/prefill/chunk_common.cuh"
@@ -45,6 +47,8 @@ namespace {
 
 using dev::ld;
 using dev::st;
+using bwd::align256;
+using bwd::block_sum;
 
 constexpr int kWarps = 8;
 constexpr int kRows = 4;                   // state rows per warp
@@ -69,11 +73,7 @@ struct BwdParams {
   float* ckpt;       // [segments, HV, tiles, kThreads, kRows, EPL]
   float* scratch;    // [CTAs, kSeg, kThreads, kRows, EPL]
   float* part;       // [tiles, B*T, HV, 3K + 1]: dq^, dk^, da partial sums and dbeta
-  // the tokens' preprocessed inputs (prepare_tokens_kernel)
-  float* qh;    // [B*T, H, K]: scale * (l2norm?)(q)
-  float* kh;    // [B*T, H, K]: (l2norm?)(k)
-  float* dec;   // [B*T, HV, K]: e^a
-  float* beta;  // [B*T, HV]: beta after the sigmoid, 1 without the delta rule
+  bwd::TokenInputs x;  // the tokens' inputs (chain.h), the decay as e^a
 };
 
 // One token's inputs for a warp's rows: q^, k^, the decay e^a per element and beta (1 without the
@@ -107,10 +107,10 @@ struct TokenReader {
     const FwdParams& p = bp.f;
     constexpr int K = EPL * 32;
     const int64_t f = static_cast<int64_t>(b_row) * p.T + t;
-    vec(bp.qh + (f * p.H + h) * K + k0, x.q);
-    vec(bp.kh + (f * p.H + h) * K + k0, x.k);
-    vec(bp.dec + (f * p.HV + hv) * K + k0, x.dec);
-    x.beta = bp.beta[f * p.HV + hv];
+    vec(bp.x.qh + (f * p.H + h) * K + k0, x.q);
+    vec(bp.x.kh + (f * p.H + h) * K + k0, x.k);
+    vec(bp.x.dec + (f * p.HV + hv) * K + k0, x.dec);
+    x.beta = bp.x.beta[f * p.HV + hv];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const bool ok = j0 + r < p.V;
@@ -120,60 +120,6 @@ struct TokenReader {
     }
   }
 };
-
-// Sum of x over the block's threads, the same order every call (thread count a multiple of 32).
-__device__ float block_sum(float x, float* shm) {
-  x = dev::warp_sum(x);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
-  __syncthreads();  // shm free from an earlier call
-  if (lane == 0) shm[warp] = x;
-  __syncthreads();
-  float s = 0;
-  for (int w = 0; w < nw; ++w) s += shm[w];
-  return s;
-}
-
-// Each token's inputs as the recurrence uses them (SPEC §2), once, in parallel: q^, k^ (scale, L2
-// norm), the decay e^a (gate activation in kernel) and beta (sigmoid). One CTA per (token, value
-// head), one thread per element of K; q^ and k^ by the first value head of each group.
-__global__ void prepare_tokens_kernel(const BwdParams bp) {
-  __shared__ float shm[32];
-  const FwdParams& p = bp.f;
-  const int64_t f = blockIdx.x / p.HV;
-  const int hv = static_cast<int>(blockIdx.x % p.HV), i = threadIdx.x, K = p.K, G = p.HV / p.H, h = hv / G;
-  const int64_t b = f / p.T, t = f % p.T;
-  float a;
-  if (p.gate_kind == GateKind::Constant) {
-    a = -ld(p.decay, p.decay_dt, p.decay_heads == p.HV ? hv : h);
-  } else {
-    a = p.gate_kind == GateKind::PerChannel ? ld(p.g, p.g_dt, b * p.g_s[0] + t * p.g_s[1] + hv * p.g_s[2] + i * p.g_s[3])
-                                            : ld(p.g, p.g_dt, b * p.g_s[0] + t * p.g_s[1] + hv * p.g_s[2]);
-    if (p.gate_in_kernel) {
-      const float eA = p.A_log ? expf(ld(p.A_log, p.A_log_dt, hv)) : 1.0f;
-      const float bias = p.dt_bias ? ld(p.dt_bias, p.dt_bias_dt, p.dt_bias_per_channel ? hv * K + i : hv) : 0.0f;
-      a = dev::activate_gate(a + bias, eA, p.has_lb, p.lb);
-    }
-  }
-  bp.dec[(f * p.HV + hv) * K + i] = expf(a);
-  if (i == 0) {
-    float beta = 1.0f;
-    if (p.delta) {
-      beta = ld(p.beta, p.beta_dt, b * p.beta_s[0] + t * p.beta_s[1] + hv * p.beta_s[2]);
-      if (p.beta_sigmoid) beta = dev::beta_sigmoid_precise(beta, p.beta_mult);
-    }
-    bp.beta[f * p.HV + hv] = beta;
-  }
-  if (hv % G != 0) return;
-  float q = ld(p.q, p.q_dt, b * p.q_s[0] + t * p.q_s[1] + h * p.q_s[2] + i * p.q_s[3]);
-  float k = ld(p.k, p.k_dt, b * p.k_s[0] + t * p.k_s[1] + h * p.k_s[2] + i * p.k_s[3]);
-  float qs = p.scale, ks = 1.0f;
-  if (p.l2norm) {
-    qs *= rsqrtf(block_sum(q * q, shm) + 1e-6f);
-    ks = rsqrtf(block_sum(k * k, shm) + 1e-6f);
-  }
-  bp.qh[(f * p.H + h) * K + i] = q * qs;
-  bp.kh[(f * p.H + h) * K + i] = k * ks;
-}
 
 // The sums over the warp's rows of sum_e x[r][e] y[e], returned for every row on every lane.
 template <int EPL>
@@ -418,141 +364,7 @@ __global__ void __launch_bounds__(kThreads, 1) recurrent_bwd_kernel(const BwdPar
   }
 }
 
-struct ChainParams {
-  const void *q, *k, *g, *beta, *A_log, *dt_bias;
-  int q_dt, k_dt, g_dt, beta_dt, A_log_dt, dt_bias_dt;
-  int64_t q_s[4], k_s[4], g_s[4], beta_s[3];
-  void *dq, *dk, *dg, *dbeta;
-  int dq_dt, dk_dt, dg_dt, dbeta_dt;
-  const float* part;
-  float* gate_raw;  // [B*T, HV, K or 1]: dg of the raw gate (dt_bias gradient terms)
-  float* alog;      // [B*T, HV]: dA_log terms
-  int64_t BT;
-  int T, H, HV, K, tiles, per_channel, gate_in_kernel, has_lb, delta, beta_sigmoid, l2norm, dt_bias_per_channel;
-  float lb, beta_mult, scale;
-};
-
-// dq and dk of token f, q/k head h: the partial sums over row tiles and the group's value heads, in
-// order, then the L2 norm's and the scale's chain rule. One thread per element of K.
-__global__ void chain_qk_kernel(const ChainParams c) {
-  __shared__ float shm[32];
-  const int64_t f = blockIdx.x / c.H;
-  const int h = static_cast<int>(blockIdx.x % c.H), i = threadIdx.x, G = c.HV / c.H;
-  const int64_t b = f / c.T, t = f % c.T;
-  const int64_t width = 3 * c.K + 1;
-  for (int which = 0; which < 2; ++which) {
-    void* dst = which == 0 ? c.dq : c.dk;
-    if (!dst) continue;
-    float dy = 0;
-    for (int tl = 0; tl < c.tiles; ++tl)
-      for (int g = 0; g < G; ++g) dy += c.part[((tl * c.BT + f) * c.HV + h * G + g) * width + which * c.K + i];
-    const void* src = which == 0 ? c.q : c.k;
-    const int64_t* s = which == 0 ? c.q_s : c.k_s;
-    const float x = ld(src, which == 0 ? c.q_dt : c.k_dt, b * s[0] + t * s[1] + h * s[2] + i * s[3]);
-    float dx = dy;
-    if (c.l2norm) {
-      const float ss = block_sum(x * x, shm), xdy = block_sum(x * dy, shm);
-      const float rinv = rsqrtf(ss + 1e-6f);
-      dx = rinv * dy - rinv * rinv * rinv * x * xdy;
-    }
-    if (which == 0) dx *= c.scale;
-    st(dst, which == 0 ? c.dq_dt : c.dk_dt, (f * c.H + h) * static_cast<int64_t>(c.K) + i, dx);
-  }
-}
-
-// dbeta and dg of token f, value head hv, and the terms of dA_log / d dt_bias. One thread per
-// element of K.
-__global__ void chain_gate_kernel(const ChainParams c) {
-  __shared__ float shm[32];
-  const int64_t f = blockIdx.x / c.HV;
-  const int hv = static_cast<int>(blockIdx.x % c.HV), i = threadIdx.x;
-  const int64_t b = f / c.T, t = f % c.T;
-  const int64_t width = 3 * c.K + 1;
-  float da = 0, db = 0;
-  for (int tl = 0; tl < c.tiles; ++tl) {
-    const float* row = c.part + ((tl * c.BT + f) * c.HV + hv) * width;
-    da += row[2 * c.K + i];
-    if (i == 0) db += row[3 * c.K];
-  }
-  if (c.delta && i == 0 && c.dbeta) {
-    if (c.beta_sigmoid) {
-      const float x = ld(c.beta, c.beta_dt, b * c.beta_s[0] + t * c.beta_s[1] + hv * c.beta_s[2]);
-      const float sg = 1.0f / (1.0f + __expf(-x));
-      db *= c.beta_mult * sg * (1.0f - sg);
-    }
-    st(c.dbeta, c.dbeta_dt, f * c.HV + hv, db);
-  }
-  if (!c.dg && !c.gate_in_kernel) return;
-  float d = da;
-  if (!c.per_channel) d = block_sum(da, shm);
-  if (!c.per_channel && i != 0) return;
-  float dg = d, alog = 0;
-  if (c.gate_in_kernel) {
-    float x = c.per_channel ? ld(c.g, c.g_dt, b * c.g_s[0] + t * c.g_s[1] + hv * c.g_s[2] + i * c.g_s[3])
-                            : ld(c.g, c.g_dt, b * c.g_s[0] + t * c.g_s[1] + hv * c.g_s[2]);
-    if (c.dt_bias) x += ld(c.dt_bias, c.dt_bias_dt, c.dt_bias_per_channel ? hv * c.K + i : hv);
-    if (c.has_lb) {
-      const float e = c.A_log ? expf(ld(c.A_log, c.A_log_dt, hv)) : 1.0f;
-      const float z = e * x, sg = 1.0f / (1.0f + expf(-z));
-      const float dz = d * c.lb * sg * (1.0f - sg);
-      dg = dz * e;
-      alog = c.A_log ? dz * z : 0.0f;
-    } else {
-      const float e = expf(ld(c.A_log, c.A_log_dt, hv));
-      dg = -d * e / (1.0f + expf(-x));
-      alog = -d * e * (x > 20.0f ? x : log1pf(expf(x)));
-    }
-    const int n_raw = c.per_channel ? c.K : 1;
-    c.gate_raw[(f * c.HV + hv) * n_raw + (c.per_channel ? i : 0)] = dg;
-  }
-  if (c.dg) st(c.dg, c.dg_dt, c.per_channel ? (f * c.HV + hv) * static_cast<int64_t>(c.K) + i : f * c.HV + hv, dg);
-  if (c.gate_in_kernel) {
-    if (c.per_channel) alog = block_sum(alog, shm);
-    if (i == 0) c.alog[f * c.HV + hv] = alog;
-  }
-}
-
-// dA_log[hv] and d dt_bias[hv, .]: the tokens' terms added in token order. One CTA per value head.
-__global__ void param_sum_kernel(const ChainParams c, void* dA_log, int dA_log_dt, void* ddt, int ddt_dt) {
-  __shared__ float shm[32];
-  const int hv = blockIdx.x;
-  const int n_raw = c.per_channel ? c.K : 1;
-  if (ddt) {
-    for (int i = threadIdx.x; i < n_raw; i += blockDim.x) {
-      float s = 0;
-      for (int64_t f = 0; f < c.BT; ++f) s += c.gate_raw[(f * c.HV + hv) * n_raw + i];
-      st(ddt, ddt_dt, static_cast<int64_t>(hv) * n_raw + i, s);
-    }
-  }
-  if (dA_log) {
-    float s = 0;
-    for (int64_t f = threadIdx.x; f < c.BT; f += blockDim.x) s += c.alog[f * c.HV + hv];
-    s = block_sum(s, shm);
-    if (threadIdx.x == 0) st(dA_log, dA_log_dt, hv, s);
-  }
-}
-
-// Zeros of a parameter gradient the gate does not reach (gate not in kernel).
-__global__ void zero_kernel(void* p, int dt, int64_t n) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
-    st(p, dt, i, 0.0f);
-}
-
 void check(cudaError_t e, const char* what) { cuda_check(e, "chunk_bwd", what); }
-
-int64_t align256(int64_t b) { return (b + 255) / 256 * 256; }
-
-// The forward's arguments from the backward's inputs (out, final state and pools unused): the
-// forward's parameters and its rules for inputs the CUDA kernels read.
-cula_chunk_fwd_args forward_args(const cula_chunk_bwd_args& a) {
-  cula_chunk_fwd_args fa{};
-  fa.struct_size = sizeof(fa);
-  fa.opt = a.opt;
-  fa.q = a.q, fa.k = a.k, fa.v = a.v, fa.g = a.g, fa.beta = a.beta, fa.decay = a.decay;
-  fa.A_log = a.A_log, fa.dt_bias = a.dt_bias, fa.cu_seqlens = a.cu_seqlens, fa.initial_state = a.initial_state;
-  fa.out = const_cast<cula_tensor*>(a.d_out);  // read only: its strides, not written
-  return fa;
-}
 
 }  // namespace
 
@@ -561,7 +373,7 @@ Refusal cuda_recurrent_bwd_declines(const Recurrence& r, const cula_chunk_bwd_ar
     return Refusal::unsupported("the CUDA backward takes K in {64, 128, 256}, got K = " + std::to_string(r.K) +
                                 "; use host tensors (the CPU reference) for other head sizes");
   // the forward's rules for inputs the CUDA kernels read (device offsets, contiguous parameters)
-  if (const UnreadableInput u = first_unreadable_input(forward_args(a)); u.name) return Refusal::bad_argument(u.name, u.expected, u.given);
+  if (const UnreadableInput u = first_unreadable_input(bwd::forward_args(a)); u.name) return Refusal::bad_argument(u.name, u.expected, u.given);
   if (a.d_final_state && !is_contiguous(*a.d_final_state))
     return Refusal::bad_argument("d_final_state", "a contiguous tensor for the CUDA kernel", "a strided view");
   return Refusal::takes();
@@ -569,7 +381,7 @@ Refusal cuda_recurrent_bwd_declines(const Recurrence& r, const cula_chunk_bwd_ar
 
 void cuda_recurrent_bwd(const Recurrence& r, const cula_chunk_bwd_args& a) {
   const char* op = "chunk_bwd";
-  const cula_chunk_fwd_args fa = forward_args(a);
+  const cula_chunk_fwd_args fa = bwd::forward_args(a);
   BwdParams bp{};
   bp.f = make_fwd_params(r, fa);
   bp.dO = a.d_out->data, bp.dO_dt = a.d_out->dtype;
@@ -581,8 +393,6 @@ void cuda_recurrent_bwd(const Recurrence& r, const cula_chunk_bwd_args& a) {
   check(cudaSetDevice(device), "cudaSetDevice");
   const cudaStream_t stream = static_cast<cudaStream_t>(a.opt.stream);
   const int64_t BT = r.B * r.T, K = r.K, V = r.V;
-  const int per_channel = r.tr.gate == GateKind::PerChannel;
-  const int64_t n_raw = per_channel ? K : 1;
   bp.tiles = static_cast<int>((V + kTileRows - 1) / kTileRows);
   const int64_t ctas = r.N * r.HV * bp.tiles;
   if (ctas >= (int64_t{1} << 31)) throw_unsupported(op, "too many sequences x heads for one launch");
@@ -590,27 +400,19 @@ void cuda_recurrent_bwd(const Recurrence& r, const cula_chunk_bwd_args& a) {
   const int64_t per_cta = int64_t{kThreads} * kRows * (K / 32);  // floats of one CTA's state rows
   const int64_t ckpt_bytes = align256(segs * r.HV * bp.tiles * per_cta * 4);
   const int64_t scratch_bytes = align256(ctas * kSeg * per_cta * 4);
-  const int64_t part_bytes = align256(bp.tiles * BT * r.HV * (3 * K + 1) * 4);
-  const int64_t raw_bytes = r.gate_in_kernel ? align256(BT * r.HV * n_raw * 4) + align256(BT * r.HV * 4) : 0;
-  const int64_t qk_bytes = align256(BT * r.H * K * 4), dec_bytes = align256(BT * r.HV * K * 4);
-  const int64_t prep_bytes = 2 * qk_bytes + dec_bytes + align256(BT * r.HV * 4);
-  chunk::Workspace ws(ckpt_bytes + scratch_bytes + part_bytes + raw_bytes + prep_bytes, device, stream, op);
+  const int64_t part_bytes = align256(bp.tiles * BT * r.HV * bwd::part_width(K) * 4);
+  const int64_t chain_bytes = bwd::chain_bytes(r);
+  chunk::Workspace ws(ckpt_bytes + scratch_bytes + part_bytes + chain_bytes + bwd::token_inputs_bytes(r), device, stream, op);
   char* w = static_cast<char*>(ws.get());
-  char* prep = w + ckpt_bytes + scratch_bytes + part_bytes + raw_bytes;
-  bp.qh = reinterpret_cast<float*>(prep);
-  bp.kh = reinterpret_cast<float*>(prep + qk_bytes);
-  bp.dec = reinterpret_cast<float*>(prep + 2 * qk_bytes);
-  bp.beta = reinterpret_cast<float*>(prep + 2 * qk_bytes + dec_bytes);
   bp.ckpt = reinterpret_cast<float*>(w);
   bp.scratch = reinterpret_cast<float*>(w + ckpt_bytes);
   bp.part = reinterpret_cast<float*>(w + ckpt_bytes + scratch_bytes);
-  float* gate_raw = r.gate_in_kernel ? reinterpret_cast<float*>(w + ckpt_bytes + scratch_bytes + part_bytes) : nullptr;
-  float* alog = r.gate_in_kernel ? gate_raw + align256(BT * r.HV * n_raw * 4) / 4 : nullptr;
+  void* chain_ws = w + ckpt_bytes + scratch_bytes + part_bytes;
+  bp.x = bwd::token_inputs_at(w + ckpt_bytes + scratch_bytes + part_bytes + chain_bytes, r);
   if (a.dv) bp.dv = a.dv->data, bp.dv_dt = a.dv->dtype, strides4(a.dv, bp.dv_s);
   bp.BT = BT;
 
-  if (BT * std::max(r.H, r.HV) >= (int64_t{1} << 31)) throw_unsupported(op, "too many tokens x heads for one launch");
-  if (BT > 0) prepare_tokens_kernel<<<static_cast<unsigned>(BT * r.HV), static_cast<unsigned>(K), 0, stream>>>(bp);
+  bwd::launch_token_inputs(bp.f, bp.x, /*log_decay=*/false, stream);
   const unsigned grid = static_cast<unsigned>(ctas);
   const int smem = static_cast<int>(2 * kWarps * (3 * K + 1) * sizeof(float));
   auto launch = [&](auto kernel) {
@@ -623,38 +425,7 @@ void cuda_recurrent_bwd(const Recurrence& r, const cula_chunk_bwd_args& a) {
     default: launch(recurrent_bwd_kernel<8>); break;
   }
   check(cudaGetLastError(), "kernel launch");
-
-  ChainParams c{};
-  const FwdParams& p = bp.f;
-  c.q = p.q, c.k = p.k, c.g = p.g, c.beta = p.beta, c.A_log = p.A_log, c.dt_bias = p.dt_bias;
-  c.q_dt = p.q_dt, c.k_dt = p.k_dt, c.g_dt = p.g_dt, c.beta_dt = p.beta_dt, c.A_log_dt = p.A_log_dt,
-  c.dt_bias_dt = p.dt_bias_dt;
-  std::copy(p.q_s, p.q_s + 4, c.q_s), std::copy(p.k_s, p.k_s + 4, c.k_s), std::copy(p.g_s, p.g_s + 4, c.g_s);
-  std::copy(p.beta_s, p.beta_s + 3, c.beta_s);
-  if (a.dq) c.dq = a.dq->data, c.dq_dt = a.dq->dtype;
-  if (a.dk) c.dk = a.dk->data, c.dk_dt = a.dk->dtype;
-  if (a.dg) c.dg = a.dg->data, c.dg_dt = a.dg->dtype;
-  if (a.dbeta) c.dbeta = a.dbeta->data, c.dbeta_dt = a.dbeta->dtype;
-  c.part = bp.part, c.gate_raw = gate_raw, c.alog = alog;
-  c.BT = BT, c.T = static_cast<int>(r.T), c.H = static_cast<int>(r.H), c.HV = static_cast<int>(r.HV);
-  c.K = static_cast<int>(K), c.tiles = bp.tiles, c.per_channel = per_channel, c.gate_in_kernel = r.gate_in_kernel;
-  c.has_lb = r.has_lb, c.delta = r.tr.delta, c.beta_sigmoid = r.beta_sigmoid, c.l2norm = r.l2norm;
-  c.dt_bias_per_channel = r.dt_bias_per_channel;
-  c.lb = static_cast<float>(r.lb), c.beta_mult = r.neg_eig ? 2.0f : 1.0f, c.scale = static_cast<float>(r.scale);
-  if (BT > 0 && (a.dq || a.dk)) chain_qk_kernel<<<static_cast<unsigned>(BT * r.H), static_cast<unsigned>(K), 0, stream>>>(c);
-  if (BT > 0 && (a.dbeta || a.dg || r.gate_in_kernel))
-    chain_gate_kernel<<<static_cast<unsigned>(BT * r.HV), static_cast<unsigned>(K), 0, stream>>>(c);
-  if (a.dA_log || a.ddt_bias) {
-    if (r.gate_in_kernel) {
-      param_sum_kernel<<<static_cast<unsigned>(r.HV), 256, 0, stream>>>(c, a.dA_log ? a.dA_log->data : nullptr,
-                                                                         a.dA_log ? a.dA_log->dtype : 0,
-                                                                         a.ddt_bias ? a.ddt_bias->data : nullptr,
-                                                                         a.ddt_bias ? a.ddt_bias->dtype : 0);
-    } else {
-      for (cula_tensor* t : {a.dA_log, a.ddt_bias})
-        if (t) zero_kernel<<<8, 256, 0, stream>>>(t->data, t->dtype, numel(*t));
-    }
-  }
+  bwd::launch_chain(r, a, bp.f, bp.part, bp.tiles, chain_ws, stream);
   const cudaError_t launched = cudaGetLastError();
   ws.release();
   check(launched, "kernel launch");

@@ -60,6 +60,18 @@ cudaMemPool_t chunk_workspace_pool(int device) {
   return pools[device];
 }
 
+int64_t cuda_workspace_peak_bytes(int device, bool reset) {
+  if (device < 0 || device >= cuda_device_count()) return 0;
+  const cudaMemPool_t pool = chunk_workspace_pool(device);
+  uint64_t high = 0;
+  chunk::check(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high), "workspace pool");
+  if (reset) {
+    uint64_t zero = 0;
+    chunk::check(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero), "workspace pool");
+  }
+  return static_cast<int64_t>(high);
+}
+
 const char* chunk::tensor_core_declines(const cula_chunk_fwd_args& a, bool half) {
   // both engines cut V into 32- or 64-column slices, one CTA each
   const int64_t V = a.v->shape[3];

@@ -17,5 +17,8 @@ int cuda_device_arch(int device);
 int cuda_sm_count(int device);
 // Shared memory a block may opt in to on the device, in bytes (cached; throws like cuda_sm_count).
 int cuda_smem_per_block(int device);
+// The kernels' workspace pool on a device: the most bytes in use at once since the last reset
+// (0 without a device or before any use); reset starts a new count.
+int64_t cuda_workspace_peak_bytes(int device, bool reset);
 
 }  // namespace cula

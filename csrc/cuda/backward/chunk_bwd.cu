@@ -1,0 +1,976 @@
+// Backward in chunk form on tensor cores (3xTF32 mma.sync, fp32 operands in shared memory): every
+// family and option, key head sizes 64 and 128, V a multiple of 64. The algebra is DESIGN.md's
+// (checked in float64 by tests/python/test_chunked_backward_algebra.py); chunks of C = 64 tokens, G
+// the inclusive cumulative log-decay inside a chunk, per channel (a scalar or constant gate repeated
+// over K), every exponent e^{G_t - G_s} with s <= t (or through a token between them), so no factor
+// exceeds 1 for any decay.
+//
+// Kernels, in stream order (one workspace, chunk::Workspace):
+//  1. prepare_tokens_kernel (chain.cu): q^, k^, the log-decay a and beta per token.
+//  2. chunk_factors_kernel, one CTA per (chunk, value head): G; the pair matrices
+//     P = tril(q^ E k^T) and KEK = stril(k^ E k^T) (diagonal 16 x 16 blocks exact, one thread per
+//     pair; the blocks below on tensor cores through the last token before the row block);
+//     T = (I + diag(beta) KEK)^-1 by 16-row blocks; W = T diag(beta) Kg; Qg, Kr, e^{G_C}.
+//  3. state_fwd_scan_kernel, per (sequence, value head, VS columns), chunks in order: the state at
+//     every chunk start, S0 (fp32): Delta = T (beta v) - W S, S <- e^{G_C} S + Kr^T Delta.
+//  4. state_grad_scan_kernel, per (sequence, value head, VS columns), chunks last to first: stores
+//     the gradient dS of each chunk's end state, then dDelta = P^T dO + Kr dS and
+//     dS <- e^{G_C} dS + Qg^T dO - W^T dDelta. Without the delta rule dDelta is dv.
+//  5. value_grad_kernel (delta rule), per (chunk, value head, 64 columns): R = v - Kg S0,
+//     Delta = T diag(beta) R, dB = T^T dDelta; dv = beta dB, beta's partial sum dB . R.
+//  6. key_grad_kernel, per (chunk, value head, 64 channels): over V, dQg = dO S0^T,
+//     dKg = -(beta dB) S0^T, dKr = Delta dS^T and the channel sums of S0 . dS; their terms of
+//     dq^, dk^ and dG.
+//  7. pair_grad_kernel, per (chunk, value head): dP = tril(dO Delta^T), dA = -stril(dB Delta^T)
+//     over V; beta's KEK term; the pair terms of dq^, dk^ and dG (diagonal blocks exact per
+//     channel, the rest on tensor cores); da, the reverse cumulative sum of dG.
+//  8. the chain kernels (chain.cu), as the recurrent form.
+// The scans stream the next chunk's factor tiles by cp.async one phase ahead. Deterministic: every
+// sum in a fixed order, no atomics. Barriers: __syncthreads between phases; an accumulating product
+// hands each element to the thread that stored it (tf32_gemm.cuh).
+#include "cuda/backward/chunk_bwd.h"
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "cuda/backward/chain.h"
+#include "cuda/backward/recurrent_bwd.h"
+#include "cuda/common/fwd_params.cuh"
+#include "cuda/kerutils/device_utils.cuh"
+#include "cuda/kerutils/mma.cuh"
+#include "cuda/kerutils/tf32_gemm.cuh"
+#include "cuda/prefill/chunk_common.cuh"
+#include "cuda/runtime/check.h"
+#include "cuda/runtime/runtime.h"
+
+namespace cula {
+namespace {
+
+using dev::ld;
+using dev::st;
+using tf32::cols;
+using tf32::rows;
+
+constexpr int C = kChunk;  // 64 tokens
+constexpr int NW = 16, NT = 32 * NW;
+constexpr int VS = 16;  // the scan's columns per CTA
+constexpr int VE = 64;  // columns (or channels) per CTA or pass of the per-chunk kernels
+
+// One factor block per (chunk, value head), fp32, in this order: P, T, KEK (C x C), W, Qg, Kr, G
+// (C x K, row per token), e^{G_C} (K).
+template <int K>
+struct Fac {
+  static constexpr int P = 0, T = C * C, KEK = 2 * C * C, W = 3 * C * C, Q = W + C * K, R = Q + C * K, G = R + C * K,
+                       EG = G + C * K;
+  static constexpr int size = (EG + K + 63) / 64 * 64;
+};
+
+struct Params {
+  FwdParams f;
+  bwd::TokenInputs x;         // the log-decay in x.dec
+  const int32_t* chunk_base;  // varlen chunk numbering, else null
+  float* S0;                  // states at chunk starts [chunks, HV, K, V]
+  float* fac;                 // factor blocks [chunks, HV, Fac::size]
+  float* dS;                  // end-state gradients [chunks, HV, K, V]
+  float *dDelta, *Delta, *dB;  // [B*T, HV, V] (delta rule)
+  float* dbeta_part;           // [V / VE, B*T, HV]
+  float* part;                 // [B*T, HV, 3K + 1] (chain.h)
+  const void* dO;
+  int dO_dt;
+  int64_t dO_s[4];
+  const void* dht;
+  int dht_dt;
+  void* dh0;
+  int dh0_dt;
+  void* dv;
+  int dv_dt;
+  int64_t dv_s[4];
+  int64_t BT;
+};
+
+// Where a per-chunk CTA's chunk lies: its sequence row, first token, valid rows and flattened
+// first token. False past the last chunk of a varlen call.
+struct ChunkAt {
+  int b_row, Lc;
+  int64_t t0, f0;
+};
+__device__ __forceinline__ bool chunk_at(const Params& bp, int cidx, ChunkAt& ch) {
+  int n, ci;
+  if (!chunk::locate(bp.f, bp.chunk_base, cidx, n, ci)) return false;
+  const Seq sq = seq_of(bp.f, n);
+  ch.t0 = sq.bos + static_cast<int64_t>(ci) * C;
+  if (ch.t0 >= sq.eos) return false;
+  ch.Lc = static_cast<int>(min(int64_t{C}, sq.eos - ch.t0));
+  ch.b_row = sq.b_row;
+  ch.f0 = static_cast<int64_t>(sq.b_row) * bp.f.T + ch.t0;
+  return true;
+}
+
+// ---- loads -------------------------------------------------------------------------------------
+// Rows [0, valid) of a ROWS x COLS fp32 tile (row pitch src_ld floats, 16-byte aligned rows) into
+// shared memory (pitch dst_ld) by cp.async; rows past valid are zeroed. The caller commits and waits.
+template <int ROWS, int COLS>
+__device__ __forceinline__ void rows_async(float* dst, int dst_ld, const float* src, int64_t src_ld, int valid = ROWS) {
+  constexpr int P = COLS / 4;
+  for (int i = threadIdx.x; i < ROWS * P; i += NT) {
+    const int r = i / P, c4 = (i % P) * 4;
+    if (r < valid) mma::cp_async16(dst + r * dst_ld + c4, src + r * src_ld + c4);
+    else *reinterpret_cast<float4*>(dst + r * dst_ld + c4) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
+}
+
+// Rows [0, valid) of a ROWS x COLS tile of a bf16, fp16 or fp32 input (unit column stride, 16-byte
+// aligned rows, row r at element off + r row_stride) into fp32 shared memory, rows past valid
+// zeroed: every thread issues all its loads before its first store.
+template <int ROWS, int COLS>
+__device__ __forceinline__ void input_rows(float* dst, int dst_ld, const void* src, int dt, int64_t off, int64_t row_stride,
+                                           int valid) {
+  const int tid = threadIdx.x;
+  if (dt == CULA_FLOAT32) {
+    constexpr int P = COLS / 4, PER = (ROWS * P + NT - 1) / NT;
+    const float* s = static_cast<const float*>(src) + off;
+    float4 x[PER];
+#pragma unroll
+    for (int u = 0; u < PER; ++u) {
+      const int i = tid + u * NT, r = i / P, c = (i % P) * 4;
+      x[u] = r < valid && i < ROWS * P ? *reinterpret_cast<const float4*>(s + r * row_stride + c)
+                                       : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+#pragma unroll
+    for (int u = 0; u < PER; ++u) {
+      const int i = tid + u * NT, r = i / P, c = (i % P) * 4;
+      if (i < ROWS * P) *reinterpret_cast<float4*>(dst + r * dst_ld + c) = x[u];
+    }
+  } else {
+    constexpr int P = COLS / 8, PER = (ROWS * P + NT - 1) / NT;
+    const uint16_t* s = static_cast<const uint16_t*>(src) + off;
+    uint4 x[PER];
+#pragma unroll
+    for (int u = 0; u < PER; ++u) {
+      const int i = tid + u * NT, r = i / P, c = (i % P) * 8;
+      x[u] = r < valid && i < ROWS * P ? *reinterpret_cast<const uint4*>(s + r * row_stride + c) : make_uint4(0, 0, 0, 0);
+    }
+    const bool bf = dt == CULA_BFLOAT16;
+#pragma unroll
+    for (int u = 0; u < PER; ++u) {
+      const int i = tid + u * NT, r = i / P, c = (i % P) * 8;
+      if (i >= ROWS * P) break;
+      const uint32_t w[4] = {x[u].x, x[u].y, x[u].z, x[u].w};
+      float* d = dst + r * dst_ld + c;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const uint16_t lo = static_cast<uint16_t>(w[e] & 0xffffu), hi = static_cast<uint16_t>(w[e] >> 16);
+        d[2 * e] = bf ? __uint_as_float(static_cast<uint32_t>(lo) << 16) : __half2float(__ushort_as_half(lo));
+        d[2 * e + 1] = bf ? __uint_as_float(static_cast<uint32_t>(hi) << 16) : __half2float(__ushort_as_half(hi));
+      }
+    }
+  }
+}
+
+// Row i of a row-major matrix scaled by s[i].
+struct RowScaled {
+  const float* p;
+  int ld;
+  const float* s;
+  __device__ __forceinline__ float operator()(int i, int j) const { return s[i] * p[i * ld + j]; }
+};
+
+// ---- 3. factors --------------------------------------------------------------------------------
+template <int K, bool DELTA>
+struct FactorsLayout {
+  static constexpr int LK = K + 4, LA = C + 4, LB = K + 8;
+  static constexpr int kRowOperands = (16 + (DELTA ? 16 : 0) + 48) * LK;  // one block row's operands
+  static constexpr int kTail = 3 * 256 + C * LB;                          // X, then beta Kg
+  static constexpr int q = 0, k = q + C * LK, G = k + C * LK, A = G + C * LK, T = A + (DELTA ? C * LA : 0),
+                       S = T + (DELTA ? C * LA : 0), D = S + (kRowOperands > kTail ? kRowOperands : kTail),
+                       beta = D + 4 * 136 * 2, floats = beta + C;
+  static constexpr int bytes = floats * 4;
+};
+
+__device__ __forceinline__ void tri_index(int pi, int& i, int& j) {  // pi = i (i + 1) / 2 + j, j <= i
+  i = static_cast<int>((sqrtf(8.0f * pi + 1.0f) - 1.0f) * 0.5f);
+  while ((i + 1) * (i + 2) / 2 <= pi) ++i;
+  while (i * (i + 1) / 2 > pi) --i;
+  j = pi - i * (i + 1) / 2;
+}
+
+// P and KEK for the rows of block I (I >= 1) and the tokens before it, on tensor cores: both
+// operands through the last token before the block, r = 16 I - 1: (q_t e^{G_t - G_r}) (k_s
+// e^{G_r - G_s}), every factor <= 1.
+template <int K, bool DELTA, int I>
+__device__ __forceinline__ void factors_block_row(const float* qs, const float* ks, const float* Gs, float* S, float* Am,
+                                                  const float* bet, float* fac) {
+  using Ly = FactorsLayout<K, DELTA>;
+  using F = Fac<K>;
+  constexpr int LK = Ly::LK, LA = Ly::LA, r = 16 * I - 1;
+  float *Lq = S, *Lk = S + 16 * LK, *R = S + (DELTA ? 32 : 16) * LK;
+  __syncthreads();  // S free
+  for (int i = threadIdx.x; i < 16 * K; i += NT) {
+    const int t = 16 * I + i / K, c = i % K;
+    const float e = __expf(Gs[t * LK + c] - Gs[r * LK + c]);
+    Lq[(i / K) * LK + c] = qs[t * LK + c] * e;
+    if (DELTA) Lk[(i / K) * LK + c] = ks[t * LK + c] * e;
+  }
+  for (int i = threadIdx.x; i < 16 * I * K; i += NT) {
+    const int s = i / K, c = i % K;
+    R[s * LK + c] = ks[s * LK + c] * __expf(Gs[r * LK + c] - Gs[s * LK + c]);
+  }
+  __syncthreads();
+  tf32::gemm<16, 16 * I, K, NW>(rows(Lq, LK), cols(R, LK), [&](int i, int j, float v) { fac[F::P + (16 * I + i) * C + j] = v; });
+  if (DELTA)
+    tf32::gemm<16, 16 * I, K, NW>(rows(Lk, LK), cols(R, LK), [&](int i, int j, float v) {
+      const int t = 16 * I + i;
+      fac[F::KEK + t * C + j] = v;
+      Am[t * LA + j] = bet[t] * v;
+    });
+}
+
+template <int K, bool DELTA>
+__global__ void __launch_bounds__(NT) chunk_factors_kernel(const Params bp) {
+  using Ly = FactorsLayout<K, DELTA>;
+  using F = Fac<K>;
+  constexpr int LK = Ly::LK, LA = Ly::LA, LB = Ly::LB;
+  extern __shared__ __align__(16) float sm[];
+  float *qs = sm + Ly::q, *ks = sm + Ly::k, *Gs = sm + Ly::G, *Am = sm + Ly::A, *Tm = sm + Ly::T, *S = sm + Ly::S;
+  float *D = sm + Ly::D, *bet = sm + Ly::beta;
+  const FwdParams& p = bp.f;
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int cidx = static_cast<int>(blockIdx.x / p.HV), hv = static_cast<int>(blockIdx.x % p.HV);
+  const int h = hv / (p.HV / p.H);
+  ChunkAt ch;
+  if (!chunk_at(bp, cidx, ch)) return;
+  float* fac = bp.fac + (static_cast<int64_t>(cidx) * p.HV + hv) * F::size;
+  const int Lc = ch.Lc;
+
+  rows_async<C, K>(qs, LK, bp.x.qh + (ch.f0 * p.H + h) * K, static_cast<int64_t>(p.H) * K, Lc);
+  rows_async<C, K>(ks, LK, bp.x.kh + (ch.f0 * p.H + h) * K, static_cast<int64_t>(p.H) * K, Lc);
+  rows_async<C, K>(Gs, LK, bp.x.dec + (ch.f0 * p.HV + hv) * K, static_cast<int64_t>(p.HV) * K, Lc);  // rows past: no decay
+  mma::cp_async_commit();
+  if (tid < C) bet[tid] = tid < Lc ? bp.x.beta[(ch.f0 + tid) * p.HV + hv] : 0.0f;
+  for (int i = tid; i < C * C; i += NT) {
+    const int t = i / C, s = i % C;
+    if (s > t) fac[F::P + i] = 0.0f;
+    if (DELTA && s >= t) fac[F::KEK + i] = 0.0f, Am[t * LA + s] = 0.0f;
+  }
+  mma::cp_async_wait_all();
+  __syncthreads();
+  for (int c = tid; c < K; c += NT) {
+    float acc = 0.0f;
+    for (int t = 0; t < C; ++t) acc = Gs[t * LK + c] += acc;
+  }
+  __syncthreads();
+
+  // diagonal blocks, exact: one thread per pair (t, s), s <= t, in block 16 I; each lane starts its
+  // walk over the channels at its own lane (rows 4 words apart in the banks: no conflicts)
+  for (int e = tid; e < 4 * 136; e += NT) {
+    const int I = e / 136, pi = e % 136;
+    int i, j;
+    tri_index(pi, i, j);
+    const float *qt = qs + (16 * I + i) * LK, *kt = ks + (16 * I + i) * LK, *Gt = Gs + (16 * I + i) * LK;
+    const float *kv = ks + (16 * I + j) * LK, *Gv = Gs + (16 * I + j) * LK;
+    float ap = 0.0f, ak = 0.0f;
+#pragma unroll 8
+    for (int m = 0; m < K; ++m) {
+      const int c = (m + lane) & (K - 1);
+      const float x = kv[c] * __expf(Gt[c] - Gv[c]);
+      ap += qt[c] * x;
+      if (DELTA) ak += kt[c] * x;
+    }
+    D[2 * e] = ap, D[2 * e + 1] = ak;
+  }
+  factors_block_row<K, DELTA, 1>(qs, ks, Gs, S, Am, bet, fac);
+  factors_block_row<K, DELTA, 2>(qs, ks, Gs, S, Am, bet, fac);
+  factors_block_row<K, DELTA, 3>(qs, ks, Gs, S, Am, bet, fac);
+  __syncthreads();
+  for (int e = tid; e < 4 * 136; e += NT) {
+    const int I = e / 136;
+    int i, j;
+    tri_index(e % 136, i, j);
+    const int t = 16 * I + i, s = 16 * I + j;
+    fac[F::P + t * C + s] = D[2 * e];
+    if (DELTA && j < i) {
+      fac[F::KEK + t * C + s] = D[2 * e + 1];
+      Am[t * LA + s] = bet[t] * D[2 * e + 1];
+    }
+  }
+
+  if (DELTA) {
+    // T = (I + A)^-1, A strictly lower: diagonal 16 x 16 blocks by substitution (thread per
+    // column), then block diagonal d = 1..3: T_IJ = -T_II sum_{J <= L < I} A_IL T_LJ
+    float* X = S;
+    __syncthreads();
+    for (int i = tid; i < C * C; i += NT) {
+      const int rr = i / C, cc = i % C;
+      if (cc / 16 > rr / 16) Tm[rr * LA + cc] = 0.0f;
+    }
+    if (tid < C) {
+      const int b = 16 * (tid / 16), j = tid % 16;
+      for (int i = 0; i < 16; ++i) {
+        float v = i == j ? 1.0f : 0.0f;
+        for (int l = j; l < i; ++l) v -= Am[(b + i) * LA + b + l] * Tm[(b + l) * LA + b + j];
+        Tm[(b + i) * LA + b + j] = v;
+      }
+    }
+    __syncthreads();
+    for (int d = 1; d < 4; ++d) {
+      const int nb = 4 - d;
+      for (int e = tid; e < nb * 256; e += NT) {
+        const int I = d + e / 256, J = I - d, i = (e % 256) / 16, j = e % 16;
+        float v = 0.0f;
+        for (int l = 16 * J; l < 16 * I; ++l) v += Am[(16 * I + i) * LA + l] * Tm[l * LA + 16 * J + j];
+        X[e] = v;
+      }
+      __syncthreads();
+      for (int e = tid; e < nb * 256; e += NT) {
+        const int I = d + e / 256, J = I - d, i = (e % 256) / 16, j = e % 16;
+        const float* x = X + (e / 256) * 256;
+        float v = 0.0f;
+        for (int m = 0; m <= i; ++m) v -= Tm[(16 * I + i) * LA + 16 * I + m] * x[m * 16 + j];
+        Tm[(16 * I + i) * LA + 16 * J + j] = v;
+      }
+      __syncthreads();
+    }
+  }
+
+  // G, Qg = q^ e^G, Kr = k^ e^{G_C - G}, e^{G_C}; beta Kg for W
+  float* bKg = S + 3 * 256;
+  for (int i = tid; i < C * K; i += NT) {
+    const int t = i / K, c = i % K;
+    const float G = Gs[t * LK + c], e = __expf(G);
+    fac[F::G + i] = G;
+    fac[F::Q + i] = qs[t * LK + c] * e;
+    fac[F::R + i] = ks[t * LK + c] * __expf(Gs[(C - 1) * LK + c] - G);
+    if (DELTA) bKg[t * LB + c] = bet[t] * ks[t * LK + c] * e;
+  }
+  for (int c = tid; c < K; c += NT) fac[F::EG + c] = __expf(Gs[(C - 1) * LK + c]);
+  if (DELTA) {
+    for (int i = tid; i < C * C; i += NT) fac[F::T + i] = Tm[(i / C) * LA + i % C];
+    __syncthreads();
+    tf32::gemm<C, K, C, NW>(rows(Tm, LA), rows(bKg, LB), [&](int i, int j, float v) { fac[F::W + i * K + j] = v; });
+  }
+}
+
+// ---- 4a. forward states ------------------------------------------------------------------------
+// The state at every chunk start, recomputed in fp32 from the factors (the forward's chunk engines
+// carry bf16 intermediates; the gradients here need the states to fp32 precision). One CTA per
+// (sequence, value head, VS columns), chunks in order, S (K x VS) in shared memory:
+//   Delta = T (beta v) - W S,  S <- e^{G_C} S + Kr^T Delta     (without the delta rule Delta = v)
+template <int K, bool DELTA>
+struct FwdScanLayout {
+  static constexpr int LS = VS + 8, LT = C + 4, LR = K + 4, LQ = K + 8;
+  static constexpr int S = 0, bv = S + K * LS, D = bv + C * LS, T = D + C * LS, W = T + (DELTA ? C * LT : 0),
+                       Kr = W + (DELTA ? C * LR : 0), eg = Kr + C * LQ, beta = eg + K, floats = beta + C;
+  static constexpr int bytes = floats * 4;
+};
+
+template <int K, bool DELTA>
+__global__ void __launch_bounds__(NT, 1) state_fwd_scan_kernel(const Params bp) {
+  using Ly = FwdScanLayout<K, DELTA>;
+  using F = Fac<K>;
+  constexpr int LS = Ly::LS, LT = Ly::LT, LR = Ly::LR, LQ = Ly::LQ;
+  extern __shared__ __align__(16) float sm[];
+  float *S = sm + Ly::S, *bv = sm + Ly::bv, *Dl = sm + Ly::D, *Tm = sm + Ly::T, *W = sm + Ly::W, *Kr = sm + Ly::Kr;
+  float *eg = sm + Ly::eg, *bet = sm + Ly::beta;
+  const FwdParams& p = bp.f;
+  const int tid = threadIdx.x, nvs = p.V / VS;
+  const int v0 = static_cast<int>(blockIdx.x % nvs) * VS, hv = static_cast<int>((blockIdx.x / nvs) % p.HV);
+  const int n = static_cast<int>(blockIdx.x / (static_cast<unsigned>(nvs) * p.HV));
+  const Seq sq = seq_of(p, n);
+  const int nch = static_cast<int>((sq.eos - sq.bos + C - 1) / C);
+  const int64_t cbase = bp.chunk_base ? bp.chunk_base[n] : static_cast<int64_t>(n) * chunk::chunks_of(p);
+
+  for (int i = tid; i < K * VS; i += NT) {
+    const int c = i / VS, j = i % VS;
+    S[c * LS + j] = p.h0 ? ld(p.h0, p.h0_dt, state_elem(p, n, hv, v0 + j, c)) : 0.0f;
+  }
+  auto fac_of = [&](int ci) { return bp.fac + ((cbase + ci) * p.HV + hv) * F::size; };
+  auto load_a = [&](int ci) {  // what Delta needs
+    if (DELTA) {
+      rows_async<C, C>(Tm, LT, fac_of(ci) + F::T, C);
+      rows_async<C, K>(W, LR, fac_of(ci) + F::W, K);
+    }
+    mma::cp_async_commit();
+  };
+  auto load_b = [&](int ci) {  // what the update needs
+    rows_async<C, K>(Kr, LQ, fac_of(ci) + F::R, K);
+    rows_async<1, K>(eg, K, fac_of(ci) + F::EG, K);
+    mma::cp_async_commit();
+  };
+  if (nch > 0) load_a(0), load_b(0);
+  for (int ci = 0; ci < nch; ++ci) {
+    const int64_t cidx = cbase + ci, t0 = sq.bos + static_cast<int64_t>(ci) * C;
+    const int Lc = static_cast<int>(min(int64_t{C}, sq.eos - t0));
+    const int64_t f0 = static_cast<int64_t>(sq.b_row) * p.T + t0;
+    __syncthreads();  // S written; bv and Dl free
+    float* Sg = bp.S0 + (cidx * p.HV + hv) * static_cast<int64_t>(K) * p.V + v0;  // the chunk's start state
+    for (int i = tid; i < K * VS; i += NT) Sg[(i / VS) * static_cast<int64_t>(p.V) + i % VS] = S[(i / VS) * LS + i % VS];
+    input_rows<C, VS>(DELTA ? bv : Dl, LS, p.v, p.v_dt, sq.b_row * p.v_s[0] + t0 * p.v_s[1] + hv * p.v_s[2] + v0, p.v_s[1], Lc);
+    if (DELTA) {
+      if (tid < C) bet[tid] = tid < Lc ? bp.x.beta[(f0 + tid) * p.HV + hv] : 0.0f;
+      mma::cp_async_wait_pending(1);  // group A of this chunk
+      __syncthreads();
+      for (int i = tid; i < C * VS; i += NT) bv[(i / VS) * LS + i % VS] *= bet[i / VS];
+      __syncthreads();
+      tf32::gemm<C, VS, C, NW>(rows(Tm, LT), rows(bv, LS), [&](int i, int j, float v) { Dl[i * LS + j] = v; });
+      tf32::gemm<C, VS, K, NW>(rows(W, LR), rows(S, LS), [&](int i, int j, float v) { Dl[i * LS + j] -= v; });
+      __syncthreads();  // T, W and S read
+      if (ci + 1 < nch) load_a(ci + 1);
+      mma::cp_async_wait_pending(ci + 1 < nch ? 1 : 0);  // group B of this chunk
+    } else {
+      mma::cp_async_wait_pending(0);
+    }
+    __syncthreads();
+    tf32::gemm<K, VS, C, NW>(cols(Kr, LQ), rows(Dl, LS), [&](int i, int j, float v) { S[i * LS + j] = eg[i] * S[i * LS + j] + v; });
+    __syncthreads();  // Kr, e^{G_C} read
+    if (ci + 1 < nch) load_b(ci + 1);
+  }
+}
+
+// ---- 4. state-gradient scan --------------------------------------------------------------------
+template <int K, bool DELTA>
+struct ScanLayout {
+  static constexpr int LS = VS + 8, LP = C + 8, LR = K + 4, LQ = K + 8;
+  static constexpr int dS = 0, dO = dS + K * LS, dD = dO + C * LS, P = dD + C * LS, Kr = P + C * LP, Qg = Kr + C * LR,
+                       W = Qg + C * LQ, eg = W + (DELTA ? C * LQ : 0), floats = eg + K;
+  static constexpr int bytes = floats * 4;
+};
+
+template <int K, bool DELTA>
+__global__ void __launch_bounds__(NT, 1) state_grad_scan_kernel(const Params bp) {
+  using Ly = ScanLayout<K, DELTA>;
+  using F = Fac<K>;
+  constexpr int LS = Ly::LS, LP = Ly::LP, LR = Ly::LR, LQ = Ly::LQ;
+  extern __shared__ __align__(16) float sm[];
+  float *dS = sm + Ly::dS, *dO = sm + Ly::dO, *dD = sm + Ly::dD, *Pm = sm + Ly::P, *Kr = sm + Ly::Kr, *Qg = sm + Ly::Qg;
+  float *W = sm + Ly::W, *eg = sm + Ly::eg;
+  const FwdParams& p = bp.f;
+  const int tid = threadIdx.x, nvs = p.V / VS;
+  const int v0 = static_cast<int>(blockIdx.x % nvs) * VS, hv = static_cast<int>((blockIdx.x / nvs) % p.HV);
+  const int n = static_cast<int>(blockIdx.x / (static_cast<unsigned>(nvs) * p.HV));
+  const Seq sq = seq_of(p, n);
+  const int nch = static_cast<int>((sq.eos - sq.bos + C - 1) / C);
+  const int64_t cbase = bp.chunk_base ? bp.chunk_base[n] : static_cast<int64_t>(n) * chunk::chunks_of(p);
+
+  for (int i = tid; i < K * VS; i += NT) {
+    const int c = i / VS, j = i % VS;
+    dS[c * LS + j] = bp.dht ? ld(bp.dht, bp.dht_dt, state_elem(p, n, hv, v0 + j, c)) : 0.0f;
+  }
+  // Loads run one phase ahead: P and Kr of chunk c - 1 (group A) while the state gradient of
+  // chunk c updates, Qg, W and e^{G_C} of chunk c - 1 (group B) while its dDelta forms.
+  auto fac_of = [&](int ci) { return bp.fac + ((cbase + ci) * p.HV + hv) * F::size; };
+  auto load_a = [&](int ci) {
+    rows_async<C, C>(Pm, LP, fac_of(ci) + F::P, C);
+    rows_async<C, K>(Kr, LR, fac_of(ci) + F::R, K);
+    mma::cp_async_commit();
+  };
+  auto load_b = [&](int ci) {
+    rows_async<C, K>(Qg, LQ, fac_of(ci) + F::Q, K);
+    if (DELTA) rows_async<C, K>(W, LQ, fac_of(ci) + F::W, K);
+    rows_async<1, K>(eg, K, fac_of(ci) + F::EG, K);
+    mma::cp_async_commit();
+  };
+  if (nch > 0) load_a(nch - 1), load_b(nch - 1);
+  __syncthreads();  // dS written
+  for (int ci = nch - 1; ci >= 0; --ci) {
+    const int64_t cidx = cbase + ci, t0 = sq.bos + static_cast<int64_t>(ci) * C;
+    const int Lc = static_cast<int>(min(int64_t{C}, sq.eos - t0));
+    input_rows<C, VS>(dO, LS, bp.dO, bp.dO_dt, sq.b_row * bp.dO_s[0] + t0 * bp.dO_s[1] + hv * bp.dO_s[2] + v0, bp.dO_s[1], Lc);
+    float* dSg = bp.dS + (cidx * p.HV + hv) * static_cast<int64_t>(K) * p.V + v0;  // the chunk's end-state gradient
+    for (int i = tid; i < K * VS; i += NT) dSg[(i / VS) * static_cast<int64_t>(p.V) + i % VS] = dS[(i / VS) * LS + i % VS];
+    mma::cp_async_wait_pending(1);  // group A of this chunk
+    __syncthreads();
+    tf32::gemm<C, VS, C, NW>(cols(Pm, LP), rows(dO, LS), [&](int i, int j, float v) { dD[i * LS + j] = v; });
+    tf32::gemm<C, VS, K, NW>(rows(Kr, LR), rows(dS, LS), [&](int i, int j, float v) { dD[i * LS + j] += v; });
+    __syncthreads();  // P, Kr and dS read
+    if (ci > 0) load_a(ci - 1);
+    const int64_t f0 = static_cast<int64_t>(sq.b_row) * p.T + t0;
+    for (int i = tid; i < Lc * VS; i += NT) {
+      const int t = i / VS, j = i % VS;
+      if (DELTA) bp.dDelta[((f0 + t) * p.HV + hv) * p.V + v0 + j] = dD[t * LS + j];
+      else if (bp.dv)
+        st(bp.dv, bp.dv_dt, sq.b_row * bp.dv_s[0] + (t0 + t) * bp.dv_s[1] + hv * bp.dv_s[2] + (v0 + j) * bp.dv_s[3], dD[t * LS + j]);
+    }
+    mma::cp_async_wait_pending(ci > 0 ? 1 : 0);  // group B of this chunk
+    __syncthreads();
+    tf32::gemm<K, VS, C, NW>(cols(Qg, LQ), rows(dO, LS), [&](int i, int j, float v) { dS[i * LS + j] = eg[i] * dS[i * LS + j] + v; });
+    if (DELTA) tf32::gemm<K, VS, C, NW>(cols(W, LQ), rows(dD, LS), [&](int i, int j, float v) { dS[i * LS + j] -= v; });
+    __syncthreads();  // Qg, W, e^{G_C}, dO and dD read; dS written
+    if (ci > 0) load_b(ci - 1);
+  }
+  __syncthreads();
+  if (bp.dh0)
+    for (int i = tid; i < K * VS; i += NT) {
+      const int c = i / VS, j = i % VS;
+      st(bp.dh0, bp.dh0_dt, state_elem(p, n, hv, v0 + j, c), dS[c * LS + j]);
+    }
+}
+
+// ---- 5. value side (delta rule) ----------------------------------------------------------------
+template <int K>
+struct ValueLayout {
+  static constexpr int LK = K + 4, LV = VE + 8, LT = C + 4;
+  static constexpr int kS0 = K * LV;
+  static constexpr int Kg = 0, S0 = Kg + C * LK, T = S0 + kS0, R = T + C * LT, B = R + C * LV, dD = B + C * LV,
+                       beta = dD + C * LV, floats = beta + C;
+  static constexpr int bytes = floats * 4;
+};
+
+template <int K>
+__global__ void __launch_bounds__(NT) value_grad_kernel(const Params bp) {
+  using Ly = ValueLayout<K>;
+  using F = Fac<K>;
+  constexpr int LK = Ly::LK, LV = Ly::LV, LT = Ly::LT;
+  extern __shared__ __align__(16) float sm[];
+  float *Kg = sm + Ly::Kg, *S0 = sm + Ly::S0, *Tm = sm + Ly::T, *R = sm + Ly::R, *Bm = sm + Ly::B, *dD = sm + Ly::dD;
+  float* bet = sm + Ly::beta;
+  const FwdParams& p = bp.f;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, nve = p.V / VE;
+  const int v0 = static_cast<int>(blockIdx.x % nve) * VE, hv = static_cast<int>((blockIdx.x / nve) % p.HV);
+  const int cidx = static_cast<int>(blockIdx.x / (static_cast<unsigned>(nve) * p.HV)), h = hv / (p.HV / p.H);
+  ChunkAt ch;
+  if (!chunk_at(bp, cidx, ch)) return;
+  const float* fac = bp.fac + (static_cast<int64_t>(cidx) * p.HV + hv) * F::size;
+  const int Lc = ch.Lc;
+  const float* S0g = bp.S0 + (static_cast<int64_t>(cidx) * p.HV + hv) * K * p.V;
+
+  rows_async<C, C>(Tm, LT, fac + F::T, C);
+  rows_async<K, VE>(S0, LV, S0g + v0, p.V);
+  rows_async<C, VE>(dD, LV, bp.dDelta + ch.f0 * p.HV * p.V + hv * p.V + v0, static_cast<int64_t>(p.HV) * p.V, Lc);
+  mma::cp_async_commit();
+  input_rows<C, VE>(R, LV, p.v, p.v_dt, ch.b_row * p.v_s[0] + ch.t0 * p.v_s[1] + hv * p.v_s[2] + v0, p.v_s[1], Lc);
+#pragma unroll 8
+  for (int i = tid; i < C * K; i += NT) {
+    const int t = i / K, c = i % K;
+    Kg[t * LK + c] = t < Lc ? bp.x.kh[((ch.f0 + t) * p.H + h) * K + c] * __expf(fac[F::G + i]) : 0.0f;
+  }
+  if (tid < C) bet[tid] = tid < Lc ? bp.x.beta[(ch.f0 + tid) * p.HV + hv] : 0.0f;
+  mma::cp_async_wait_all();
+  __syncthreads();
+  auto residual = [&](int i, int j, float v) {
+    const float r = R[i * LV + j] - v;
+    R[i * LV + j] = r;
+    Bm[i * LV + j] = bet[i] * r;
+  };
+  tf32::gemm<C, VE, K, NW>(rows(Kg, LK), rows(S0, LV), residual);
+  __syncthreads();
+  tf32::gemm<C, VE, C, NW>(rows(Tm, LT), rows(Bm, LV), [&](int i, int j, float v) {
+    if (i < Lc) bp.Delta[((ch.f0 + i) * p.HV + hv) * p.V + v0 + j] = v;
+  });
+  __syncthreads();  // Bm read; it takes dB
+  tf32::gemm<C, VE, C, NW>(cols(Tm, LT), rows(dD, LV), [&](int i, int j, float v) { Bm[i * LV + j] = v; });
+  __syncthreads();
+  for (int i = tid; i < Lc * VE; i += NT) {
+    const int t = i / VE, j = i % VE;
+    const float db = Bm[t * LV + j];
+    bp.dB[((ch.f0 + t) * p.HV + hv) * p.V + v0 + j] = db;
+    if (bp.dv)
+      st(bp.dv, bp.dv_dt, ch.b_row * bp.dv_s[0] + (ch.t0 + t) * bp.dv_s[1] + hv * bp.dv_s[2] + (v0 + j) * bp.dv_s[3], bet[t] * db);
+  }
+  for (int t = warp; t < Lc; t += NW) {
+    float s = Bm[t * LV + lane] * R[t * LV + lane] + Bm[t * LV + lane + 32] * R[t * LV + lane + 32];
+    s = dev::warp_sum(s);
+    if (lane == 0) bp.dbeta_part[((v0 / VE) * bp.BT + ch.f0 + t) * p.HV + hv] = s;
+  }
+}
+
+// ---- 6. key side -------------------------------------------------------------------------------
+struct KeyLayout {
+  static constexpr int L = VE + 4;
+  static constexpr int dO = 0, dB = dO + C * L, D = dB + C * L, S0 = D + C * L, dS = S0 + VE * L, rs = dS + VE * L,
+                       nbeta = rs + VE, floats = nbeta + C;
+  static constexpr int bytes = floats * 4;
+};
+
+template <int K, bool DELTA>
+__global__ void __launch_bounds__(NT) key_grad_kernel(const Params bp) {
+  using Ly = KeyLayout;
+  using F = Fac<K>;
+  constexpr int L = Ly::L;
+  constexpr int64_t PW = bwd::part_width(K);
+  extern __shared__ __align__(16) float sm[];
+  float *dO = sm + Ly::dO, *dB = sm + Ly::dB, *Dl = sm + Ly::D, *S0 = sm + Ly::S0, *dSs = sm + Ly::dS;
+  float *rs = sm + Ly::rs, *nbet = sm + Ly::nbeta;
+  const FwdParams& p = bp.f;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, nke = K / VE;
+  const int c0 = static_cast<int>(blockIdx.x % nke) * VE, hv = static_cast<int>((blockIdx.x / nke) % p.HV);
+  const int cidx = static_cast<int>(blockIdx.x / (static_cast<unsigned>(nke) * p.HV)), h = hv / (p.HV / p.H);
+  ChunkAt ch;
+  if (!chunk_at(bp, cidx, ch)) return;
+  const float* fac = bp.fac + (static_cast<int64_t>(cidx) * p.HV + hv) * F::size;
+  const int Lc = ch.Lc;
+  const int64_t blk = (static_cast<int64_t>(cidx) * p.HV + hv) * K * p.V;
+  const int64_t tok = ch.f0 * p.HV * p.V + hv * p.V, tok_ld = static_cast<int64_t>(p.HV) * p.V;
+
+  tf32::Acc<C, VE, NW> aQ, aK, aR;  // dQg, dKg, dKr over V
+  aQ.zero(), aK.zero(), aR.zero();
+  if (tid < VE) rs[tid] = 0.0f;
+  if (tid < C) nbet[tid] = tid < Lc ? -bp.x.beta[(ch.f0 + tid) * p.HV + hv] : 0.0f;
+  for (int v0 = 0; v0 < p.V; v0 += VE) {
+    __syncthreads();  // the slice before is done
+    if (DELTA) {
+      rows_async<C, VE>(dB, L, bp.dB + tok + v0, tok_ld, Lc);
+      rows_async<C, VE>(Dl, L, bp.Delta + tok + v0, tok_ld, Lc);
+    }
+    rows_async<VE, VE>(S0, L, bp.S0 + blk + static_cast<int64_t>(c0) * p.V + v0, p.V);
+    rows_async<VE, VE>(dSs, L, bp.dS + blk + static_cast<int64_t>(c0) * p.V + v0, p.V);
+    mma::cp_async_commit();
+    input_rows<C, VE>(dO, L, bp.dO, bp.dO_dt, ch.b_row * bp.dO_s[0] + ch.t0 * bp.dO_s[1] + hv * bp.dO_s[2] + v0, bp.dO_s[1], Lc);
+    if (!DELTA) input_rows<C, VE>(Dl, L, p.v, p.v_dt, ch.b_row * p.v_s[0] + ch.t0 * p.v_s[1] + hv * p.v_s[2] + v0, p.v_s[1], Lc);
+    mma::cp_async_wait_all();
+    __syncthreads();
+    aQ.add<VE>(rows(dO, L), cols(S0, L));
+    if (DELTA) aK.add<VE>(RowScaled{dB, L, nbet}, cols(S0, L));
+    aR.add<VE>(rows(Dl, L), cols(dSs, L));
+    for (int c = warp; c < VE; c += NW) {  // sum over the slice's columns of S0 . dS, per channel
+      float s = 0.0f;
+      for (int j = lane; j < VE; j += 32) s += S0[c * L + j] * dSs[c * L + j];
+      s = dev::warp_sum(s);
+      if (lane == 0) rs[c] += s;
+    }
+  }
+  __syncthreads();
+  float *sQ = dO, *sK = dB, *sR = Dl;  // the sums, drained to shared memory
+  aQ.drain([&](int i, int j, float v) { sQ[i * L + j] = v; });
+  aK.drain([&](int i, int j, float v) { sK[i * L + j] = v; });
+  aR.drain([&](int i, int j, float v) { sR[i * L + j] = v; });
+  __syncthreads();
+  for (int i = tid; i < Lc * VE; i += NT) {
+    const int t = i / VE, c = i % VE;
+    const int64_t f = ch.f0 + t;
+    const float G = fac[F::G + t * K + c0 + c], e = __expf(G), er = __expf(fac[F::G + (C - 1) * K + c0 + c] - G);
+    const float q = bp.x.qh[(f * p.H + h) * K + c0 + c], k = bp.x.kh[(f * p.H + h) * K + c0 + c];
+    const float dq = e * sQ[t * L + c], dkg = DELTA ? e * sK[t * L + c] : 0.0f, dkr = er * sR[t * L + c];
+    float* pr = bp.part + (f * p.HV + hv) * PW;
+    pr[c0 + c] = dq;
+    pr[K + c0 + c] = dkg + dkr;
+    pr[2 * K + c0 + c] = q * dq + k * dkg - k * dkr;
+    sR[t * L + c] = k * dkr;  // Kr . dKr, summed over the tokens below
+  }
+  __syncthreads();
+  // G_C = G of the chunk's last token: its terms go to the last valid row (the reverse cumulative
+  // sum of the pair kernel adds them to every token of the chunk)
+  for (int c = tid; c < VE; c += NT) {
+    float s = fac[F::EG + c0 + c] * rs[c];
+    for (int t = 0; t < Lc; ++t) s += sR[t * L + c];
+    bp.part[((ch.f0 + Lc - 1) * p.HV + hv) * PW + 2 * K + c0 + c] += s;
+  }
+}
+
+// ---- 7. pair side ------------------------------------------------------------------------------
+template <int K>
+struct PairLayout {
+  static constexpr int L = VE + 4, LC = C + 8, LK = K + 4, LS = K + 8;
+  static constexpr int dP = 0, dA = dP + C * LC, q = dA + C * LC, k = q + C * LK, G = k + C * LK, dG = G + C * LK,
+                       S = dG + C * LK, beta = S + 48 * LS, floats = beta + C;
+  static constexpr int dO = q, dB = dO + C * L, D = dB + C * L;  // phase 1, in the q, k, G region
+  static_assert(D + C * L <= dG, "the products over V fit where q, k, G go");
+  static constexpr int bytes = floats * 4;
+};
+
+// The pair kernel's shared state for its block passes.
+template <int K>
+struct PairCtx {
+  const float *dP, *w, *qs, *ks, *Gs;
+  float *dGs, *S, *part;
+  int64_t row0, row_ld;  // part row of token t: part + row0 + t row_ld
+  int Lc;
+  __device__ float* prow(int t) const { return part + row0 + t * row_ld; }
+};
+
+// Rows of block I (I >= 1) from the tokens before it, on tensor cores: through r = 16 I - 1,
+// dq_t += e^{G_t - G_r} sum_s dP_ts (k_s e^{G_r - G_s}), the same with w for dk_t.
+template <int K, bool DELTA, int I>
+__device__ __forceinline__ void pair_block_rows(const PairCtx<K>& x) {
+  using Ly = PairLayout<K>;
+  constexpr int LC = Ly::LC, LK = Ly::LK, LS = Ly::LS, r = 16 * I - 1;
+  __syncthreads();  // S free; the passes before are done with part and dG
+  for (int i = threadIdx.x; i < 16 * I * K; i += NT) {
+    const int s = i / K, c = i % K;
+    x.S[s * LS + c] = x.ks[s * LK + c] * __expf(x.Gs[r * LK + c] - x.Gs[s * LK + c]);
+  }
+  __syncthreads();
+  tf32::gemm<16, K, 16 * I, NW>(rows(x.dP + 16 * I * LC, LC), rows(x.S, LS), [&](int i, int c, float v) {
+    const int t = 16 * I + i;
+    if (t >= x.Lc) return;
+    v *= __expf(x.Gs[t * LK + c] - x.Gs[r * LK + c]);
+    x.prow(t)[c] += v;
+    x.dGs[t * LK + c] += x.qs[t * LK + c] * v;
+  });
+  if (DELTA)
+    tf32::gemm<16, K, 16 * I, NW>(rows(x.w + 16 * I * LC, LC), rows(x.S, LS), [&](int i, int c, float v) {
+      const int t = 16 * I + i;
+      if (t >= x.Lc) return;
+      v *= __expf(x.Gs[t * LK + c] - x.Gs[r * LK + c]);
+      x.prow(t)[K + c] += v;
+      x.dGs[t * LK + c] += x.ks[t * LK + c] * v;
+    });
+}
+
+// Rows of block J (J <= 2) from the tokens after it: through rho = 16 J + 15,
+// dk_s += e^{G_rho - G_s} sum_t dP_ts (q_t e^{G_t - G_rho}), the same with w and k_t.
+template <int K, bool DELTA, int J>
+__device__ __forceinline__ void pair_block_cols(const PairCtx<K>& x) {
+  using Ly = PairLayout<K>;
+  constexpr int LC = Ly::LC, LK = Ly::LK, LS = Ly::LS, rho = 16 * J + 15, t0 = 16 * (J + 1), NTK = C - t0;
+  auto epi = [&](int i, int c, float v) {
+    const int s = 16 * J + i;
+    if (s >= x.Lc) return;
+    v *= __expf(x.Gs[rho * LK + c] - x.Gs[s * LK + c]);
+    x.prow(s)[K + c] += v;
+    x.dGs[s * LK + c] -= x.ks[s * LK + c] * v;
+  };
+  for (int pass = 0; pass < (DELTA ? 2 : 1); ++pass) {
+    const float* src = pass == 0 ? x.qs : x.ks;
+    __syncthreads();
+    for (int i = threadIdx.x; i < NTK * K; i += NT) {
+      const int t = t0 + i / K, c = i % K;
+      x.S[(i / K) * LS + c] = src[t * LK + c] * __expf(x.Gs[t * LK + c] - x.Gs[rho * LK + c]);
+    }
+    __syncthreads();
+    tf32::gemm<16, K, NTK, NW>(cols((pass == 0 ? x.dP : x.w) + t0 * LC + 16 * J, LC), rows(x.S, LS), epi);
+  }
+}
+
+template <int K, bool DELTA>
+__global__ void __launch_bounds__(NT) pair_grad_kernel(const Params bp) {
+  using Ly = PairLayout<K>;
+  using F = Fac<K>;
+  constexpr int L = Ly::L, LC = Ly::LC, LK = Ly::LK;
+  constexpr int64_t PW = bwd::part_width(K);
+  extern __shared__ __align__(16) float sm[];
+  float *dP = sm + Ly::dP, *dA = sm + Ly::dA, *dO = sm + Ly::dO, *dB = sm + Ly::dB, *Dl = sm + Ly::D;
+  float *qs = sm + Ly::q, *ks = sm + Ly::k, *Gs = sm + Ly::G, *dGs = sm + Ly::dG, *bet = sm + Ly::beta;
+  const FwdParams& p = bp.f;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int cidx = static_cast<int>(blockIdx.x / p.HV), hv = static_cast<int>(blockIdx.x % p.HV), h = hv / (p.HV / p.H);
+  ChunkAt ch;
+  if (!chunk_at(bp, cidx, ch)) return;
+  const float* fac = bp.fac + (static_cast<int64_t>(cidx) * p.HV + hv) * F::size;
+  const int Lc = ch.Lc;
+  const PairCtx<K> x{dP, dA, qs, ks, Gs, dGs, sm + Ly::S, bp.part, (ch.f0 * p.HV + hv) * PW, p.HV * PW, Lc};
+  const int64_t tok = ch.f0 * p.HV * p.V + hv * p.V, tok_ld = static_cast<int64_t>(p.HV) * p.V;
+
+  // dP = tril(dO Delta^T), and dB Delta^T, over V
+  tf32::Acc<C, C, NW> aP, aA;
+  aP.zero(), aA.zero();
+  if (tid < C) bet[tid] = tid < Lc ? bp.x.beta[(ch.f0 + tid) * p.HV + hv] : 0.0f;
+  for (int v0 = 0; v0 < p.V; v0 += VE) {
+    __syncthreads();
+    if (DELTA) {
+      rows_async<C, VE>(dB, L, bp.dB + tok + v0, tok_ld, Lc);
+      rows_async<C, VE>(Dl, L, bp.Delta + tok + v0, tok_ld, Lc);
+      mma::cp_async_commit();
+    } else {
+      input_rows<C, VE>(Dl, L, p.v, p.v_dt, ch.b_row * p.v_s[0] + ch.t0 * p.v_s[1] + hv * p.v_s[2] + v0, p.v_s[1], Lc);
+    }
+    input_rows<C, VE>(dO, L, bp.dO, bp.dO_dt, ch.b_row * bp.dO_s[0] + ch.t0 * bp.dO_s[1] + hv * bp.dO_s[2] + v0, bp.dO_s[1], Lc);
+    if (DELTA) mma::cp_async_wait_all();
+    __syncthreads();
+    aP.add<VE>(rows(dO, L), cols(Dl, L));
+    if (DELTA) aA.add<VE>(rows(dB, L), cols(Dl, L));
+  }
+  // dP on and below the diagonal; dA = -stril(dB Delta^T)
+  aP.drain([&](int i, int j, float v) { dP[i * LC + j] = j <= i ? v : 0.0f; });
+  if (DELTA) aA.drain([&](int i, int j, float v) { dA[i * LC + j] = j < i ? -v : 0.0f; });
+  __syncthreads();  // phase 1's buffers end
+  rows_async<C, K>(qs, LK, bp.x.qh + (ch.f0 * p.H + h) * K, static_cast<int64_t>(p.H) * K, Lc);
+  rows_async<C, K>(ks, LK, bp.x.kh + (ch.f0 * p.H + h) * K, static_cast<int64_t>(p.H) * K, Lc);
+  rows_async<C, K>(Gs, LK, fac + F::G, K);
+  mma::cp_async_commit();
+  // beta: its sums from the value kernel's column slices, in order, and A's term sum_s dA_ts KEK_ts
+  for (int t = warp; t < Lc; t += NW) {
+    float s = 0.0f;
+    if (DELTA)
+      for (int u = lane; u < t; u += 32) s += dA[t * LC + u] * fac[F::KEK + t * C + u];
+    s = dev::warp_sum(s);
+    if (lane == 0) {
+      if (DELTA)
+        for (int sl = 0; sl < p.V / VE; ++sl) s += bp.dbeta_part[(sl * bp.BT + ch.f0 + t) * p.HV + hv];
+      x.prow(t)[3 * K] = DELTA ? s : 0.0f;
+    }
+  }
+  for (int i = tid; i < C * K; i += NT) {
+    const int t = i / K, c = i % K;
+    dGs[t * LK + c] = t < Lc ? x.prow(t)[2 * K + c] : 0.0f;
+  }
+  mma::cp_async_wait_all();
+  __syncthreads();
+  if (DELTA)  // dA turns into w = beta_t dA_ts
+    for (int i = tid; i < C * C; i += NT) dA[(i / C) * LC + i % C] *= bet[i / C];
+  __syncthreads();
+
+  // diagonal blocks, exact: thread (channel c, group grp) owns rows t = grp (mod NG)
+  constexpr int NG = NT / K;
+  const int c = tid % K, grp = tid / K;
+  // (all 16 tokens of the block, unrolled: dP and w are zero outside their triangles, and the
+  // exponent is clamped at 0 there so that no e^{+x} overflows)
+  for (int t = grp; t < Lc; t += NG) {
+    const int b = t & ~15;
+    const float Gt = Gs[t * LK + c];
+    float aq = 0.0f, ak = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const int s = b + j;
+      const float e = __expf(fminf(Gt - Gs[s * LK + c], 0.0f)) * ks[s * LK + c];
+      aq += dP[t * LC + s] * e;
+      if (DELTA) ak += dA[t * LC + s] * e;
+    }
+    float* pr = x.prow(t);
+    pr[c] += aq;
+    if (DELTA) pr[K + c] += ak;
+    dGs[t * LK + c] += qs[t * LK + c] * aq + ks[t * LK + c] * ak;
+  }
+  for (int s = grp; s < Lc; s += NG) {
+    const int b = s & ~15;
+    const float Gv = Gs[s * LK + c];
+    float ap = 0.0f, ar = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const int t = b + j;
+      const float e = __expf(fminf(Gs[t * LK + c] - Gv, 0.0f));
+      ap += dP[t * LC + s] * e * qs[t * LK + c];
+      if (DELTA) ar += dA[t * LC + s] * e * ks[t * LK + c];
+    }
+    x.prow(s)[K + c] += ap + ar;
+    dGs[s * LK + c] -= ks[s * LK + c] * (ap + ar);
+  }
+  // off the diagonal, on tensor cores
+  pair_block_rows<K, DELTA, 1>(x);
+  pair_block_rows<K, DELTA, 2>(x);
+  pair_block_rows<K, DELTA, 3>(x);
+  pair_block_cols<K, DELTA, 0>(x);
+  pair_block_cols<K, DELTA, 1>(x);
+  pair_block_cols<K, DELTA, 2>(x);
+  __syncthreads();
+  for (int cc = tid; cc < K; cc += NT) {  // da: G_t = sum_{s <= t} a_s
+    float acc = 0.0f;
+    for (int t = Lc - 1; t >= 0; --t) {
+      acc += dGs[t * LK + cc];
+      x.prow(t)[2 * K + cc] = acc;
+    }
+  }
+}
+
+// ---- host --------------------------------------------------------------------------------------
+void check(cudaError_t e, const char* what) { cuda_check(e, "chunk_bwd", what); }
+
+template <int K, bool DELTA>
+int max_smem() {
+  int b = FactorsLayout<K, DELTA>::bytes;
+  b = b > FwdScanLayout<K, DELTA>::bytes ? b : FwdScanLayout<K, DELTA>::bytes;
+  b = b > ScanLayout<K, DELTA>::bytes ? b : ScanLayout<K, DELTA>::bytes;
+  b = b > ValueLayout<K>::bytes ? b : ValueLayout<K>::bytes;
+  b = b > KeyLayout::bytes ? b : KeyLayout::bytes;
+  return b > PairLayout<K>::bytes ? b : PairLayout<K>::bytes;
+}
+
+int smem_needed(const Recurrence& r) {
+  if (r.K == 64) return r.tr.delta ? max_smem<64, true>() : max_smem<64, false>();
+  return r.tr.delta ? max_smem<128, true>() : max_smem<128, false>();
+}
+
+template <int K, bool DELTA>
+void run_kernels(const Params& bp, int64_t chunks, int N, int HV, int V, cudaStream_t stream) {
+  auto go = [&](auto kernel, int64_t grid, int bytes) {
+    if (grid <= 0) return;
+    chunk::allow_smem(kernel, bytes);
+    kernel<<<static_cast<unsigned>(grid), NT, bytes, stream>>>(bp);
+  };
+  go(chunk_factors_kernel<K, DELTA>, chunks * HV, FactorsLayout<K, DELTA>::bytes);
+  go(state_fwd_scan_kernel<K, DELTA>, static_cast<int64_t>(N) * HV * (V / VS), FwdScanLayout<K, DELTA>::bytes);
+  go(state_grad_scan_kernel<K, DELTA>, static_cast<int64_t>(N) * HV * (V / VS), ScanLayout<K, DELTA>::bytes);
+  if (DELTA) go(value_grad_kernel<K>, chunks * HV * (V / VE), ValueLayout<K>::bytes);
+  go(key_grad_kernel<K, DELTA>, chunks * HV * (K / VE), KeyLayout::bytes);
+  go(pair_grad_kernel<K, DELTA>, chunks * HV, PairLayout<K>::bytes);
+}
+
+}  // namespace
+
+Refusal cuda_chunk_bwd_declines(const Recurrence& r, const cula_chunk_bwd_args& a) {
+  // the recurrent row's input rules first: what it refuses, this row refuses the same way
+  if (Refusal why = cuda_recurrent_bwd_declines(r, a)) return why;
+  if (r.K != 64 && r.K != 128) return Refusal::prefers("the chunk form takes K in {64, 128}");
+  if (r.V % VE != 0) return Refusal::prefers("the chunk form takes V a multiple of 64");
+  for (const cula_tensor* t : {a.v, a.d_out}) {
+    const int dt = t->dtype;
+    if ((dt != CULA_BFLOAT16 && dt != CULA_FLOAT16 && dt != CULA_FLOAT32) || !chunk::aligned16(t))
+      return Refusal::prefers("v and d_out are not 16-byte aligned bfloat16, float16 or float32 tensors with unit last stride");
+  }
+  if (cuda_device_arch(a.q->device_id) < 80) return Refusal::prefers("a device below sm_80 (mma.sync TF32, cp.async)");
+  if (smem_needed(r) > cuda_smem_per_block(a.q->device_id)) return Refusal::prefers("its shared memory exceeds the device's");
+  return Refusal::takes();
+}
+
+void cuda_chunk_bwd(const Recurrence& r, const cula_chunk_bwd_args& a) {
+  const char* op = "chunk_bwd";
+  const int device = a.q->device_id;
+  check(cudaSetDevice(device), "cudaSetDevice");
+  const cudaStream_t stream = static_cast<cudaStream_t>(a.opt.stream);
+  const int64_t BT = r.B * r.T, K = r.K, V = r.V, HV = r.HV;
+  using bwd::align256;
+
+  Params bp{};
+  bp.f = make_fwd_params(r, bwd::forward_args(a));
+  const int64_t chunks = chunk::max_chunks(bp.f);
+  if (chunks * HV >= (int64_t{1} << 31) / 2) throw_unsupported(op, "too many chunks x heads for one launch");
+  const int64_t fac_floats = K == 64 ? Fac<64>::size : Fac<128>::size;
+  const int64_t state_bytes = align256(chunks * HV * K * V * 4), tok_v = align256(BT * HV * V * 4);
+  const int64_t sizes[] = {
+      chunk::base_bytes(bp.f),                             // chunk_base
+      bwd::token_inputs_bytes(r),                          // q^, k^, a, beta
+      state_bytes,                                         // S0
+      align256(chunks * HV * fac_floats * 4),              // factors
+      state_bytes,                                         // dS
+      r.tr.delta ? 3 * tok_v : 0,                          // dDelta, Delta, dB
+      r.tr.delta ? align256((V / VE) * BT * HV * 4) : 0,   // beta's partial sums
+      align256(BT * HV * bwd::part_width(K) * 4),          // part
+      bwd::chain_bytes(r),                                 // chain
+  };
+  constexpr int kParts = sizeof(sizes) / sizeof(sizes[0]);
+  int64_t total = 0;
+  for (int64_t s : sizes) total += s;
+  chunk::Workspace ws(total, device, stream, op);
+  char* at[kParts];
+  {
+    char* w = static_cast<char*>(ws.get());
+    for (int i = 0; i < kParts; ++i) at[i] = w, w += sizes[i];
+  }
+  bp.chunk_base = a.cu_seqlens ? reinterpret_cast<int32_t*>(at[0]) : nullptr;
+  bp.x = bwd::token_inputs_at(at[1], r);
+  bp.S0 = reinterpret_cast<float*>(at[2]);
+  bp.fac = reinterpret_cast<float*>(at[3]);
+  bp.dS = reinterpret_cast<float*>(at[4]);
+  if (r.tr.delta) {
+    bp.dDelta = reinterpret_cast<float*>(at[5]);
+    bp.Delta = reinterpret_cast<float*>(at[5] + tok_v);
+    bp.dB = reinterpret_cast<float*>(at[5] + 2 * tok_v);
+    bp.dbeta_part = reinterpret_cast<float*>(at[6]);
+  }
+  bp.part = reinterpret_cast<float*>(at[7]);
+  bp.dO = a.d_out->data, bp.dO_dt = a.d_out->dtype;
+  strides4(a.d_out, bp.dO_s);
+  if (a.d_final_state) bp.dht = a.d_final_state->data, bp.dht_dt = a.d_final_state->dtype;
+  if (a.d_initial_state) bp.dh0 = a.d_initial_state->data, bp.dh0_dt = a.d_initial_state->dtype;
+  if (a.dv) bp.dv = a.dv->data, bp.dv_dt = a.dv->dtype, strides4(a.dv, bp.dv_s);
+  bp.BT = BT;
+
+  if (bp.chunk_base) chunk::launch_chunk_base(bp.f, const_cast<int32_t*>(bp.chunk_base), stream);
+  bwd::launch_token_inputs(bp.f, bp.x, /*log_decay=*/true, stream);
+  const int N = static_cast<int>(r.N);
+  if (K == 64) {
+    if (r.tr.delta) run_kernels<64, true>(bp, chunks, N, static_cast<int>(HV), static_cast<int>(V), stream);
+    else run_kernels<64, false>(bp, chunks, N, static_cast<int>(HV), static_cast<int>(V), stream);
+  } else {
+    if (r.tr.delta) run_kernels<128, true>(bp, chunks, N, static_cast<int>(HV), static_cast<int>(V), stream);
+    else run_kernels<128, false>(bp, chunks, N, static_cast<int>(HV), static_cast<int>(V), stream);
+  }
+  check(cudaGetLastError(), "kernel launch");
+  bwd::launch_chain(r, a, bp.f, bp.part, /*tiles=*/1, at[8], stream);
+  const cudaError_t launched = cudaGetLastError();
+  ws.release();
+  check(launched, "kernel launch");
+}
+
+}  // namespace cula

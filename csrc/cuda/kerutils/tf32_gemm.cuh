@@ -1,0 +1,173 @@
+// Block-wide products of fp32 matrices in shared memory on tensor cores (mma.sync m16n8k8 TF32,
+// fp32 accumulation, by default 3xTF32 for about fp32's precision; sm_80 and later). For kernels whose operands are fp32 (gradients, states)
+// and whose products are small and many: no layout constraints beyond a row pitch, each output
+// element handed once to an epilogue functor (store, accumulate, scale, mask).
+//
+// Ownership: the warp and lane that receive output (i, j) depend only on M, N, NB and the warp
+// count, so two calls with the same shape hand each element to the same thread: an accumulating
+// second call needs no barrier after the first.
+//
+// Bank conflicts: a row-major operand read as A (rows i, columns k) or a transposed operand read as
+// B is conflict-free with a pitch of 4 mod 32 floats; a row-major B or a transposed A with 8 mod 32.
+#pragma once
+
+#include <cstdint>
+
+namespace cula {
+namespace tf32 {
+
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+}
+
+// d += a b: a 16 x 8 (row), b 8 x 8 (column), d 16 x 8.
+__device__ __forceinline__ void mma1688(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Element (i, j) of a matrix at p with row pitch ld: p[i ld + j], or p[j ld + i] transposed.
+template <bool kTransposed>
+struct View {
+  const float* p;
+  int ld;
+  __device__ __forceinline__ float operator()(int i, int j) const { return kTransposed ? p[j * ld + i] : p[i * ld + j]; }
+};
+__device__ __forceinline__ View<false> rows(const float* p, int ld) { return View<false>{p, ld}; }
+__device__ __forceinline__ View<true> cols(const float* p, int ld) { return View<true>{p, ld}; }
+
+// x = hi + lo, both TF32: the split of 3xTF32 products (hi b_hi + hi b_lo + lo b_hi), about fp32's
+// precision at three products' cost.
+__device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo) {
+  hi = to_tf32(x);
+  lo = to_tf32(x - __uint_as_float(hi));
+}
+
+// C = A B with A M x KD and B KD x N (views), over NW warps: warp w takes the 16 x 8NB output
+// tiles w, w + NW, ...; epi(i, j, value) receives every element of C once. kPrecise: 3xTF32.
+template <int M, int N, int KD, int NW, int NB = 2, bool kPrecise = true, class VA, class VB, class Epi>
+__device__ __forceinline__ void gemm(const VA a, const VB b, Epi&& epi) {
+  static_assert(M % 16 == 0 && N % (8 * NB) == 0 && KD % 8 == 0, "tile multiples");
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  constexpr int TN = N / (8 * NB), TILES = (M / 16) * TN;
+  for (int tile = warp; tile < TILES; tile += NW) {
+    const int m0 = (tile / TN) * 16, n0 = (tile % TN) * 8 * NB;
+    // 3xTF32: the correction products in an accumulator of their own (two shorter chains)
+    float acc[NB][4], cor[NB][4];
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[nb][r] = cor[nb][r] = 0.0f;
+#pragma unroll 4
+    for (int k0 = 0; k0 < KD; k0 += 8) {
+      const float ax[4] = {a(m0 + g, k0 + t), a(m0 + g + 8, k0 + t), a(m0 + g, k0 + t + 4), a(m0 + g + 8, k0 + t + 4)};
+      uint32_t ah[4], al[4];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        if (kPrecise) split(ax[r], ah[r], al[r]);
+        else ah[r] = to_tf32(ax[r]);
+      }
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) {
+        const int n = n0 + nb * 8 + g;
+        const float b0 = b(k0 + t, n), b1 = b(k0 + t + 4, n);
+        if (kPrecise) {
+          uint32_t h0, l0, h1, l1;
+          split(b0, h0, l0);
+          split(b1, h1, l1);
+          mma1688(cor[nb], al, h0, h1);
+          mma1688(cor[nb], ah, l0, l1);
+          mma1688(acc[nb], ah, h0, h1);
+        } else {
+          mma1688(acc[nb], ah, to_tf32(b0), to_tf32(b1));
+        }
+      }
+    }
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      const int j = n0 + nb * 8 + 2 * t;
+      if (kPrecise)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[nb][r] += cor[nb][r];
+      epi(m0 + g, j, acc[nb][0]);
+      epi(m0 + g, j + 1, acc[nb][1]);
+      epi(m0 + g + 8, j, acc[nb][2]);
+      epi(m0 + g + 8, j + 1, acc[nb][3]);
+    }
+  }
+}
+
+// The same product accumulated in registers across calls: warp w owns tiles w, w + NW, ... (TPW of
+// them); acc[tile][nb][4] in the mma layout. drain hands every element to epi(i, j, value) once.
+template <int M, int N, int NW, int NB = 2>
+struct Acc {
+  static constexpr int TN = N / (8 * NB), TILES = (M / 16) * TN, TPW = TILES / NW;
+  static_assert(M % 16 == 0 && N % (8 * NB) == 0 && TILES % NW == 0, "whole tiles per warp");
+  float v[TPW][NB][4];
+
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int u = 0; u < TPW; ++u)
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) v[u][nb][0] = v[u][nb][1] = v[u][nb][2] = v[u][nb][3] = 0.0f;
+  }
+
+  template <int KD, bool kPrecise = true, class VA, class VB>
+  __device__ __forceinline__ void add(const VA a, const VB b) {
+    static_assert(KD % 8 == 0, "k steps of 8");
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int u = 0; u < TPW; ++u) {
+      const int tile = warp + u * NW, m0 = (tile / TN) * 16, n0 = (tile % TN) * 8 * NB;
+#pragma unroll 4
+      for (int k0 = 0; k0 < KD; k0 += 8) {
+        const float ax[4] = {a(m0 + g, k0 + t), a(m0 + g + 8, k0 + t), a(m0 + g, k0 + t + 4), a(m0 + g + 8, k0 + t + 4)};
+        uint32_t ah[4], al[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          if (kPrecise) split(ax[r], ah[r], al[r]);
+          else ah[r] = to_tf32(ax[r]);
+        }
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+          const int n = n0 + nb * 8 + g;
+          const float b0 = b(k0 + t, n), b1 = b(k0 + t + 4, n);
+          if (kPrecise) {
+            uint32_t h0, l0, h1, l1;
+            split(b0, h0, l0);
+            split(b1, h1, l1);
+            mma1688(v[u][nb], al, h0, h1);
+            mma1688(v[u][nb], ah, l0, l1);
+            mma1688(v[u][nb], ah, h0, h1);
+          } else {
+            mma1688(v[u][nb], ah, to_tf32(b0), to_tf32(b1));
+          }
+        }
+      }
+    }
+  }
+
+  template <class Epi>
+  __device__ __forceinline__ void drain(Epi&& epi) const {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int u = 0; u < TPW; ++u) {
+      const int tile = warp + u * NW, m0 = (tile / TN) * 16, n0 = (tile % TN) * 8 * NB;
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) {
+        const int j = n0 + nb * 8 + 2 * t;
+        epi(m0 + g, j, v[u][nb][0]);
+        epi(m0 + g, j + 1, v[u][nb][1]);
+        epi(m0 + g + 8, j, v[u][nb][2]);
+        epi(m0 + g + 8, j + 1, v[u][nb][3]);
+      }
+    }
+  }
+};
+
+}  // namespace tf32
+}  // namespace cula
