@@ -145,10 +145,11 @@ def call(args_type, entry, opt, tensors: dict, fast: bool = True, **scalars) -> 
     Torch tensors go through the fast-call module when it is built (the struct packed in C);
     anything it does not take (numpy arrays, an unknown dtype, another device) comes here, where
     the struct and one cula_tensor per array are packed into one buffer with struct.pack_into.
-    fast=False: always here (the fast-call module knows one entry per struct, not entry)."""
+    fast=False: always here. Another entry than the op's own (its _explain twin) comes here too: the
+    fast-call module calls the one entry it knows per struct."""
     fast = (_FAST or _fast_ready()) if fast else None
-    if fast is not None:
-        kind, address, _ = _lib.FAST_ENTRIES[args_type]
+    kind, address, _ = _lib.FAST_ENTRIES[args_type]
+    if fast is not None and ctypes.cast(entry, ctypes.c_void_p).value == address:  # (not an _explain entry)
         status = fast.call(kind, address, opt, scalars.get("chunk_size", 0), tensors)
         if status is not None:
             _lib.check(status)

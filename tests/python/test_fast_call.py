@@ -225,6 +225,21 @@ def test_what_the_fast_path_does_not_take_falls_back(rng):
 
 @needs_torch
 @needs_fast
+def test_explain_with_torch_tensors_explains_and_runs_nothing(rng):
+    """explain() on torch tensors goes to the op's _explain entry (the fast-call module knows only the
+    op's own entry per struct): it names the row, and the outputs it allocates stay unwritten."""
+    B, T, H, K = 1, 20, 2, 16
+    q, k, v, g, do = (t(rng, B, T, H, K) for _ in range(5))
+    beta = torch.rand(B, T, H)
+    assert cula.explain("chunk_bwd", "kda", q, k, v, g, beta, do).kernel == "reference"
+    assert cula.explain("chunk_fwd", "kda", q, k, v, g, beta).kernel == "cpu"
+    grads = {"dq": torch.full((B, T, H, K), float("nan"))}
+    ops.chunk_bwd("kda", q, k, v, g, beta, do, grads=grads, _entry=_lib.LIB.cula_chunk_bwd_explain)
+    assert torch.isnan(grads["dq"]).all()
+
+
+@needs_torch
+@needs_fast
 def test_fast_call_refuses_misuse():
     fc = _lib.FAST_CALL
     kind, addr, _ = _lib.FAST_ENTRIES[_lib.ChunkFwdArgs]

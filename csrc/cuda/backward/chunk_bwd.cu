@@ -55,7 +55,6 @@ using tf32::rows;
 
 constexpr int C = kChunk;  // 64 tokens
 constexpr int NW = 16, NT = 32 * NW;
-constexpr int VS = 16;  // the scan's columns per CTA
 constexpr int VE = 64;  // columns (or channels) per CTA or pass of the per-chunk kernels
 
 // One factor block per (chunk, value head), fp32, in this order: P, T, KEK (C x C), W, Qg, Kr, G
@@ -357,7 +356,7 @@ __global__ void __launch_bounds__(NT) chunk_factors_kernel(const Params bp) {
 // carry bf16 intermediates; the gradients here need the states to fp32 precision). One CTA per
 // (sequence, value head, VS columns), chunks in order, S (K x VS) in shared memory:
 //   Delta = T (beta v) - W S,  S <- e^{G_C} S + Kr^T Delta     (without the delta rule Delta = v)
-template <int K, bool DELTA>
+template <int K, bool DELTA, int VS>
 struct FwdScanLayout {
   static constexpr int LS = VS + 8, LT = C + 4, LR = K + 4, LQ = K + 8;
   static constexpr int S = 0, bv = S + K * LS, D = bv + C * LS, T = D + C * LS, W = T + (DELTA ? C * LT : 0),
@@ -365,9 +364,9 @@ struct FwdScanLayout {
   static constexpr int bytes = floats * 4;
 };
 
-template <int K, bool DELTA>
+template <int K, bool DELTA, int VS>
 __global__ void __launch_bounds__(NT, 1) state_fwd_scan_kernel(const Params bp) {
-  using Ly = FwdScanLayout<K, DELTA>;
+  using Ly = FwdScanLayout<K, DELTA, VS>;
   using F = Fac<K>;
   constexpr int LS = Ly::LS, LT = Ly::LT, LR = Ly::LR, LQ = Ly::LQ;
   extern __shared__ __align__(16) float sm[];
@@ -429,7 +428,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_scan_kernel(const Params bp) 
 }
 
 // ---- 4. state-gradient scan --------------------------------------------------------------------
-template <int K, bool DELTA>
+template <int K, bool DELTA, int VS>
 struct ScanLayout {
   static constexpr int LS = VS + 8, LP = C + 8, LR = K + 4, LQ = K + 8;
   static constexpr int dS = 0, dO = dS + K * LS, dD = dO + C * LS, P = dD + C * LS, Kr = P + C * LP, Qg = Kr + C * LR,
@@ -437,9 +436,9 @@ struct ScanLayout {
   static constexpr int bytes = floats * 4;
 };
 
-template <int K, bool DELTA>
+template <int K, bool DELTA, int VS>
 __global__ void __launch_bounds__(NT, 1) state_grad_scan_kernel(const Params bp) {
-  using Ly = ScanLayout<K, DELTA>;
+  using Ly = ScanLayout<K, DELTA, VS>;
   using F = Fac<K>;
   constexpr int LS = Ly::LS, LP = Ly::LP, LR = Ly::LR, LQ = Ly::LQ;
   extern __shared__ __align__(16) float sm[];
@@ -859,8 +858,8 @@ void check(cudaError_t e, const char* what) { cuda_check(e, "chunk_bwd", what); 
 template <int K, bool DELTA>
 int max_smem() {
   int b = FactorsLayout<K, DELTA>::bytes;
-  b = b > FwdScanLayout<K, DELTA>::bytes ? b : FwdScanLayout<K, DELTA>::bytes;
-  b = b > ScanLayout<K, DELTA>::bytes ? b : ScanLayout<K, DELTA>::bytes;
+  b = b > FwdScanLayout<K, DELTA, 32>::bytes ? b : FwdScanLayout<K, DELTA, 32>::bytes;
+  b = b > ScanLayout<K, DELTA, 32>::bytes ? b : ScanLayout<K, DELTA, 32>::bytes;
   b = b > ValueLayout<K>::bytes ? b : ValueLayout<K>::bytes;
   b = b > KeyLayout::bytes ? b : KeyLayout::bytes;
   return b > PairLayout<K>::bytes ? b : PairLayout<K>::bytes;
@@ -872,15 +871,20 @@ int smem_needed(const Recurrence& r) {
 }
 
 template <int K, bool DELTA>
-void run_kernels(const Params& bp, int64_t chunks, int N, int HV, int V, cudaStream_t stream) {
+void run_kernels(const Params& bp, int64_t chunks, int N, int HV, int V, int sms, cudaStream_t stream) {
   auto go = [&](auto kernel, int64_t grid, int bytes) {
     if (grid <= 0) return;
     chunk::allow_smem(kernel, bytes);
     kernel<<<static_cast<unsigned>(grid), NT, bytes, stream>>>(bp);
   };
   go(chunk_factors_kernel<K, DELTA>, chunks * HV, FactorsLayout<K, DELTA>::bytes);
-  go(state_fwd_scan_kernel<K, DELTA>, static_cast<int64_t>(N) * HV * (V / VS), FwdScanLayout<K, DELTA>::bytes);
-  go(state_grad_scan_kernel<K, DELTA>, static_cast<int64_t>(N) * HV * (V / VS), ScanLayout<K, DELTA>::bytes);
+  // The scans: 32-column slices (half the factor traffic of 16) once they fill the SMs, else 16
+  const int64_t slices32 = static_cast<int64_t>(N) * HV * (V / 32);
+  const bool wide = slices32 >= sms;
+  if (wide) go(state_fwd_scan_kernel<K, DELTA, 32>, slices32, FwdScanLayout<K, DELTA, 32>::bytes);
+  else go(state_fwd_scan_kernel<K, DELTA, 16>, 2 * slices32, FwdScanLayout<K, DELTA, 16>::bytes);
+  if (wide) go(state_grad_scan_kernel<K, DELTA, 32>, slices32, ScanLayout<K, DELTA, 32>::bytes);
+  else go(state_grad_scan_kernel<K, DELTA, 16>, 2 * slices32, ScanLayout<K, DELTA, 16>::bytes);
   if (DELTA) go(value_grad_kernel<K>, chunks * HV * (V / VE), ValueLayout<K>::bytes);
   go(key_grad_kernel<K, DELTA>, chunks * HV * (K / VE), KeyLayout::bytes);
   go(pair_grad_kernel<K, DELTA>, chunks * HV, PairLayout<K>::bytes);
@@ -958,13 +962,13 @@ void cuda_chunk_bwd(const Recurrence& r, const cula_chunk_bwd_args& a) {
 
   if (bp.chunk_base) chunk::launch_chunk_base(bp.f, const_cast<int32_t*>(bp.chunk_base), stream);
   bwd::launch_token_inputs(bp.f, bp.x, /*log_decay=*/true, stream);
-  const int N = static_cast<int>(r.N);
+  const int N = static_cast<int>(r.N), sms = cuda_sm_count(device);
   if (K == 64) {
-    if (r.tr.delta) run_kernels<64, true>(bp, chunks, N, static_cast<int>(HV), static_cast<int>(V), stream);
-    else run_kernels<64, false>(bp, chunks, N, static_cast<int>(HV), static_cast<int>(V), stream);
+    if (r.tr.delta) run_kernels<64, true>(bp, chunks, N, static_cast<int>(HV), static_cast<int>(V), sms, stream);
+    else run_kernels<64, false>(bp, chunks, N, static_cast<int>(HV), static_cast<int>(V), sms, stream);
   } else {
-    if (r.tr.delta) run_kernels<128, true>(bp, chunks, N, static_cast<int>(HV), static_cast<int>(V), stream);
-    else run_kernels<128, false>(bp, chunks, N, static_cast<int>(HV), static_cast<int>(V), stream);
+    if (r.tr.delta) run_kernels<128, true>(bp, chunks, N, static_cast<int>(HV), static_cast<int>(V), sms, stream);
+    else run_kernels<128, false>(bp, chunks, N, static_cast<int>(HV), static_cast<int>(V), sms, stream);
   }
   check(cudaGetLastError(), "kernel launch");
   bwd::launch_chain(r, a, bp.f, bp.part, /*tiles=*/1, at[8], stream);
