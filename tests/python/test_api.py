@@ -273,6 +273,16 @@ def test_numpy_views_of_any_layout_give_the_contiguous_result(rng):
     assert np.array_equal(a[0], b[0])
 
 
+def test_workspace_peak_is_zero_without_a_device_and_counts_bytes_with_one():
+    """cula_workspace_peak_bytes: the CUDA kernels' pool high-water mark (cula bench train adds it to
+    torch's peak); 0 for a device index the machine does not have."""
+    lib = cula._lib.LIB
+    n = lib.cula_cuda_device_count()
+    assert lib.cula_workspace_peak_bytes(n, 0) == 0 and lib.cula_workspace_peak_bytes(-1, 1) == 0
+    if n > 0:
+        assert lib.cula_workspace_peak_bytes(0, 1) >= 0  # reset; the next count starts at what is in use
+
+
 def test_explain_names_the_kernel_and_why_the_rows_before_it_declined(rng):
     B, T, H, K = 1, 40, 2, 32
     q, k, v = (rng.standard_normal((B, T, H, K)).astype(np.float32) for _ in range(3))
