@@ -176,7 +176,7 @@ struct RowScaled {
   __device__ __forceinline__ float operator()(int i, int j) const { return s[i] * p[i * ld + j]; }
 };
 
-// ---- 3. factors --------------------------------------------------------------------------------
+// ---- 2. factors --------------------------------------------------------------------------------
 template <int K, bool DELTA>
 struct FactorsLayout {
   static constexpr int LK = K + 4, LA = C + 4, LB = K + 8;
@@ -351,7 +351,7 @@ __global__ void __launch_bounds__(NT) chunk_factors_kernel(const Params bp) {
   }
 }
 
-// ---- 4a. forward states ------------------------------------------------------------------------
+// ---- 3. states at chunk starts -----------------------------------------------------------------
 // The state at every chunk start, recomputed in fp32 from the factors (the forward's chunk engines
 // carry bf16 intermediates; the gradients here need the states to fp32 precision). One CTA per
 // (sequence, value head, VS columns), chunks in order, S (K x VS) in shared memory:
