@@ -47,6 +47,49 @@ __device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo) {
   lo = to_tf32(x - __uint_as_float(hi));
 }
 
+// One k-step (8 deep) of the 16 x 8NB tile at (m0, n0), lane (g, t): acc += A B. kPrecise
+// (3xTF32): the correction products go to cor, which may be acc itself (one chain) or an
+// accumulator of its own (two shorter chains, added at the end).
+template <int NB, bool kPrecise, class VA, class VB>
+__device__ __forceinline__ void kstep(const VA& a, const VB& b, int m0, int n0, int k0, int g, int t, float (&acc)[NB][4],
+                                      float (&cor)[NB][4]) {
+  const float ax[4] = {a(m0 + g, k0 + t), a(m0 + g + 8, k0 + t), a(m0 + g, k0 + t + 4), a(m0 + g + 8, k0 + t + 4)};
+  uint32_t ah[4], al[4];
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    if (kPrecise) split(ax[r], ah[r], al[r]);
+    else ah[r] = to_tf32(ax[r]);
+  }
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    const int n = n0 + nb * 8 + g;
+    const float b0 = b(k0 + t, n), b1 = b(k0 + t + 4, n);
+    if (kPrecise) {
+      uint32_t h0, l0, h1, l1;
+      split(b0, h0, l0);
+      split(b1, h1, l1);
+      mma1688(cor[nb], al, h0, h1);
+      mma1688(cor[nb], ah, l0, l1);
+      mma1688(acc[nb], ah, h0, h1);
+    } else {
+      mma1688(acc[nb], ah, to_tf32(b0), to_tf32(b1));
+    }
+  }
+}
+
+// The tile's elements to epi(i, j, value), each once (the mma accumulator layout).
+template <int NB, class Epi>
+__device__ __forceinline__ void emit(int m0, int n0, int g, int t, const float (&acc)[NB][4], Epi& epi) {
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    const int j = n0 + nb * 8 + 2 * t;
+    epi(m0 + g, j, acc[nb][0]);
+    epi(m0 + g, j + 1, acc[nb][1]);
+    epi(m0 + g + 8, j, acc[nb][2]);
+    epi(m0 + g + 8, j + 1, acc[nb][3]);
+  }
+}
+
 // C = A B with A M x KD and B KD x N (views), over NW warps: warp w takes the 16 x 8NB output
 // tiles w, w + NW, ...; epi(i, j, value) receives every element of C once. kPrecise: 3xTF32.
 template <int M, int N, int KD, int NW, int NB = 2, bool kPrecise = true, class VA, class VB, class Epi>
@@ -56,53 +99,25 @@ __device__ __forceinline__ void gemm(const VA a, const VB b, Epi&& epi) {
   constexpr int TN = N / (8 * NB), TILES = (M / 16) * TN;
   for (int tile = warp; tile < TILES; tile += NW) {
     const int m0 = (tile / TN) * 16, n0 = (tile % TN) * 8 * NB;
-    // 3xTF32: the correction products in an accumulator of their own (two shorter chains)
-    float acc[NB][4], cor[NB][4];
+    float acc[NB][4], cor[NB][4];  // (the correction chain of its own)
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
       for (int r = 0; r < 4; ++r) acc[nb][r] = cor[nb][r] = 0.0f;
 #pragma unroll 4
-    for (int k0 = 0; k0 < KD; k0 += 8) {
-      const float ax[4] = {a(m0 + g, k0 + t), a(m0 + g + 8, k0 + t), a(m0 + g, k0 + t + 4), a(m0 + g + 8, k0 + t + 4)};
-      uint32_t ah[4], al[4];
+    for (int k0 = 0; k0 < KD; k0 += 8) kstep<NB, kPrecise>(a, b, m0, n0, k0, g, t, acc, cor);
+    if (kPrecise)
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        if (kPrecise) split(ax[r], ah[r], al[r]);
-        else ah[r] = to_tf32(ax[r]);
-      }
-#pragma unroll
-      for (int nb = 0; nb < NB; ++nb) {
-        const int n = n0 + nb * 8 + g;
-        const float b0 = b(k0 + t, n), b1 = b(k0 + t + 4, n);
-        if (kPrecise) {
-          uint32_t h0, l0, h1, l1;
-          split(b0, h0, l0);
-          split(b1, h1, l1);
-          mma1688(cor[nb], al, h0, h1);
-          mma1688(cor[nb], ah, l0, l1);
-          mma1688(acc[nb], ah, h0, h1);
-        } else {
-          mma1688(acc[nb], ah, to_tf32(b0), to_tf32(b1));
-        }
-      }
-    }
-#pragma unroll
-    for (int nb = 0; nb < NB; ++nb) {
-      const int j = n0 + nb * 8 + 2 * t;
-      if (kPrecise)
+      for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
         for (int r = 0; r < 4; ++r) acc[nb][r] += cor[nb][r];
-      epi(m0 + g, j, acc[nb][0]);
-      epi(m0 + g, j + 1, acc[nb][1]);
-      epi(m0 + g + 8, j, acc[nb][2]);
-      epi(m0 + g + 8, j + 1, acc[nb][3]);
-    }
+    emit<NB>(m0, n0, g, t, acc, epi);
   }
 }
 
 // The same product accumulated in registers across calls: warp w owns tiles w, w + NW, ... (TPW of
-// them); acc[tile][nb][4] in the mma layout. drain hands every element to epi(i, j, value) once.
+// them); v[tile][nb][4] in the mma layout, one chain per tile. drain hands every element to
+// epi(i, j, value) once.
 template <int M, int N, int NW, int NB = 2>
 struct Acc {
   static constexpr int TN = N / (8 * NB), TILES = (M / 16) * TN, TPW = TILES / NW;
@@ -124,30 +139,7 @@ struct Acc {
     for (int u = 0; u < TPW; ++u) {
       const int tile = warp + u * NW, m0 = (tile / TN) * 16, n0 = (tile % TN) * 8 * NB;
 #pragma unroll 4
-      for (int k0 = 0; k0 < KD; k0 += 8) {
-        const float ax[4] = {a(m0 + g, k0 + t), a(m0 + g + 8, k0 + t), a(m0 + g, k0 + t + 4), a(m0 + g + 8, k0 + t + 4)};
-        uint32_t ah[4], al[4];
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          if (kPrecise) split(ax[r], ah[r], al[r]);
-          else ah[r] = to_tf32(ax[r]);
-        }
-#pragma unroll
-        for (int nb = 0; nb < NB; ++nb) {
-          const int n = n0 + nb * 8 + g;
-          const float b0 = b(k0 + t, n), b1 = b(k0 + t + 4, n);
-          if (kPrecise) {
-            uint32_t h0, l0, h1, l1;
-            split(b0, h0, l0);
-            split(b1, h1, l1);
-            mma1688(v[u][nb], al, h0, h1);
-            mma1688(v[u][nb], ah, l0, l1);
-            mma1688(v[u][nb], ah, h0, h1);
-          } else {
-            mma1688(v[u][nb], ah, to_tf32(b0), to_tf32(b1));
-          }
-        }
-      }
+      for (int k0 = 0; k0 < KD; k0 += 8) kstep<NB, kPrecise>(a, b, m0, n0, k0, g, t, v[u], v[u]);
     }
   }
 
@@ -156,15 +148,8 @@ struct Acc {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int u = 0; u < TPW; ++u) {
-      const int tile = warp + u * NW, m0 = (tile / TN) * 16, n0 = (tile % TN) * 8 * NB;
-#pragma unroll
-      for (int nb = 0; nb < NB; ++nb) {
-        const int j = n0 + nb * 8 + 2 * t;
-        epi(m0 + g, j, v[u][nb][0]);
-        epi(m0 + g, j + 1, v[u][nb][1]);
-        epi(m0 + g + 8, j, v[u][nb][2]);
-        epi(m0 + g + 8, j + 1, v[u][nb][3]);
-      }
+      const int tile = warp + u * NW;
+      emit<NB>((tile / TN) * 16, (tile % TN) * 8 * NB, g, t, v[u], epi);
     }
   }
 };
