@@ -176,6 +176,31 @@ struct RowScaled {
   __device__ __forceinline__ float operator()(int i, int j) const { return s[i] * p[i * ld + j]; }
 };
 
+// The scans' state slices (K x VS, columns v0..): from state row `row` of a state tensor in the
+// call's layout (zeros without one), to one, and to a [chunks, HV, K, V] workspace.
+template <int K, int VS>
+__device__ __forceinline__ void slice_in(float* S, int pitch, const FwdParams& p, const void* src, int dt, int64_t row, int hv,
+                                         int v0) {
+  for (int i = threadIdx.x; i < K * VS; i += NT) {
+    const int c = i / VS, j = i % VS;
+    S[c * pitch + j] = src ? ld(src, dt, state_elem(p, row, hv, v0 + j, c)) : 0.0f;
+  }
+}
+template <int K, int VS>
+__device__ __forceinline__ void slice_out(void* dst, int dt, const FwdParams& p, int64_t row, int hv, int v0, const float* S,
+                                          int pitch) {
+  for (int i = threadIdx.x; i < K * VS; i += NT) {
+    const int c = i / VS, j = i % VS;
+    st(dst, dt, state_elem(p, row, hv, v0 + j, c), S[c * pitch + j]);
+  }
+}
+template <int K, int VS>
+__device__ __forceinline__ void slice_to_workspace(float* ws, const FwdParams& p, int64_t cidx, int hv, int v0, const float* S,
+                                                   int pitch) {
+  float* d = ws + (cidx * p.HV + hv) * static_cast<int64_t>(K) * p.V + v0;
+  for (int i = threadIdx.x; i < K * VS; i += NT) d[(i / VS) * static_cast<int64_t>(p.V) + i % VS] = S[(i / VS) * pitch + i % VS];
+}
+
 // ---- 2. factors --------------------------------------------------------------------------------
 template <int K, bool DELTA>
 struct FactorsLayout {
@@ -373,17 +398,13 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_scan_kernel(const Params bp) 
   float *S = sm + Ly::S, *bv = sm + Ly::bv, *Dl = sm + Ly::D, *Tm = sm + Ly::T, *W = sm + Ly::W, *Kr = sm + Ly::Kr;
   float *eg = sm + Ly::eg, *bet = sm + Ly::beta;
   const FwdParams& p = bp.f;
-  const int tid = threadIdx.x, nvs = p.V / VS;
-  const int v0 = static_cast<int>(blockIdx.x % nvs) * VS, hv = static_cast<int>((blockIdx.x / nvs) % p.HV);
-  const int n = static_cast<int>(blockIdx.x / (static_cast<unsigned>(nvs) * p.HV));
-  const Seq sq = seq_of(p, n);
-  const int nch = static_cast<int>((sq.eos - sq.bos + C - 1) / C);
-  const int64_t cbase = bp.chunk_base ? bp.chunk_base[n] : static_cast<int64_t>(n) * chunk::chunks_of(p);
+  const int tid = threadIdx.x;
+  const chunk::SliceTask tk = chunk::slice_task<VS>(p, bp.chunk_base);
+  const int n = tk.n, hv = tk.hv, v0 = tk.v0, nch = tk.nchunks;
+  const Seq sq = tk.sq;
+  const int64_t cbase = tk.cbase;
 
-  for (int i = tid; i < K * VS; i += NT) {
-    const int c = i / VS, j = i % VS;
-    S[c * LS + j] = p.h0 ? ld(p.h0, p.h0_dt, state_elem(p, n, hv, v0 + j, c)) : 0.0f;
-  }
+  slice_in<K, VS>(S, LS, p, p.h0, p.h0_dt, n, hv, v0);
   auto fac_of = [&](int ci) { return bp.fac + ((cbase + ci) * p.HV + hv) * F::size; };
   auto load_a = [&](int ci) {  // what Delta needs
     if (DELTA) {
@@ -403,8 +424,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_scan_kernel(const Params bp) 
     const int Lc = static_cast<int>(min(int64_t{C}, sq.eos - t0));
     const int64_t f0 = static_cast<int64_t>(sq.b_row) * p.T + t0;
     __syncthreads();  // S written; bv and Dl free
-    float* Sg = bp.S0 + (cidx * p.HV + hv) * static_cast<int64_t>(K) * p.V + v0;  // the chunk's start state
-    for (int i = tid; i < K * VS; i += NT) Sg[(i / VS) * static_cast<int64_t>(p.V) + i % VS] = S[(i / VS) * LS + i % VS];
+    slice_to_workspace<K, VS>(bp.S0, p, cidx, hv, v0, S, LS);  // the chunk's start state
     input_rows<C, VS>(DELTA ? bv : Dl, LS, p.v, p.v_dt, sq.b_row * p.v_s[0] + t0 * p.v_s[1] + hv * p.v_s[2] + v0, p.v_s[1], Lc);
     if (DELTA) {
       if (tid < C) bet[tid] = tid < Lc ? bp.x.beta[(f0 + tid) * p.HV + hv] : 0.0f;
@@ -445,17 +465,13 @@ __global__ void __launch_bounds__(NT, 1) state_grad_scan_kernel(const Params bp)
   float *dS = sm + Ly::dS, *dO = sm + Ly::dO, *dD = sm + Ly::dD, *Pm = sm + Ly::P, *Kr = sm + Ly::Kr, *Qg = sm + Ly::Qg;
   float *W = sm + Ly::W, *eg = sm + Ly::eg;
   const FwdParams& p = bp.f;
-  const int tid = threadIdx.x, nvs = p.V / VS;
-  const int v0 = static_cast<int>(blockIdx.x % nvs) * VS, hv = static_cast<int>((blockIdx.x / nvs) % p.HV);
-  const int n = static_cast<int>(blockIdx.x / (static_cast<unsigned>(nvs) * p.HV));
-  const Seq sq = seq_of(p, n);
-  const int nch = static_cast<int>((sq.eos - sq.bos + C - 1) / C);
-  const int64_t cbase = bp.chunk_base ? bp.chunk_base[n] : static_cast<int64_t>(n) * chunk::chunks_of(p);
+  const int tid = threadIdx.x;
+  const chunk::SliceTask tk = chunk::slice_task<VS>(p, bp.chunk_base);
+  const int n = tk.n, hv = tk.hv, v0 = tk.v0, nch = tk.nchunks;
+  const Seq sq = tk.sq;
+  const int64_t cbase = tk.cbase;
 
-  for (int i = tid; i < K * VS; i += NT) {
-    const int c = i / VS, j = i % VS;
-    dS[c * LS + j] = bp.dht ? ld(bp.dht, bp.dht_dt, state_elem(p, n, hv, v0 + j, c)) : 0.0f;
-  }
+  slice_in<K, VS>(dS, LS, p, bp.dht, bp.dht_dt, n, hv, v0);
   // Loads run one phase ahead: P and Kr of chunk c - 1 (group A) while the state gradient of
   // chunk c updates, Qg, W and e^{G_C} of chunk c - 1 (group B) while its dDelta forms.
   auto fac_of = [&](int ci) { return bp.fac + ((cbase + ci) * p.HV + hv) * F::size; };
@@ -476,8 +492,7 @@ __global__ void __launch_bounds__(NT, 1) state_grad_scan_kernel(const Params bp)
     const int64_t cidx = cbase + ci, t0 = sq.bos + static_cast<int64_t>(ci) * C;
     const int Lc = static_cast<int>(min(int64_t{C}, sq.eos - t0));
     input_rows<C, VS>(dO, LS, bp.dO, bp.dO_dt, sq.b_row * bp.dO_s[0] + t0 * bp.dO_s[1] + hv * bp.dO_s[2] + v0, bp.dO_s[1], Lc);
-    float* dSg = bp.dS + (cidx * p.HV + hv) * static_cast<int64_t>(K) * p.V + v0;  // the chunk's end-state gradient
-    for (int i = tid; i < K * VS; i += NT) dSg[(i / VS) * static_cast<int64_t>(p.V) + i % VS] = dS[(i / VS) * LS + i % VS];
+    slice_to_workspace<K, VS>(bp.dS, p, cidx, hv, v0, dS, LS);  // the chunk's end-state gradient
     mma::cp_async_wait_pending(1);  // group A of this chunk
     __syncthreads();
     tf32::gemm<C, VS, C, NW>(cols(Pm, LP), rows(dO, LS), [&](int i, int j, float v) { dD[i * LS + j] = v; });
@@ -499,11 +514,7 @@ __global__ void __launch_bounds__(NT, 1) state_grad_scan_kernel(const Params bp)
     if (ci > 0) load_b(ci - 1);
   }
   __syncthreads();
-  if (bp.dh0)
-    for (int i = tid; i < K * VS; i += NT) {
-      const int c = i / VS, j = i % VS;
-      st(bp.dh0, bp.dh0_dt, state_elem(p, n, hv, v0 + j, c), dS[c * LS + j]);
-    }
+  if (bp.dh0) slice_out<K, VS>(bp.dh0, bp.dh0_dt, p, n, hv, v0, dS, LS);
 }
 
 // ---- 5. value side (delta rule) ----------------------------------------------------------------
