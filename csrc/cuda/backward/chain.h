@@ -27,6 +27,30 @@ inline cula_chunk_fwd_args forward_args(const cula_chunk_bwd_args& a) {
   return fa;
 }
 
+// The gradient tensors the main kernels read or write themselves (the chain kernels write the
+// rest): d_out, d_final_state (dht), d_initial_state (dh0) and dv, null where not given.
+struct GradIO {
+  const void* dO;
+  int dO_dt;
+  int64_t dO_s[4];
+  const void* dht;
+  int dht_dt;
+  void* dh0;
+  int dh0_dt;
+  void* dv;
+  int dv_dt;
+  int64_t dv_s[4];
+};
+inline GradIO grad_io(const cula_chunk_bwd_args& a) {
+  GradIO io{};
+  io.dO = a.d_out->data, io.dO_dt = a.d_out->dtype;
+  strides4(a.d_out, io.dO_s);
+  if (a.d_final_state) io.dht = a.d_final_state->data, io.dht_dt = a.d_final_state->dtype;
+  if (a.d_initial_state) io.dh0 = a.d_initial_state->data, io.dh0_dt = a.d_initial_state->dtype;
+  if (a.dv) io.dv = a.dv->data, io.dv_dt = a.dv->dtype, strides4(a.dv, io.dv_s);
+  return io;
+}
+
 // Each token's inputs as the recurrence uses them (SPEC §2): q^ = scale (l2norm?)(q) and
 // k^ = (l2norm?)(k) [B*T, H, K]; the decay [B*T, HV, K] as e^a (or the log-decay a), a after the
 // gate activation (per channel; a scalar or constant gate repeated over K); beta [B*T, HV] after

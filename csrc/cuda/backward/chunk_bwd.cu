@@ -76,16 +76,7 @@ struct Params {
   float *dDelta, *Delta, *dB;  // [B*T, HV, V] (delta rule)
   float* dbeta_part;           // [V / VE, B*T, HV]
   float* part;                 // [B*T, HV, 3K + 1] (chain.h)
-  const void* dO;
-  int dO_dt;
-  int64_t dO_s[4];
-  const void* dht;
-  int dht_dt;
-  void* dh0;
-  int dh0_dt;
-  void* dv;
-  int dv_dt;
-  int64_t dv_s[4];
+  bwd::GradIO io;  // d_out, d_final_state, d_initial_state, dv
   int64_t BT;
 };
 
@@ -471,7 +462,7 @@ __global__ void __launch_bounds__(NT, 1) state_grad_scan_kernel(const Params bp)
   const Seq sq = tk.sq;
   const int64_t cbase = tk.cbase;
 
-  slice_in<K, VS>(dS, LS, p, bp.dht, bp.dht_dt, n, hv, v0);
+  slice_in<K, VS>(dS, LS, p, bp.io.dht, bp.io.dht_dt, n, hv, v0);
   // Loads run one phase ahead: P and Kr of chunk c - 1 (group A) while the state gradient of
   // chunk c updates, Qg, W and e^{G_C} of chunk c - 1 (group B) while its dDelta forms.
   auto fac_of = [&](int ci) { return bp.fac + ((cbase + ci) * p.HV + hv) * F::size; };
@@ -491,7 +482,7 @@ __global__ void __launch_bounds__(NT, 1) state_grad_scan_kernel(const Params bp)
   for (int ci = nch - 1; ci >= 0; --ci) {
     const int64_t cidx = cbase + ci, t0 = sq.bos + static_cast<int64_t>(ci) * C;
     const int Lc = static_cast<int>(min(int64_t{C}, sq.eos - t0));
-    input_rows<C, VS>(dO, LS, bp.dO, bp.dO_dt, sq.b_row * bp.dO_s[0] + t0 * bp.dO_s[1] + hv * bp.dO_s[2] + v0, bp.dO_s[1], Lc);
+    input_rows<C, VS>(dO, LS, bp.io.dO, bp.io.dO_dt, sq.b_row * bp.io.dO_s[0] + t0 * bp.io.dO_s[1] + hv * bp.io.dO_s[2] + v0, bp.io.dO_s[1], Lc);
     slice_to_workspace<K, VS>(bp.dS, p, cidx, hv, v0, dS, LS);  // the chunk's end-state gradient
     mma::cp_async_wait_pending(1);  // group A of this chunk
     __syncthreads();
@@ -503,8 +494,8 @@ __global__ void __launch_bounds__(NT, 1) state_grad_scan_kernel(const Params bp)
     for (int i = tid; i < Lc * VS; i += NT) {
       const int t = i / VS, j = i % VS;
       if (DELTA) bp.dDelta[((f0 + t) * p.HV + hv) * p.V + v0 + j] = dD[t * LS + j];
-      else if (bp.dv)
-        st(bp.dv, bp.dv_dt, sq.b_row * bp.dv_s[0] + (t0 + t) * bp.dv_s[1] + hv * bp.dv_s[2] + (v0 + j) * bp.dv_s[3], dD[t * LS + j]);
+      else if (bp.io.dv)
+        st(bp.io.dv, bp.io.dv_dt, sq.b_row * bp.io.dv_s[0] + (t0 + t) * bp.io.dv_s[1] + hv * bp.io.dv_s[2] + (v0 + j) * bp.io.dv_s[3], dD[t * LS + j]);
     }
     mma::cp_async_wait_pending(ci > 0 ? 1 : 0);  // group B of this chunk
     __syncthreads();
@@ -514,7 +505,7 @@ __global__ void __launch_bounds__(NT, 1) state_grad_scan_kernel(const Params bp)
     if (ci > 0) load_b(ci - 1);
   }
   __syncthreads();
-  if (bp.dh0) slice_out<K, VS>(bp.dh0, bp.dh0_dt, p, n, hv, v0, dS, LS);
+  if (bp.io.dh0) slice_out<K, VS>(bp.io.dh0, bp.io.dh0_dt, p, n, hv, v0, dS, LS);
 }
 
 // ---- 5. value side (delta rule) ----------------------------------------------------------------
@@ -575,8 +566,8 @@ __global__ void __launch_bounds__(NT) value_grad_kernel(const Params bp) {
     const int t = i / VE, j = i % VE;
     const float db = Bm[t * LV + j];
     bp.dB[((ch.f0 + t) * p.HV + hv) * p.V + v0 + j] = db;
-    if (bp.dv)
-      st(bp.dv, bp.dv_dt, ch.b_row * bp.dv_s[0] + (ch.t0 + t) * bp.dv_s[1] + hv * bp.dv_s[2] + (v0 + j) * bp.dv_s[3], bet[t] * db);
+    if (bp.io.dv)
+      st(bp.io.dv, bp.io.dv_dt, ch.b_row * bp.io.dv_s[0] + (ch.t0 + t) * bp.io.dv_s[1] + hv * bp.io.dv_s[2] + (v0 + j) * bp.io.dv_s[3], bet[t] * db);
   }
   for (int t = warp; t < Lc; t += NW) {
     float s = Bm[t * LV + lane] * R[t * LV + lane] + Bm[t * LV + lane + 32] * R[t * LV + lane + 32];
@@ -626,7 +617,7 @@ __global__ void __launch_bounds__(NT) key_grad_kernel(const Params bp) {
     rows_async<VE, VE>(S0, L, bp.S0 + blk + static_cast<int64_t>(c0) * p.V + v0, p.V);
     rows_async<VE, VE>(dSs, L, bp.dS + blk + static_cast<int64_t>(c0) * p.V + v0, p.V);
     mma::cp_async_commit();
-    input_rows<C, VE>(dO, L, bp.dO, bp.dO_dt, ch.b_row * bp.dO_s[0] + ch.t0 * bp.dO_s[1] + hv * bp.dO_s[2] + v0, bp.dO_s[1], Lc);
+    input_rows<C, VE>(dO, L, bp.io.dO, bp.io.dO_dt, ch.b_row * bp.io.dO_s[0] + ch.t0 * bp.io.dO_s[1] + hv * bp.io.dO_s[2] + v0, bp.io.dO_s[1], Lc);
     if (!DELTA) input_rows<C, VE>(Dl, L, p.v, p.v_dt, ch.b_row * p.v_s[0] + ch.t0 * p.v_s[1] + hv * p.v_s[2] + v0, p.v_s[1], Lc);
     mma::cp_async_wait_all();
     __syncthreads();
@@ -775,7 +766,7 @@ __global__ void __launch_bounds__(NT) pair_grad_kernel(const Params bp) {
     } else {
       input_rows<C, VE>(Dl, L, p.v, p.v_dt, ch.b_row * p.v_s[0] + ch.t0 * p.v_s[1] + hv * p.v_s[2] + v0, p.v_s[1], Lc);
     }
-    input_rows<C, VE>(dO, L, bp.dO, bp.dO_dt, ch.b_row * bp.dO_s[0] + ch.t0 * bp.dO_s[1] + hv * bp.dO_s[2] + v0, bp.dO_s[1], Lc);
+    input_rows<C, VE>(dO, L, bp.io.dO, bp.io.dO_dt, ch.b_row * bp.io.dO_s[0] + ch.t0 * bp.io.dO_s[1] + hv * bp.io.dO_s[2] + v0, bp.io.dO_s[1], Lc);
     if (DELTA) mma::cp_async_wait_all();
     __syncthreads();
     aP.add<VE>(rows(dO, L), cols(Dl, L));
@@ -964,11 +955,7 @@ void cuda_chunk_bwd(const Recurrence& r, const cula_chunk_bwd_args& a) {
     bp.dbeta_part = reinterpret_cast<float*>(at[6]);
   }
   bp.part = reinterpret_cast<float*>(at[7]);
-  bp.dO = a.d_out->data, bp.dO_dt = a.d_out->dtype;
-  strides4(a.d_out, bp.dO_s);
-  if (a.d_final_state) bp.dht = a.d_final_state->data, bp.dht_dt = a.d_final_state->dtype;
-  if (a.d_initial_state) bp.dh0 = a.d_initial_state->data, bp.dh0_dt = a.d_initial_state->dtype;
-  if (a.dv) bp.dv = a.dv->data, bp.dv_dt = a.dv->dtype, strides4(a.dv, bp.dv_s);
+  bp.io = bwd::grad_io(a);
   bp.BT = BT;
 
   if (bp.chunk_base) chunk::launch_chunk_base(bp.f, const_cast<int32_t*>(bp.chunk_base), stream);

@@ -58,16 +58,7 @@ constexpr int kSeg = 16;  // tokens per checkpoint segment
 
 struct BwdParams {
   FwdParams f;  // the forward's inputs and options (out, final state, pool unused)
-  const void* dO;
-  int dO_dt;
-  int64_t dO_s[4];
-  const void* dht;
-  int dht_dt;
-  void* dh0;
-  int dh0_dt;
-  void* dv;
-  int dv_dt;
-  int64_t dv_s[4];
+  bwd::GradIO io;  // d_out, d_final_state, d_initial_state, dv
   int64_t BT;        // tokens (B*T)
   int tiles;         // row tiles along V
   float* ckpt;       // [segments, HV, tiles, kThreads, kRows, EPL]
@@ -115,7 +106,7 @@ struct TokenReader {
     for (int r = 0; r < kRows; ++r) {
       const bool ok = j0 + r < p.V;
       x.v[r] = ok ? ld(p.v, p.v_dt, b_row * p.v_s[0] + t * p.v_s[1] + hv * p.v_s[2] + (j0 + r) * p.v_s[3]) : 0.0f;
-      x.dO[r] = ok && with_dO ? ld(bp.dO, bp.dO_dt, b_row * bp.dO_s[0] + t * bp.dO_s[1] + hv * bp.dO_s[2] + (j0 + r) * bp.dO_s[3])
+      x.dO[r] = ok && with_dO ? ld(bp.io.dO, bp.io.dO_dt, b_row * bp.io.dO_s[0] + t * bp.io.dO_s[1] + hv * bp.io.dO_s[2] + (j0 + r) * bp.io.dO_s[3])
                               : 0.0f;
     }
   }
@@ -246,7 +237,7 @@ __global__ void __launch_bounds__(kThreads, 1) recurrent_bwd_kernel(const BwdPar
   for (int r = 0; r < kRows; ++r)
 #pragma unroll
     for (int e = 0; e < EPL; ++e)
-      D[r][e] = (bp.dht && row_ok(r)) ? ld(bp.dht, bp.dht_dt, state_elem(p, n, hv, j0 + r, k0 + e)) : 0.0f;
+      D[r][e] = (bp.io.dht && row_ok(r)) ? ld(bp.io.dht, bp.io.dht_dt, state_elem(p, n, hv, j0 + r, k0 + e)) : 0.0f;
   const int64_t row_stride = static_cast<int64_t>(p.HV) * (3 * K + 1);
   const int64_t tile_stride = bp.BT * row_stride;
   int buf = 0;
@@ -330,11 +321,11 @@ __global__ void __launch_bounds__(kThreads, 1) recurrent_bwd_kernel(const BwdPar
         }
         da[e] = acc;
       }
-      if (bp.dv && lane < kRows && row_ok(lane)) {
+      if (bp.io.dv && lane < kRows && row_ok(lane)) {
         float mine = dvr[0];
 #pragma unroll
         for (int r = 1; r < kRows; ++r) mine = lane == r ? dvr[r] : mine;
-        st(bp.dv, bp.dv_dt, b_row * bp.dv_s[0] + t * bp.dv_s[1] + hv * bp.dv_s[2] + (j0 + lane) * bp.dv_s[3], mine);
+        st(bp.io.dv, bp.io.dv_dt, b_row * bp.io.dv_s[0] + t * bp.io.dv_s[1] + hv * bp.io.dv_s[2] + (j0 + lane) * bp.io.dv_s[3], mine);
       }
       // the CTA's rows added up in shared memory, warp by warp in order
       float* mine = red[buf][warp];
@@ -354,12 +345,12 @@ __global__ void __launch_bounds__(kThreads, 1) recurrent_bwd_kernel(const BwdPar
       x = nxt;
     }
   }
-  if (bp.dh0) {
+  if (bp.io.dh0) {
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       if (!row_ok(r)) continue;
 #pragma unroll
-      for (int e = 0; e < EPL; ++e) st(bp.dh0, bp.dh0_dt, state_elem(p, n, hv, j0 + r, k0 + e), D[r][e]);
+      for (int e = 0; e < EPL; ++e) st(bp.io.dh0, bp.io.dh0_dt, state_elem(p, n, hv, j0 + r, k0 + e), D[r][e]);
     }
   }
 }
@@ -384,10 +375,7 @@ void cuda_recurrent_bwd(const Recurrence& r, const cula_chunk_bwd_args& a) {
   const cula_chunk_fwd_args fa = bwd::forward_args(a);
   BwdParams bp{};
   bp.f = make_fwd_params(r, fa);
-  bp.dO = a.d_out->data, bp.dO_dt = a.d_out->dtype;
-  strides4(a.d_out, bp.dO_s);
-  if (a.d_final_state) bp.dht = a.d_final_state->data, bp.dht_dt = a.d_final_state->dtype;
-  if (a.d_initial_state) bp.dh0 = a.d_initial_state->data, bp.dh0_dt = a.d_initial_state->dtype;
+  bp.io = bwd::grad_io(a);
 
   const int device = a.q->device_id;
   check(cudaSetDevice(device), "cudaSetDevice");
@@ -409,7 +397,6 @@ void cuda_recurrent_bwd(const Recurrence& r, const cula_chunk_bwd_args& a) {
   bp.part = reinterpret_cast<float*>(w + ckpt_bytes + scratch_bytes);
   void* chain_ws = w + ckpt_bytes + scratch_bytes + part_bytes;
   bp.x = bwd::token_inputs_at(w + ckpt_bytes + scratch_bytes + part_bytes + chain_bytes, r);
-  if (a.dv) bp.dv = a.dv->data, bp.dv_dt = a.dv->dtype, strides4(a.dv, bp.dv_s);
   bp.BT = BT;
 
   bwd::launch_token_inputs(bp.f, bp.x, /*log_decay=*/false, stream);
