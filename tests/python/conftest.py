@@ -20,9 +20,11 @@ def rng(request):
     return np.random.default_rng(seed)
 
 
-def rel(a, b):
+def rel(a, b, floor=0.0):
+    """||a - b|| / ||b||; floor: an absolute floor per element under ||b|| (a reference that is zero
+    measured against the rounding noise of terms that cancel exactly in exact arithmetic)."""
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), floor * np.sqrt(b.size), 1e-300))
 
 
 def worst(errs):

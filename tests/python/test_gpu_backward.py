@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed")
 if not torch.cuda.is_available() or cula._lib.LIB.cula_cuda_device_count() == 0:
     pytest.skip("no CUDA device visible to torch and cula", allow_module_level=True)
 
-from cases import FAMILIES, chunk_inputs, draw_chunk_config  # noqa: E402
+from cases import FAMILIES, chunk_inputs, draw_chunk_config, family_arrays  # noqa: E402
 
 # The recurrent kernel ("cuda") computes in fp32 from the same (rounded) inputs the float64
 # reference reads: what remains is fp32 accumulation over the sequence, far inside FLA's own backward
@@ -44,11 +44,7 @@ def _errors(got, ref):
     """Relative errors per gradient; a reference that is zero (a gate's gradient on one token from a
     zero state) is measured against an absolute floor of 1e-6 per element, the rounding noise of
     terms that cancel exactly in exact arithmetic."""
-    out = {}
-    for n, r in ref.items():
-        g, r = got[n].cpu().double().numpy(), r.double().numpy()
-        out[n] = float(np.linalg.norm(g - r) / max(np.linalg.norm(r), 1e-6 * np.sqrt(r.size)))
-    return out
+    return {n: rel(got[n].cpu().double().numpy(), r.double().numpy(), floor=1e-6) for n, r in ref.items()}
 
 
 def _problem(rng, family):
@@ -115,18 +111,15 @@ def test_the_chunk_form_takes_training_shapes_and_matches_the_reference(rng, fam
         B, T = (2, 150) if cu is None else (1, 333)
         N = B if cu is None else len(cu) - 1
         H, HV = (2, 4) if family in ("kda", "gdn") else (2, 2)
-        d = dict(q=t(B, T, H, K).bfloat16(), k=t(B, T, H, K).bfloat16(), v=t(B, T, HV, V).bfloat16(),
-                 d_out=t(B, T, HV, V).bfloat16(), initial_state=t(N, HV, V, K) * 0.3, d_final_state=t(N, HV, V, K))
+        kda = family == "kda"  # KDA with its unbounded gate (no lower bound) and beta sigmoid in kernel
+        arrays = family_arrays(rng, family, B, T, H, HV, K, V, gate_in_kernel=kda, beta_sigmoid=kda, l2norm=True)
+        d = {n: torch.from_numpy(x) for n, x in arrays.items() if x is not None}
+        for n in ("q", "k", "v"):
+            d[n] = d[n].bfloat16()
+        d.update(d_out=t(B, T, HV, V).bfloat16(), initial_state=t(N, HV, V, K) * 0.3, d_final_state=t(N, HV, V, K))
         kw = dict(use_qk_l2norm_in_kernel=True)
-        if family == "kda":
-            d.update(g=t(B, T, HV, K), beta=t(B, T, HV), A_log=t(HV), dt_bias=t(HV * K))
-            kw.update(use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)  # the unbounded gate
-        elif family == "gdn":
-            d.update(g=-torch.nn.functional.softplus(t(B, T, HV)), beta=torch.sigmoid(t(B, T, HV)))
-        elif family == "lightning":
-            d["decay"] = torch.rand(HV)
-        else:
-            d["g"] = -torch.nn.functional.softplus(t(B, T, HV, K) if family == "gla" else t(B, T, HV))
+        if kda:
+            kw.update(use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
         ref = _reference(family, d, cu, kw)
         got = _run(family, d, cu, kw, _poisoned(d))
         torch.cuda.synchronize()
