@@ -9,11 +9,15 @@
 
 #include "common/problem.h"
 #include "cuda/common/fwd_params.cuh"
+#include "cuda/runtime/check.h"
 
 namespace cula {
 namespace bwd {
 
 inline int64_t align256(int64_t b) { return (b + 255) / 256 * 256; }
+
+// A CUDA error of the backward raised as the op's error.
+inline void check(cudaError_t e, const char* what) { cuda_check(e, "chunk_bwd", what); }
 
 // The forward's arguments from the backward's inputs (out, final state and pools unused): the
 // forward's parameters and its rules for inputs the CUDA kernels read.

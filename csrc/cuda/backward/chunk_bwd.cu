@@ -69,7 +69,7 @@ struct Fac {
 struct Params {
   FwdParams f;
   bwd::TokenInputs x;         // the log-decay in x.dec
-  const int32_t* chunk_base;  // varlen chunk numbering, else null
+  int32_t* chunk_base;        // varlen chunk numbering, else null
   float* S0;                  // states at chunk starts [chunks, HV, K, V]
   float* fac;                 // factor blocks [chunks, HV, Fac::size]
   float* dS;                  // end-state gradients [chunks, HV, K, V]
@@ -855,8 +855,6 @@ __global__ void __launch_bounds__(NT) pair_grad_kernel(const Params bp) {
 }
 
 // ---- host --------------------------------------------------------------------------------------
-void check(cudaError_t e, const char* what) { cuda_check(e, "chunk_bwd", what); }
-
 template <int K, bool DELTA>
 int max_smem() {
   int b = FactorsLayout<K, DELTA>::bytes;
@@ -912,7 +910,7 @@ Refusal cuda_chunk_bwd_declines(const Recurrence& r, const cula_chunk_bwd_args& 
 void cuda_chunk_bwd(const Recurrence& r, const cula_chunk_bwd_args& a) {
   const char* op = "chunk_bwd";
   const int device = a.q->device_id;
-  check(cudaSetDevice(device), "cudaSetDevice");
+  bwd::check(cudaSetDevice(device), "cudaSetDevice");
   const cudaStream_t stream = static_cast<cudaStream_t>(a.opt.stream);
   const int64_t BT = r.B * r.T, K = r.K, V = r.V, HV = r.HV;
   using bwd::align256;
@@ -958,7 +956,7 @@ void cuda_chunk_bwd(const Recurrence& r, const cula_chunk_bwd_args& a) {
   bp.io = bwd::grad_io(a);
   bp.BT = BT;
 
-  if (bp.chunk_base) chunk::launch_chunk_base(bp.f, const_cast<int32_t*>(bp.chunk_base), stream);
+  if (bp.chunk_base) chunk::launch_chunk_base(bp.f, bp.chunk_base, stream);
   bwd::launch_token_inputs(bp.f, bp.x, /*log_decay=*/true, stream);
   const int N = static_cast<int>(r.N), sms = cuda_sm_count(device);
   if (K == 64) {
@@ -968,11 +966,11 @@ void cuda_chunk_bwd(const Recurrence& r, const cula_chunk_bwd_args& a) {
     if (r.tr.delta) run_kernels<128, true>(bp, chunks, N, static_cast<int>(HV), static_cast<int>(V), sms, stream);
     else run_kernels<128, false>(bp, chunks, N, static_cast<int>(HV), static_cast<int>(V), sms, stream);
   }
-  check(cudaGetLastError(), "kernel launch");
+  bwd::check(cudaGetLastError(), "kernel launch");
   bwd::launch_chain(r, a, bp.f, bp.part, /*tiles=*/1, at[8], stream);
   const cudaError_t launched = cudaGetLastError();
   ws.release();
-  check(launched, "kernel launch");
+  bwd::check(launched, "kernel launch");
 }
 
 }  // namespace cula

@@ -355,8 +355,6 @@ __global__ void __launch_bounds__(kThreads, 1) recurrent_bwd_kernel(const BwdPar
   }
 }
 
-void check(cudaError_t e, const char* what) { cuda_check(e, "chunk_bwd", what); }
-
 }  // namespace
 
 Refusal cuda_recurrent_bwd_declines(const Recurrence& r, const cula_chunk_bwd_args& a) {
@@ -378,7 +376,7 @@ void cuda_recurrent_bwd(const Recurrence& r, const cula_chunk_bwd_args& a) {
   bp.io = bwd::grad_io(a);
 
   const int device = a.q->device_id;
-  check(cudaSetDevice(device), "cudaSetDevice");
+  bwd::check(cudaSetDevice(device), "cudaSetDevice");
   const cudaStream_t stream = static_cast<cudaStream_t>(a.opt.stream);
   const int64_t BT = r.B * r.T, K = r.K, V = r.V;
   bp.tiles = static_cast<int>((V + kTileRows - 1) / kTileRows);
@@ -411,11 +409,11 @@ void cuda_recurrent_bwd(const Recurrence& r, const cula_chunk_bwd_args& a) {
     case 128: launch(recurrent_bwd_kernel<4>); break;
     default: launch(recurrent_bwd_kernel<8>); break;
   }
-  check(cudaGetLastError(), "kernel launch");
+  bwd::check(cudaGetLastError(), "kernel launch");
   bwd::launch_chain(r, a, bp.f, bp.part, bp.tiles, chain_ws, stream);
   const cudaError_t launched = cudaGetLastError();
   ws.release();
-  check(launched, "kernel launch");
+  bwd::check(launched, "kernel launch");
 }
 
 }  // namespace cula
