@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import time
 
 # (name, family, T total, H, HV)
@@ -119,6 +120,12 @@ def _worker(rank, world, backend, store, out_dir, configs, families, with_fla):
         td.barrier()
     finally:
         td.destroy_process_group()
+    # gloo's worker threads may still be freeing the last collective's tensors, which takes the GIL; taking
+    # it while the interpreter finalises aborts the process (pytorch/pytorch#179291), so a rank that
+    # succeeded exits without the shutdown
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _fla(torch, family, cu, td):
