@@ -76,6 +76,15 @@ def per_token_head(v, value: float):
     return np.full(tuple(v.shape[:-1]), value, np.float32)
 
 
+def zero_gate(k):
+    """A float32 zero log-gate shaped like k [B, T, H, K] (FLA's omitted per-key gate: no decay)."""
+    if is_torch(k):
+        import torch
+
+        return torch.zeros(tuple(k.shape), dtype=torch.float32, device=k.device)
+    return np.zeros(tuple(k.shape), np.float32)
+
+
 def unsupported(fn_name: str, use_graph=False, max_num_seqs=None) -> None:
     if use_graph or max_num_seqs is not None:
         raise NotImplementedError(f"{fn_name}: use_graph/max_num_seqs (FLA's padded graph mode) are not supported by "

@@ -47,11 +47,21 @@ def compiling() -> bool:
     return torch is not None and torch.compiler.is_compiling()
 
 
+def _widen_half_state(state):
+    """A float16 initial state is read as float32, as FLA's kernels read it (its final state is float32
+    either way); the conversion is differentiable, so its gradient comes back in float16. The kernels
+    keep states in float32 or bfloat16."""
+    if state is None or str(getattr(state, "dtype", "")) not in ("torch.float16", "float16"):
+        return state
+    return state.float() if is_torch(state) else state.astype("float32")
+
+
 def chunk(family: str, q, k, v, g=None, beta=None, decay=None, *, A_log=None, dt_bias=None, initial_state=None,
           **opts):
     """chunk_fwd with autograd when any torch input requires grad (backward: cula.ops.chunk_bwd).
     Torch tensors go through the registered op cula::chunk_fwd, whose autograd formula calls
     cula::chunk_bwd (traceable by torch.compile, forward and backward)."""
+    initial_state = _widen_half_state(initial_state)
     if _through_op(q, opts):
         from . import torch_ops
 

@@ -1,12 +1,12 @@
-"""FLA drop-in for simple GLA: ``from cula.simple_gla import chunk_simple_gla``."""
+"""FLA drop-in for simple GLA: ``from cula.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla``."""
 
 from __future__ import annotations
 
-from ._fla_common import fla_chunk_size, offsets_for, resolve_state_layout
+from ._fla_common import fla_chunk_size, offsets_for, per_token_head, resolve_state_layout
 from ._front import chunk, reject_unknown
 from ._tensor import is_torch
 
-__all__ = ["chunk_simple_gla"]
+__all__ = ["chunk_simple_gla", "fused_recurrent_simple_gla"]
 
 
 def chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None, output_final_state=False,
@@ -25,3 +25,20 @@ def chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=No
         return chunk("simple_gla", q, k, v, g, **common)
     decay = -g_gamma.float() if is_torch(g_gamma) else -g_gamma.astype("float32")
     return chunk("lightning", q, k, v, decay=decay, **common)
+
+
+def fused_recurrent_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None,
+                               output_final_state=False, reverse=False, state_v_first=False, cu_seqlens=None,
+                               **kwargs):
+    """FLA ``fused_recurrent_simple_gla`` (decode and short sequences): the function chunk_simple_gla
+    computes. As in FLA, g [B, T, H] and g_gamma [H] may both be given (their sum is the log-decay)
+    and neither means no decay. ``reverse=True`` is not supported."""
+    if reverse:
+        raise NotImplementedError("fused_recurrent_simple_gla: reverse=True is not supported by cula")
+    if g is not None and g_gamma is not None:
+        g, g_gamma = g.float() + g_gamma.float() if is_torch(g) else g.astype("float32") + g_gamma, None
+    elif g is None and g_gamma is None:
+        g = per_token_head(v, 0.0)
+    return chunk_simple_gla(q, k, v, g=g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
+                            output_final_state=output_final_state, state_v_first=state_v_first,
+                            cu_seqlens=cu_seqlens, **kwargs)

@@ -111,3 +111,38 @@ def test_gla_and_simple_gla_and_lightning_match_fla_naive(rng):
     e_light = (rel(o, _np(o_fla)), rel(s, _np(s_fla)))
     print("GLA, simple GLA, Lightning vs FLA naive:", e_gla, e_sgla, e_light)
     assert worst(e_gla + e_sgla + e_light) < 1e-5
+
+
+def test_fused_recurrent_gla_and_simple_gla_dropins_match_fla_naive(rng):
+    """FLA's fused_recurrent_gla / fused_recurrent_simple_gla signatures on cula: a missing gate means
+    no decay, simple GLA's g and g_gamma together add up, gv and reverse are refused by name."""
+    from fla.ops.gla.naive import naive_recurrent_gla
+    from fla.ops.simple_gla.naive import naive_recurrent_simple_gla
+
+    from cula.gla import fused_recurrent_gla
+    from cula.simple_gla import fused_recurrent_simple_gla
+
+    B, T, H, K, V = 2, 40, 4, 16, 8
+    q, k, v = _inputs(rng, B, T, H, K, V)
+    gk = -torch.from_numpy(rng.uniform(0.01, 0.5, (B, T, H, K)).astype(np.float32))
+    gs = -torch.from_numpy(rng.uniform(0.01, 0.5, (B, T, H)).astype(np.float32))
+    g_gamma = -torch.from_numpy(rng.uniform(0.01, 0.3, H).astype(np.float32))
+    h0 = torch.from_numpy(rng.standard_normal((B, H, K, V)).astype(np.float32))
+    d = lambda *xs: [x.double() for x in xs]  # noqa: E731
+    errors = []
+    for gate in (gk, None):
+        o, s = fused_recurrent_gla(q, k, v, gate, initial_state=h0, output_final_state=True)
+        want = naive_recurrent_gla(*d(q, k, v, gk if gate is not None else torch.zeros_like(gk)),
+                                   initial_state=h0.double(), output_final_state=True)
+        errors += [rel(o, _np(want[0])), rel(s, _np(want[1]))]
+    for g, gamma, total in ((gs, None, gs), (None, g_gamma, g_gamma.expand(B, T, H)), (gs, g_gamma, gs + g_gamma),
+                            (None, None, torch.zeros_like(gs))):
+        o, s = fused_recurrent_simple_gla(q, k, v, g=g, g_gamma=gamma, initial_state=h0, output_final_state=True)
+        want = naive_recurrent_simple_gla(*d(q, k, v, total), initial_state=h0.double(), output_final_state=True)
+        errors += [rel(o, _np(want[0])), rel(s, _np(want[1]))]
+    print("fused_recurrent GLA / simple GLA drop-ins vs FLA naive:", errors)
+    assert worst(errors) < 1e-4
+    with pytest.raises(NotImplementedError, match="'gv'"):
+        fused_recurrent_gla(q, k, v, gk, gv=torch.zeros_like(v))
+    with pytest.raises(NotImplementedError, match="reverse"):
+        fused_recurrent_simple_gla(q, k, v, gs, reverse=True)

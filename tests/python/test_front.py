@@ -143,7 +143,9 @@ DROPINS = [
     ("fla.ops.gated_delta_rule", "fused_recurrent_gated_delta_rule",
      cula.gated_delta_rule.fused_recurrent_gated_delta_rule),
     ("fla.ops.gla", "chunk_gla", cula.gla.chunk_gla),
+    ("fla.ops.gla", "fused_recurrent_gla", cula.gla.fused_recurrent_gla),
     ("fla.ops.simple_gla", "chunk_simple_gla", cula.simple_gla.chunk_simple_gla),
+    ("fla.ops.simple_gla", "fused_recurrent_simple_gla", cula.simple_gla.fused_recurrent_simple_gla),
     ("fla.ops.lightning_attn", "chunk_lightning_attn", cula.lightning_attn.chunk_lightning_attn),
     ("fla.ops.lightning_attn", "fused_recurrent_lightning_attn", cula.lightning_attn.fused_recurrent_lightning_attn),
 ]
@@ -160,6 +162,29 @@ def test_dropin_signatures_match_fla(module, name, ours):
     t = [(p.name, p.default) for p in theirs.parameters.values() if p.kind != p.VAR_KEYWORD]
     m = [(p.name, p.default) for p in mine.parameters.values() if p.kind != p.VAR_KEYWORD]
     assert m == t
+
+
+def test_dropins_read_a_float16_initial_state_as_float32(rng):
+    """FLA's kernels take a float16 initial state (its op tests pass one) and return a float32 final
+    state; so do cula's drop-ins, with the state's gradient in float16."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    B, T, H, K, V = 2, 24, 2, 8, 4
+    t = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32))  # noqa: E731
+    q, k, v = t(B, T, H, K), torch.nn.functional.normalize(t(B, T, H, K), dim=-1), t(B, T, H, V)
+    g, beta = -torch.rand(B, T, H), torch.rand(B, T, H)
+    h0 = t(B, H, K, V).half()
+    calls = [lambda h: cula.gated_delta_rule.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h,
+                                                                    output_final_state=True),
+             lambda h: cula.lightning_attn.fused_recurrent_lightning_attn(q, k, v, 1, 4, initial_state=h,
+                                                                          output_final_state=True)]
+    for call in calls:
+        o16, s16 = call(h0)
+        o32, s32 = call(h0.float())
+        assert s16.dtype == torch.float32 and torch.equal(o16, o32) and torch.equal(s16, s32)
+        leaf = h0.clone().requires_grad_()
+        o, s = call(leaf)
+        (o.sum() + s.sum()).backward()
+        assert leaf.grad.dtype == torch.float16 and bool(torch.isfinite(leaf.grad).all()) and leaf.grad.abs().sum() > 0
 
 
 def _torch_kda_reference(q, k, v, g, beta, h0):
