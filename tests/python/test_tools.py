@@ -1,13 +1,16 @@
 """The repository's tools that run without a GPU."""
 
 import importlib.util
+import json
 import os
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _tool(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(name.replace("/", "_"), os.path.join(ROOT, "tools", f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -82,3 +85,71 @@ def test_ab_kernel_time_rejects_bad_arguments(tmp_path, capsys):
         tool.main(["--lib", f"a={lib}"])
     with pytest.raises(SystemExit, match=r"argument --rounds: expected a positive count, got 0"):
         tool.main(["--lib", f"a={lib}", "--lib", f"b={lib}", "--rounds", "0"])
+
+
+FAKE_FLA_TESTS = '''
+import pytest
+import torch
+
+from fla.ops.gla import fused_recurrent_gla
+from fla.ops.kda import chunk_kda
+from fla.ops.kda.naive import naive_recurrent_kda
+
+
+def _inputs():
+    torch.manual_seed(0)
+    q, k = (torch.nn.functional.normalize(torch.randn(1, 40, 2, 16), dim=-1) for _ in range(2))
+    return q, k, torch.randn(1, 40, 2, 8), -torch.rand(1, 40, 2, 16), torch.rand(1, 40, 2)
+
+
+def test_chunk_matches_naive():
+    q, k, v, g, beta = _inputs()
+    assert chunk_kda.__module__ == "cula.kda"
+    o = chunk_kda(q, k, v, g, beta)[0]
+    assert (o - naive_recurrent_kda(q, k, v, g, beta)[0]).abs().max() < 1e-4
+
+
+def test_fla_only():
+    q, k, v, g, beta = _inputs()
+    assert naive_recurrent_kda(q, k, v, g, beta)[0].shape == v.shape
+
+
+def test_refused():
+    q, k, v, g, beta = _inputs()
+    fused_recurrent_gla(q, k, v, g, gv=torch.zeros_like(v))
+
+
+def test_wrong_value():
+    q, k, v, g, beta = _inputs()
+    assert chunk_kda(q, k, v, g, beta)[0].sum() == 12345.0
+
+
+@pytest.mark.skip(reason="skipped on purpose")
+def test_skipped():
+    pass
+'''
+
+
+def test_fla_suite_runner_swaps_cula_in_and_sorts_outcomes(tmp_path):
+    """tools/fla_suite/run.py on a small stand-in for one of FLA's test files: FLA's names are cula's
+    functions when the test module imports them, a test that calls none of cula's is counted apart,
+    and failures are sorted into their reason classes (written as JSON and a table)."""
+    pytest.importorskip("torch", reason="torch is not installed")
+    pytest.importorskip("fla", reason="fla-core is not installed")
+    ops_dir = tmp_path / "tests" / "ops"
+    ops_dir.mkdir(parents=True)
+    (ops_dir / "test_kda.py").write_text(FAKE_FLA_TESTS)
+    out = tmp_path / "results" / "fla_suite.json"
+    tool = _tool("fla_suite/run")
+    assert tool.main(["--fla-tests", str(tmp_path), "--files", "test_kda.py", "--out", str(out)]) == 1
+    got = json.loads(out.read_text())
+    summary = got["files"]["test_kda.py"]
+    assert (summary["passed"], summary["failed"], summary["skipped"]) == (1, 2, 1), summary
+    assert summary["fla_only"] == {"passed": 1}
+    assert summary["failures"] == {"refused_by_cula": 1, "tolerance_or_value": 1}
+    assert "fla.ops.kda.chunk" in got["swapped"]["kda.chunk_kda"]
+    assert "fla.ops.gla.fused_recurrent" in got["swapped"]["gla.fused_recurrent_gla"]
+    assert got["environment"]["fla_commit"] == tool.FLA_COMMIT
+    assert "| test_kda.py | 1 | 2 | 1 | passed 1 |" in (tmp_path / "results" / "fla_suite.md").read_text()
+    with pytest.raises(SystemExit, match="argument --fla-tests"):
+        tool.main(["--fla-tests", str(tmp_path), "--files", "test_gdn.py"])
