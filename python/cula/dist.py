@@ -29,6 +29,10 @@ slice, and a second local backward uses it. Gradients of the final states are su
 ranks (they are returned on every rank); those of inputs every rank holds whole (A_log, dt_bias,
 the global initial states) are each rank's part, to be summed over the group as for any weight.
 
+Deterministic mode (``chunk_cp(..., deterministic=True)``, ``_cp_segments``): the same summary
+algebra on a grid of segments fixed by the caller instead of the rank boundaries, so that every
+result is bitwise the same for any number of ranks.
+
 Head parallelism over the same token split (``chunk_heads``, Ulysses): an all-to-all gives each
 rank every token of H / size of the heads, whole sequences run there, and an all-to-all brings the
 outputs back; exact for any number of ranks and differentiable, at the price of moving the
@@ -38,9 +42,9 @@ activations twice. ``chunk_sp`` picks it when the heads divide over the ranks, e
 
 from __future__ import annotations
 
+from . import _cp_segments, ops
 from ._front import LazyFunction, _needs_grad, chunk
 from ._lib import CulaError
-from . import ops
 
 __all__ = [
     "chunk_tp", "chunk_cp", "chunk_tp_cp", "chunk_fla_cp", "chunk_heads", "chunk_sp", "last_plan",
@@ -188,10 +192,15 @@ def _refuse_cp_options(opts, q, k, v, g, beta, initial_state, grads=True):
 
 
 def chunk_cp(family, q, k, v, g=None, beta=None, decay=None, *, sp_group=None, sp_size=None, sp_rank=None,
-             initial_state=None, output_final_state=True, cu_seqlens=None, **opts):
+             initial_state=None, output_final_state=True, cu_seqlens=None, deterministic=False, segment_len=4096,
+             **opts):
     """The chunked forward of this rank's tokens (q, k, v ... [B, T_rank, ...], rank order = token
     order) with the state carried over from the ranks before: see the module docstring. Returns
-    (o of the local tokens, final states [N, HV, V, K] of every sequence on every rank, or None)."""
+    (o of the local tokens, final states [N, HV, V, K] of every sequence on every rank, or None).
+
+    deterministic=True: outputs, final states and gradients bitwise identical for any number of
+    ranks (``_cp_segments``): the tokens are cut on a grid of ``segment_len`` global positions, on
+    which every rank's slice must start; one engine call per segment."""
 
     dist, size, rank = _group_info(sp_group, sp_size, sp_rank, "sp_size", "sp_rank")
     _refuse_cp_options(opts, q, k, v, g, beta, initial_state)
@@ -219,6 +228,15 @@ def chunk_cp(family, q, k, v, g=None, beta=None, decay=None, *, sp_group=None, s
                         f"{[N, HV, V, K]}, got shape {list(initial_state.shape)}")
     packed = cu_seqlens is not None
     A_log, dt_bias = opts.pop("A_log", None), opts.pop("dt_bias", None)
+    if deterministic:
+        plan = _cp_segments.Plan(cu if packed else None, B, lengths, rank, segment_len)
+        if _needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
+            o, out = _SegmentsCP.apply(family, decay, dist, sp_group, rank, plan, N, opts,
+                                       q, k, v, g, beta, A_log, dt_bias, initial_state)
+        else:
+            o, out, _ = _cp_segments.forward(family, q, k, v, g, beta, decay, dist, sp_group, plan, N, initial_state,
+                                             dict(opts, A_log=A_log, dt_bias=dt_bias))
+        return o, (out if output_final_state else None)
     if _needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
         o, out = _ChunkCP.apply(family, decay, dist, sp_group, rank, size, pieces, packed, N, opts,
                                 q, k, v, g, beta, A_log, dt_bias, initial_state)
@@ -343,6 +361,46 @@ def _make_chunk_cp_fn():
 
 
 _ChunkCP = LazyFunction(_make_chunk_cp_fn)
+
+
+def _make_segments_cp_fn():
+    import torch
+
+    class SegmentsCP(torch.autograd.Function):
+        """chunk_cp(deterministic=True) with autograd (_cp_segments.forward / backward). Every rank
+        computes every final state; their gradients are summed over the ranks, as in ChunkCP."""
+
+        @staticmethod
+        def forward(ctx, family, decay, dist, group, rank, plan, N, opts,
+                    q, k, v, g, beta, A_log, dt_bias, initial_state):
+            o, out, saved = _cp_segments.forward(family, q, k, v, g, beta, decay, dist, group, plan, N,
+                                                 initial_state, dict(opts, A_log=A_log, dt_bias=dt_bias),
+                                                 for_backward=True)
+            ctx.meta = (family, decay, dist, group, rank, plan, N, opts, saved)
+            ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state)
+            return o, out
+
+        @staticmethod
+        def backward(ctx, d_out, d_final):
+            family, decay, dist, group, rank, plan, N, opts, saved = ctx.meta
+            q, k, v, g, beta, A_log, dt_bias, initial_state = ctx.saved_tensors
+            HV, V, K = int(v.shape[2]), int(v.shape[3]), int(q.shape[3])
+            d_final = (torch.zeros(N, HV, V, K, dtype=torch.float32, device=q.device) if d_final is None
+                       else d_final.float().contiguous())
+            dist.all_reduce(d_final, group=group)
+            grads = _cp_segments.backward(family, q, k, v, g, beta, decay, A_log, dt_bias, dist, group, rank, plan,
+                                          initial_state, saved, d_out.contiguous(), d_final, opts)
+            out = []
+            for name, x in (("dq", q), ("dk", k), ("dv", v), ("dg", g), ("dbeta", beta), ("dA_log", A_log),
+                            ("ddt_bias", dt_bias), ("d_initial_state", initial_state)):
+                gr = grads.get(name)
+                out.append(None if x is None or gr is None else gr.to(x.dtype))
+            return (None,) * 8 + tuple(out)
+
+    return SegmentsCP
+
+
+_SegmentsCP = LazyFunction(_make_segments_cp_fn)
 
 
 def _cp_pieces(family, q, k, v, g, beta, decay, dist, group, rank, pieces, packed, initial_state, opts,
@@ -521,13 +579,20 @@ _LAST_PLAN = {}
 def chunk_sp(family, q, k, v, g=None, beta=None, decay=None, *, sp_group=None, mode="auto", **kwargs):
     """Sequence parallelism with the mode chosen: "heads" (chunk_heads: exact, differentiable, moves
     the activations) when the heads divide over the group, else "cp" (chunk_cp: a constant-size state
-    exchange, forward only); or the mode named. last_plan() says which ran."""
+    exchange, differentiable); or the mode named. last_plan() says which ran. With
+    ``deterministic=True`` it is context parallelism on chunk_cp's segment grid."""
     dist = _dist()
     size = dist.get_world_size(sp_group)
     if mode not in ("auto", "heads", "cp"):
         raise CulaError(f"argument 'mode': expected 'auto', 'heads' or 'cp', got {mode!r}")
     H, HV = int(q.shape[2]), int(v.shape[2])
-    if mode == "auto":
+    deterministic = kwargs.get("deterministic", False)
+    if mode == "heads" and deterministic:
+        raise CulaError("argument 'deterministic': head parallelism has no deterministic mode (the kernels may "
+                        "differ with the number of heads per rank); use mode='cp' or 'auto'")
+    if mode == "auto" and deterministic:
+        mode, why = "cp", "deterministic=True: chunk_cp's segment grid"
+    elif mode == "auto":
         mode = "heads" if H % size == 0 and HV % size == 0 else "cp"
         why = (f"H = {H} and HV = {HV} divide over {size} ranks" if mode == "heads" else
                f"H = {H} or HV = {HV} does not divide over {size} ranks")

@@ -60,7 +60,9 @@ def _leave():
 
 
 def _problem(rng, family, B, T, H, HV, K, V, device, N=None):
-    """Inputs of the whole problem (the same on every rank: drawn from the shared seed)."""
+    """Inputs of the whole problem (the same on every rank: drawn from the shared seed). The decays
+    are slow (log-decays near -0.01 per token), so that the state crossing a rank boundary weighs
+    in every output and gradient."""
     t = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32))  # noqa: E731
     dt = torch.bfloat16 if device == "cuda" else torch.float32
     if device == "cuda":  # the CUDA kernels' smallest head sizes
@@ -69,16 +71,16 @@ def _problem(rng, family, B, T, H, HV, K, V, device, N=None):
     kw = dict(use_qk_l2norm_in_kernel=True)
     if family == "kda":
         d.update(g=t(B, T, HV, K), beta=t(B, T, HV))
-        kw.update(use_gate_in_kernel=True, A_log=t(HV) * 0.5, dt_bias=t(HV * K) * 0.5, lower_bound=-5.0,
+        kw.update(use_gate_in_kernel=True, A_log=t(HV) * 0.5, dt_bias=t(HV * K) * 0.5, lower_bound=-0.05,
                   safe_gate=True, use_beta_sigmoid_in_kernel=True)
     elif family == "gdn":
-        d.update(g=-torch.nn.functional.softplus(t(B, T, HV)), beta=torch.sigmoid(t(B, T, HV)))
+        d.update(g=-0.02 * torch.nn.functional.softplus(t(B, T, HV)), beta=torch.sigmoid(t(B, T, HV)))
     elif family == "gla":
-        d["g"] = -torch.nn.functional.softplus(t(B, T, HV, K))
+        d["g"] = -0.02 * torch.nn.functional.softplus(t(B, T, HV, K))
     elif family == "simple_gla":
-        d["g"] = -torch.nn.functional.softplus(t(B, T, HV))
+        d["g"] = -0.02 * torch.nn.functional.softplus(t(B, T, HV))
     else:
-        kw["decay"] = torch.from_numpy(rng.uniform(0, 0.5, H).astype(np.float32))
+        kw["decay"] = torch.from_numpy(rng.uniform(0, 0.02, H).astype(np.float32))
     d = {n: x.to(device, dt if n in "qkv" else torch.float32) for n, x in d.items()}
     kw = {n: x.to(device) if isinstance(x, torch.Tensor) else x for n, x in kw.items()}
     h0 = (t(N or B, HV, V, K) * 0.3).to(device)
@@ -165,6 +167,14 @@ def _heads(rank, world, device, rng, family):
         with torch.no_grad():
             dist.chunk_sp("gdn", loc3["q"], loc3["k"], loc3["v"], loc3["g"], loc3["beta"], **kw3)
         assert dist.last_plan()["mode"] == "cp", dist.last_plan()
+    with torch.no_grad():  # deterministic: the segment grid of chunk_cp even where the heads divide
+        det = dist.chunk_sp(family, mine["q"], mine["k"], mine["v"], mine.get("g"), mine.get("beta"), decay,
+                            initial_state=h0, cu_seqlens=cu, deterministic=True, segment_len=45, **kw)[0]
+        assert dist.last_plan() == {"mode": "cp", "reason": "deterministic=True: chunk_cp's segment grid"}
+        assert _rel(det, dist.split_tokens_for_sp(o_ref, world, rank)) < (TOL if device == "cpu" else TOL_CUDA)
+        with pytest.raises(cula.CulaError, match="argument 'deterministic'"):
+            dist.chunk_sp(family, mine["q"], mine["k"], mine["v"], mine.get("g"), mine.get("beta"), decay,
+                          initial_state=h0, cu_seqlens=cu, mode="heads", deterministic=True, **kw)
 
 
 def _heads_all(rank, world, device, rng):
@@ -229,6 +239,71 @@ def _cp_grad(rank, world, device, rng, family, varlen):
 def _cp_grad_all(rank, world, device, rng):
     _each(lambda *a: _cp_grad(*a, varlen=False), FAMILIES)(rank, world, device, rng)
     _each(lambda *a: _cp_grad(*a, varlen=True), ("kda", "gdn", "lightning"))(rank, world, device, rng)
+
+
+def _cp_deterministic(rank, world, device, rng, family, varlen, singles):
+    """chunk_cp(deterministic=True): outputs, final states and every gradient bitwise equal to the
+    same call made on one rank (a group of one) over the whole problem, for 2 and 4 ranks; and
+    within float32 tolerance of the whole problem without segments. A_log, dt_bias and the initial
+    states' gradients, summed over the ranks as for any weight, are exact (one rank holds each)."""
+    seg = 32
+    if varlen:
+        seqlens = [5, 0, 70, 3, 90, 0, 88]  # 256 tokens: 128 or 64 per rank, on the grid of 32
+        cu = torch.tensor(np.cumsum([0] + seqlens), dtype=torch.int32, device=device)
+        d, kw, h0 = _problem(rng, family, 1, sum(seqlens), 2, 2, 32, 32, device, N=len(seqlens))
+    else:
+        cu = None
+        d, kw, h0 = _problem(rng, family, 2, 256, 2, 4 if family in ("kda", "gdn") else 2, 32, 32, device)
+    params = {n: kw.pop(n) for n in ("A_log", "dt_bias") if n in kw}
+    decay = kw.pop("decay", None)
+    w_o = torch.from_numpy(rng.standard_normal(tuple(d["v"].shape)).astype(np.float32)).to(device)
+    w_s = torch.from_numpy(rng.standard_normal(tuple(h0.shape)).astype(np.float32)).to(device)
+
+    def run(inputs, group, with_state_loss, w):
+        leaves = {n: x.detach().clone().requires_grad_() for n, x in inputs.items()}
+        whole = {n: x.detach().clone().requires_grad_() for n, x in {**params, "h0": h0}.items()}
+        o, s = dist.chunk_cp(family, leaves["q"], leaves["k"], leaves["v"], leaves.get("g"), leaves.get("beta"), decay,
+                             sp_group=group, initial_state=whole["h0"], cu_seqlens=cu, deterministic=True,
+                             segment_len=seg, **kw, **{n: whole[n] for n in params})
+        loss = (o.float() * w).sum() + ((s * w_s).sum() if with_state_loss else 0)
+        loss.backward()
+        return o.detach(), s.detach(), {n: x.grad for n, x in leaves.items()}, {n: x.grad for n, x in whole.items()}
+
+    o1, s1, g1, p1 = run(d, singles[rank], True, w_o)
+    mine = {n: dist.split_tokens_for_sp(x, world, rank) for n, x in d.items()}
+    o, s, g, p = run(mine, None, rank == 0, dist.split_tokens_for_sp(w_o, world, rank))
+    assert torch.equal(o, dist.split_tokens_for_sp(o1, world, rank)), (rank, family, varlen)
+    assert torch.equal(s, s1), (rank, family, varlen)
+    for n in g:
+        assert torch.equal(g[n], dist.split_tokens_for_sp(g1[n], world, rank)), (rank, family, varlen, n)
+    for n in p:
+        summed = p[n].clone()
+        torch_dist.all_reduce(summed)
+        assert torch.equal(summed, p1[n]), (rank, family, varlen, n)
+    # the same function as without segments
+    leaves = {n: x.detach().clone().requires_grad_() for n, x in {**d, **params, "h0": h0}.items()}
+    o_ref, s_ref = _whole(family, {n: leaves[n] for n in d}, {**kw, "decay": decay, **{n: leaves[n] for n in params}},
+                          leaves["h0"], cu)
+    ((o_ref.float() * w_o).sum() + (s_ref * w_s).sum()).backward()
+    tol = TOL_CUDA if device == "cuda" else TOL
+    assert _rel(o1, o_ref) < tol and _rel(s1, s_ref) < tol, (family, varlen, _rel(o1, o_ref), _rel(s1, s_ref))
+    for n in g1:
+        assert _rel(g1[n], leaves[n].grad) < tol, (family, varlen, n, _rel(g1[n], leaves[n].grad))
+    for n in p1:
+        assert _rel(p1[n], leaves[n].grad) < tol, (family, varlen, n, _rel(p1[n], leaves[n].grad))
+    # a rank starting off the grid (128 or 64 tokens each, segment_len 48) is refused on every rank
+    with pytest.raises(cula.CulaError, match="argument 'segment_len'"):
+        with torch.no_grad():
+            dist.chunk_cp(family, mine["q"], mine["k"], mine["v"], mine.get("g"), mine.get("beta"), decay,
+                          initial_state=h0, cu_seqlens=cu, deterministic=True, segment_len=48, **kw,
+                          **params)
+
+
+def _cp_deterministic_all(rank, world, device, rng):
+    singles = [torch_dist.new_group([r]) for r in range(world)]  # every rank takes part in every new_group
+    for family in ("kda", "gdn", "lightning"):
+        for varlen in (False, True):
+            _cp_deterministic(rank, world, device, rng, family, varlen, singles)
 
 
 def _tp(rank, world, device, rng, family):
@@ -328,6 +403,12 @@ def test_head_parallel_sequence_split_is_exact_with_gradients(rng, backend, worl
 def test_context_parallel_backward_matches_one_process(rng, backend, world):
     """chunk_cp under autograd: every family dense, three packed with sequences across ranks."""
     _spawn(_cp_grad_all, _world(backend, world), backend, int(rng.integers(1 << 31)))
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("world", [2, 4])
+def test_deterministic_context_parallel_is_bitwise_the_same_on_any_number_of_ranks(rng, backend, world):
+    _spawn(_cp_deterministic_all, _world(backend, world), backend, int(rng.integers(1 << 31)))
 
 
 @pytest.mark.parametrize("backend", _backends())
