@@ -198,20 +198,28 @@ def _cp_errors(rank, world, device, rng):
         dist.chunk_fla_cp("gdn", leaf, local["k"], local["v"], local["g"], local["beta"], cp_context=ctx)
 
 
-def _cp_grad(rank, world, device, rng, family, varlen):
-    """chunk_cp's backward against autograd through the whole problem in one process: every input's
-    gradient (the token slices on their rank; A_log, dt_bias and the initial states summed over the
-    ranks), with the final states in the loss on rank 0 only."""
-    if varlen:
-        seqlens = [5, 0, 70, 3, 90, 0, 12]
+def _grad_problem(rng, family, device, seqlens, T):
+    """_problem for the gradient tests: packed sequences of the given lengths (or 2 rows of T tokens),
+    A_log / dt_bias apart from the other keywords, and the weights of the output and final-state
+    terms of the loss."""
+    if seqlens is not None:
         cu = torch.tensor(np.cumsum([0] + seqlens), dtype=torch.int32, device=device)
         d, kw, h0 = _problem(rng, family, 1, sum(seqlens), 2, 2, 32, 32, device, N=len(seqlens))
     else:
         cu = None
-        d, kw, h0 = _problem(rng, family, 2, 150, 2, 4 if family in ("kda", "gdn") else 2, 32, 32, device)
+        d, kw, h0 = _problem(rng, family, 2, T, 2, 4 if family in ("kda", "gdn") else 2, 32, 32, device)
     params = {n: kw.pop(n) for n in ("A_log", "dt_bias") if n in kw}
     w_o = torch.from_numpy(rng.standard_normal(tuple(d["v"].shape)).astype(np.float32)).to(device)
     w_s = torch.from_numpy(rng.standard_normal(tuple(h0.shape)).astype(np.float32)).to(device)
+    return cu, d, kw, h0, params, w_o, w_s
+
+
+def _cp_grad(rank, world, device, rng, family, varlen):
+    """chunk_cp's backward against autograd through the whole problem in one process: every input's
+    gradient (the token slices on their rank; A_log, dt_bias and the initial states summed over the
+    ranks), with the final states in the loss on rank 0 only."""
+    cu, d, kw, h0, params, w_o, w_s = _grad_problem(rng, family, device, [5, 0, 70, 3, 90, 0, 12] if varlen else None,
+                                                    150)
     leaves = {n: x.detach().clone().requires_grad_() for n, x in {**d, **params, "h0": h0}.items()}
     o_ref, s_ref = _whole(family, {n: leaves[n] for n in d}, {**kw, **{n: leaves[n] for n in params}},
                           leaves["h0"], cu)
@@ -246,18 +254,10 @@ def _cp_deterministic(rank, world, device, rng, family, varlen, singles):
     same call made on one rank (a group of one) over the whole problem, for 2 and 4 ranks; and
     within float32 tolerance of the whole problem without segments. A_log, dt_bias and the initial
     states' gradients, summed over the ranks as for any weight, are exact (one rank holds each)."""
-    seg = 32
-    if varlen:
-        seqlens = [5, 0, 70, 3, 90, 0, 88]  # 256 tokens: 128 or 64 per rank, on the grid of 32
-        cu = torch.tensor(np.cumsum([0] + seqlens), dtype=torch.int32, device=device)
-        d, kw, h0 = _problem(rng, family, 1, sum(seqlens), 2, 2, 32, 32, device, N=len(seqlens))
-    else:
-        cu = None
-        d, kw, h0 = _problem(rng, family, 2, 256, 2, 4 if family in ("kda", "gdn") else 2, 32, 32, device)
-    params = {n: kw.pop(n) for n in ("A_log", "dt_bias") if n in kw}
+    seg = 32  # 256 tokens: 128 or 64 per rank, on the grid of 32
+    cu, d, kw, h0, params, w_o, w_s = _grad_problem(rng, family, device, [5, 0, 70, 3, 90, 0, 88] if varlen else None,
+                                                    256)
     decay = kw.pop("decay", None)
-    w_o = torch.from_numpy(rng.standard_normal(tuple(d["v"].shape)).astype(np.float32)).to(device)
-    w_s = torch.from_numpy(rng.standard_normal(tuple(h0.shape)).astype(np.float32)).to(device)
 
     def run(inputs, group, with_state_loss, w):
         leaves = {n: x.detach().clone().requires_grad_() for n, x in inputs.items()}

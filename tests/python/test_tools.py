@@ -151,5 +151,10 @@ def test_fla_suite_runner_swaps_cula_in_and_sorts_outcomes(tmp_path):
     assert "fla.ops.gla.fused_recurrent" in got["swapped"]["gla.fused_recurrent_gla"]
     assert got["environment"]["fla_commit"] == tool.FLA_COMMIT
     assert "| test_kda.py | 1 | 2 | 1 | passed 1 |" in (tmp_path / "results" / "fla_suite.md").read_text()
+    assert got["fla_only_tests"] == ["test_kda.py::test_fla_only"]
+    again = tmp_path / "again.json"  # the FLA-only test left out, by its id without the folders
+    tool.main(["--fla-tests", str(tmp_path), "--files", "test_kda.py", "--skip-fla-only", str(out), "--out", str(again)])
+    summary = json.loads(again.read_text())["files"]["test_kda.py"]
+    assert (summary["passed"], summary["failed"], summary["fla_only"]) == (1, 2, {}), summary
     with pytest.raises(SystemExit, match="argument --fla-tests"):
         tool.main(["--fla-tests", str(tmp_path), "--files", "test_gdn.py"])

@@ -79,7 +79,7 @@ def summarise(records: list[dict]) -> dict:
         if old is None or rank[r["outcome"]] > rank[old["outcome"]]:
             by_test[r["test"]] = dict(r, cula=sorted(set(r["cula"]) | set(old["cula"] if old else [])))
     files: dict[str, dict] = {}
-    failures = []
+    failures, fla_only = [], []
     for test, r in sorted(by_test.items()):
         f = files.setdefault(test.split("::")[0].rsplit("/", 1)[-1], dict(
             passed=0, failed=0, skipped=0, xfailed=0, fla_only=collections.Counter(), failures=collections.Counter(),
@@ -88,6 +88,7 @@ def summarise(records: list[dict]) -> dict:
             f["skip_reasons"][(r["error"] or "")[:120]] += 1
         if not r["cula"] and r["outcome"] != "skipped":
             f["fla_only"][r["outcome"]] += 1
+            fla_only.append(test.rsplit("/", 1)[-1])
             continue
         outcome = "xfailed" if r["xfail"] else r["outcome"]
         f[outcome] += 1
@@ -97,7 +98,7 @@ def summarise(records: list[dict]) -> dict:
             failures.append(dict(test=test, reason=reason, error=r["error"], cula=r["cula"]))
     for f in files.values():
         f["fla_only"], f["failures"], f["skip_reasons"] = dict(f["fla_only"]), dict(f["failures"]), dict(f["skip_reasons"])
-    return dict(files=files, failures=failures)
+    return dict(files=files, failures=failures, fla_only_tests=fla_only)
 
 
 def _environment() -> dict:
@@ -147,6 +148,8 @@ def main(argv=None) -> int:
     src.add_argument("--fla-tests", help="a folder holding FLA's tests/ at FLA_COMMIT")
     ap.add_argument("--out", help="where the JSON summary goes (bench/results/<gpu>/fla_suite.json)")
     ap.add_argument("--files", nargs="+", default=list(FILES), help="FLA test files to run (default: %(default)s)")
+    ap.add_argument("--skip-fla-only", metavar="JSON", help="a summary of an earlier run: leave out the tests it "
+                    "found to call none of cula's functions (they test only FLA's own kernels)")
     ap.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --), e.g. -k chunk")
     args = ap.parse_args(argv)
 
@@ -159,6 +162,11 @@ def main(argv=None) -> int:
         log = os.path.join(tmp, "records.jsonl")
         env = dict(os.environ, CULA_FLA_SUITE_LOG=log,
                    PYTHONPATH=os.pathsep.join([HERE] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+        if args.skip_fla_only:
+            skip = os.path.join(tmp, "skip.txt")
+            with open(skip, "w") as f:
+                f.write("\n".join(json.load(open(args.skip_fla_only))["fla_only_tests"]))
+            env["CULA_FLA_SUITE_SKIP"] = skip
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "swap", "-o", "addopts=",
                *paths, *args.pytest_args]
         print("$", " ".join(cmd), flush=True)
@@ -169,7 +177,8 @@ def main(argv=None) -> int:
     summary = summarise([r for r in records if "test" in r])
     if not summary["files"]:
         sys.exit(f"run.py: pytest ran no test (exit status {proc.returncode}); see its output above")
-    result = dict(environment=_environment(), files_run=args.files, pytest_args=args.pytest_args, swapped=swapped,
+    result = dict(environment=_environment(), files_run=args.files, pytest_args=args.pytest_args,
+                  skipped_fla_only_from=args.skip_fla_only, swapped=swapped,
                   pytest_exit_status=proc.returncode, **summary)
     print(table(summary))
     if args.out:
