@@ -153,6 +153,7 @@ def main(argv=None) -> int:
     ap.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --), e.g. -k chunk")
     args = ap.parse_args(argv)
 
+    environment = _environment()  # before the run: the code that runs
     with tempfile.TemporaryDirectory() as tmp:
         root = _export_tests(args.fla_repo, tmp) if args.fla_repo else os.path.abspath(args.fla_tests)
         paths = [os.path.join(root, "tests", "ops", f) for f in args.files]
@@ -177,7 +178,7 @@ def main(argv=None) -> int:
     summary = summarise([r for r in records if "test" in r])
     if not summary["files"]:
         sys.exit(f"run.py: pytest ran no test (exit status {proc.returncode}); see its output above")
-    result = dict(environment=_environment(), files_run=args.files, pytest_args=args.pytest_args,
+    result = dict(environment=environment, files_run=args.files, pytest_args=args.pytest_args,
                   skipped_fla_only_from=args.skip_fla_only, swapped=swapped,
                   pytest_exit_status=proc.returncode, **summary)
     print(table(summary))

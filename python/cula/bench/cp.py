@@ -4,7 +4,8 @@ GPU: KDA and GDN, forward and forward + backward, one packed sequence split over
 Every rank is a process (torch.multiprocessing, NCCL with NVLink multicast off). Per configuration
 and implementation: warm-up steps, then steps each between two barriers, timed by CUDA events on
 every rank; a step's time is the slowest rank's (all-reduced max), the result is the median over
-steps. "one_gpu" runs the whole sequence on rank 0 alone (the others wait at the barrier). The
+steps. "one_gpu" runs the whole sequence on rank 0 alone (the others wait at the barrier);
+"cula_cp_det" is chunk_cp's deterministic mode (segments of SEGMENT tokens). The
 implementations take turns step by step. --device cpu runs cula's rows on gloo host ranks with small
 shapes (a check of the harness, not a measurement).
 """
@@ -27,6 +28,7 @@ CONFIGS = [
 SMOKE_CONFIGS = [("kda 1x192 H2", "kda", 192, 2, 2), ("gdn 1x160 H2 HV4", "gdn", 160, 2, 4)]
 K = V = 128
 REPS, WARMUP = 15, 3
+SEGMENT, SEGMENT_SMOKE = 4096, 16  # deterministic mode's segment grid (every rank's slice a multiple of it)
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
@@ -95,7 +97,18 @@ def _worker(rank, world, backend, store, out_dir, configs, families, with_fla):
                     if grad:
                         torch.autograd.grad(o, list(inp.values()), do_whole)
 
+            def cula_cp_det(grad):  # deterministic mode: bitwise the same on any number of ranks
+                inp = {n: t.detach().requires_grad_(grad) for n, t in mine.items()}
+                with torch.set_grad_enabled(grad):
+                    o, _ = dist.chunk_cp(family, inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], cu_seqlens=cu,
+                                         output_final_state=False, deterministic=True, segment_len=segment, **kw)
+                    if grad:
+                        torch.autograd.grad(o, list(inp.values()), do_mine)
+
             impls = [("cula_cp", cula_cp), ("one_gpu", one_gpu)]
+            segment = SEGMENT if cuda else SEGMENT_SMOKE
+            if all(dist.split_tokens_for_sp(x["q"], world, r).shape[1] % segment == 0 for r in range(world)):
+                impls.insert(1, ("cula_cp_det", cula_cp_det))
             if with_fla:
                 fla_ctx, fla_fn = _fla(torch, family, cu, td)
                 if fla_fn is not None:
@@ -179,12 +192,14 @@ def _write(torch, out_dir, world, records, cuda):
     for r in records:
         rows.setdefault((r["config"]["name"], r["step"]), {})[r["impl"]] = r["median_ms"]
     lines = [f"# Context parallelism on {world} x {gpu}", "", f"{meta['method']}. Times in ms.", "",
-             "| config | step | cula_cp | fla_kcp | one_gpu | fla_kcp/cula_cp | one_gpu/cula_cp |", "|---|---|---|---|---|---|---|"]
+             "| config | step | cula_cp | cula_cp deterministic | fla_kcp | one_gpu | fla_kcp/cula_cp | one_gpu/cula_cp |",
+             "|---|---|---|---|---|---|---|---|"]
     for (name, step), t in rows.items():
         c = t.get("cula_cp")
         f = lambda x: f"{x:.3f}" if x is not None else "-"  # noqa: E731
         ratio = lambda x: f"{x / c:.2f}x" if x is not None and c else "-"  # noqa: E731
-        lines.append(f"| {name} | {step} | {f(c)} | {f(t.get('fla_kcp'))} | {f(t.get('one_gpu'))} | "
+        lines.append(f"| {name} | {step} | {f(c)} | {f(t.get('cula_cp_det'))} | {f(t.get('fla_kcp'))} | "
+                     f"{f(t.get('one_gpu'))} | "
                      f"{ratio(t.get('fla_kcp'))} | {ratio(t.get('one_gpu'))} |")
     os.makedirs(out_dir, exist_ok=True)
     stem = os.path.join(out_dir, f"cp_x{world}")
