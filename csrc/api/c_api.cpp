@@ -176,6 +176,27 @@ const char* first_name(const Kernel<Args, Problem> (&table)[N], int32_t device_t
   return "none";
 }
 
+// Callers built before a field was appended pass the shorter struct (struct_size = the offset of
+// that field): copied into a whole one whose later fields are NULL.
+template <typename Args>
+const Args* current_args(const Args* args, size_t older_size, Args& full) {
+  if (args && args->struct_size == older_size) {
+    full = Args{};
+    std::memcpy(&full, args, older_size);
+    full.struct_size = sizeof(full);
+    return &full;
+  }
+  return args;
+}
+
+const cula_chunk_fwd_args* current_fwd_args(const cula_chunk_fwd_args* args, cula_chunk_fwd_args& full) {
+  return current_args(args, offsetof(cula_chunk_fwd_args, cu_seqlens_host), full);  // before cu_seqlens_host
+}
+
+const cula_chunk_bwd_args* current_bwd_args(const cula_chunk_bwd_args* args, cula_chunk_bwd_args& full) {
+  return current_args(args, offsetof(cula_chunk_bwd_args, decay), full);  // before decay
+}
+
 }  // namespace
 }  // namespace cula
 
@@ -184,7 +205,8 @@ using namespace cula;
 extern "C" {
 
 cula_status cula_chunk_fwd(const cula_chunk_fwd_args* args) {
-  return enter(kChunkFwd, "chunk_fwd", "cula_chunk_fwd_args", args, validate_chunk_fwd, Entry::Run);
+  cula_chunk_fwd_args full;
+  return enter(kChunkFwd, "chunk_fwd", "cula_chunk_fwd_args", current_fwd_args(args, full), validate_chunk_fwd, Entry::Run);
 }
 
 cula_status cula_decode(const cula_decode_args* args) {
@@ -192,7 +214,9 @@ cula_status cula_decode(const cula_decode_args* args) {
 }
 
 cula_status cula_chunk_fwd_explain(const cula_chunk_fwd_args* args) {
-  return enter(kChunkFwd, "chunk_fwd", "cula_chunk_fwd_args", args, validate_chunk_fwd, Entry::Explain);
+  cula_chunk_fwd_args full;
+  return enter(kChunkFwd, "chunk_fwd", "cula_chunk_fwd_args", current_fwd_args(args, full), validate_chunk_fwd,
+               Entry::Explain);
 }
 
 cula_status cula_decode_explain(const cula_decode_args* args) {
@@ -201,17 +225,6 @@ cula_status cula_decode_explain(const cula_decode_args* args) {
 
 const char* cula_explained_kernel(void) { return g_explained_kernel.c_str(); }
 const char* cula_explained_declines(void) { return g_explained_declines.c_str(); }
-
-// Callers built before `decay` was appended pass the shorter struct: read as decay = NULL.
-const cula_chunk_bwd_args* current_bwd_args(const cula_chunk_bwd_args* args, cula_chunk_bwd_args& full) {
-  if (args && args->struct_size == offsetof(cula_chunk_bwd_args, decay)) {
-    full = cula_chunk_bwd_args{};
-    std::memcpy(&full, args, args->struct_size);
-    full.struct_size = sizeof(full);
-    return &full;
-  }
-  return args;
-}
 
 cula_status cula_chunk_bwd(const cula_chunk_bwd_args* args) {
   cula_chunk_bwd_args full;

@@ -242,6 +242,18 @@ void check_inputs(Checker& c, const cula_tensor* q, const cula_tensor* k, const 
   r.scale = std::isnan(o.scale) ? 1.0 / std::sqrt(static_cast<double>(r.K)) : o.scale;
 }
 
+// r.seq_start from host offsets [N+1] (cu_seqlens, or the host copy of device offsets), checked.
+void read_host_offsets(const Checker& c, const cula_tensor& cu, const std::string& name, Recurrence& r) {
+  for (int64_t n = 0; n <= r.N; ++n) r.seq_start[n] = load_index(cu, n * cu.strides[0]);
+  if (r.seq_start[0] != 0) c.fail(name, name + "[0] == 0", name + "[0] = " + std::to_string(r.seq_start[0]));
+  for (int64_t n = 0; n < r.N; ++n)
+    if (r.seq_start[n + 1] < r.seq_start[n])
+      c.fail(name, "non-decreasing offsets", name + "[" + std::to_string(n + 1) + "] = " + std::to_string(r.seq_start[n + 1]) +
+                                                  " < " + name + "[" + std::to_string(n) + "] = " + std::to_string(r.seq_start[n]));
+  if (r.seq_start[r.N] != r.T)
+    c.fail(name, name + "[-1] == T = " + std::to_string(r.T), name + "[-1] = " + std::to_string(r.seq_start[r.N]));
+}
+
 void check_cu_seqlens(const Checker& c, const cula_tensor* cu, Recurrence& r) {
   if (!cu) {
     r.N = r.B;
@@ -258,14 +270,20 @@ void check_cu_seqlens(const Checker& c, const cula_tensor* cu, Recurrence& r) {
   r.N = cu->shape[0] - 1;
   r.seq_start.resize(r.N + 1);
   if (cu->device_type != CULA_CPU) return;  // device-side offsets: checked by the kernel's launcher
-  for (int64_t n = 0; n <= r.N; ++n) r.seq_start[n] = load_index(*cu, n * cu->strides[0]);
-  if (r.seq_start[0] != 0) c.fail("cu_seqlens", "cu_seqlens[0] == 0", "cu_seqlens[0] = " + std::to_string(r.seq_start[0]));
-  for (int64_t n = 0; n < r.N; ++n)
-    if (r.seq_start[n + 1] < r.seq_start[n])
-      c.fail("cu_seqlens", "non-decreasing offsets", "cu_seqlens[" + std::to_string(n + 1) + "] = " + std::to_string(r.seq_start[n + 1]) +
-                                                          " < cu_seqlens[" + std::to_string(n) + "] = " + std::to_string(r.seq_start[n]));
-  if (r.seq_start[r.N] != r.T)
-    c.fail("cu_seqlens", "cu_seqlens[-1] == T = " + std::to_string(r.T), "cu_seqlens[-1] = " + std::to_string(r.seq_start[r.N]));
+  read_host_offsets(c, *cu, "cu_seqlens", r);
+}
+
+// The host copy of device offsets (cula_chunk_fwd_args.cu_seqlens_host): the same [N+1] offsets.
+bool check_host_copy(const Checker& c, const cula_tensor* host, const cula_tensor* cu, Recurrence& r) {
+  if (!host) return false;
+  c.basic(host, "cu_seqlens_host");
+  if (!cu) c.fail("cu_seqlens_host", "None when cu_seqlens is None", describe(host));
+  if (host->device_type != CULA_CPU) c.fail("cu_seqlens_host", "a host tensor (cu_seqlens' offsets on the host)", describe(host));
+  if (host->dtype != CULA_INT32 && host->dtype != CULA_INT64) c.fail("cu_seqlens_host", "an int32 or int64 tensor", describe(host));
+  if (host->ndim != 1 || host->shape[0] != r.N + 1)
+    c.fail("cu_seqlens_host", "a 1-D tensor [N+1] = [" + std::to_string(r.N + 1) + "] like cu_seqlens", describe(host));
+  read_host_offsets(c, *host, "cu_seqlens_host", r);
+  return true;
 }
 
 void check_pool_indices(const Checker& c, const cula_tensor* idx, const std::string& name, int64_t pool_size,
@@ -321,6 +339,8 @@ Recurrence validate_chunk_fwd(const cula_chunk_fwd_args& a) {
   check_options(c, a.opt, r);
   check_inputs(c, a.q, a.k, a.v, a.g, a.beta, a.decay, a.A_log, a.dt_bias, a.opt, r, "B");
   check_cu_seqlens(c, a.cu_seqlens, r);
+  const bool host_copy = check_host_copy(c, a.cu_seqlens_host, a.cu_seqlens, r);
+  const bool host_offsets = host_copy || (a.cu_seqlens && a.cu_seqlens->device_type == CULA_CPU);
   const std::string lead = a.cu_seqlens ? "N" : "B";
   if (a.state_pool) {
     c.absent(a.initial_state, "initial_state", "state_pool is given: initial states come from the pool");
@@ -352,8 +372,9 @@ Recurrence validate_chunk_fwd(const cula_chunk_fwd_args& a) {
     c.basic(h, "intermediate_states");
     c.on_device(h, "intermediate_states");
     c.state_dtype(h, "intermediate_states");
-    if (a.cu_seqlens && a.cu_seqlens->device_type != CULA_CPU)
-      c.fail("intermediate_states", "None when cu_seqlens lives on the device (its chunk count needs host offsets)", describe(h));
+    if (a.cu_seqlens && !host_offsets)
+      c.fail("cu_seqlens_host", "the offsets on the host when cu_seqlens lives on the device and intermediate_states is "
+             "given (their count needs them)", "None");
     const int64_t b = a.cu_seqlens ? 1 : r.B;
     const int64_t nt = a.cu_seqlens ? chunk_count(r, C) : (r.T + C - 1) / C;
     if (r.state_layout == CULA_STATE_K_LAST)

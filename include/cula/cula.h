@@ -110,6 +110,9 @@ typedef struct cula_recurrence_options {
  *     the final state back there; a negative index starts from zero and leaves the pool alone.
  *   out: [B, T, HV, V] (caller allocated); final_state like initial_state;
  *   intermediate_states: [NT_total, HV, K|V, V|K]: the state before each chunk of chunk_size tokens.
+ *   cu_seqlens_host: optional, the same offsets as cu_seqlens on the host, when cu_seqlens lives on
+ *     the device: the count of intermediate states is taken from it (FLA's cu_seqlens_cpu); the
+ *     kernels read cu_seqlens. Callers built before this field (a smaller struct_size) pass none.
  */
 typedef struct cula_chunk_fwd_args {
   size_t struct_size;
@@ -130,6 +133,7 @@ typedef struct cula_chunk_fwd_args {
   cula_tensor* final_state;
   cula_tensor* intermediate_states;
   int32_t chunk_size; /* 0 = 64 */
+  const cula_tensor* cu_seqlens_host;
 } cula_chunk_fwd_args;
 
 CULA_API cula_status cula_chunk_fwd(const cula_chunk_fwd_args* args);

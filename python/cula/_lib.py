@@ -84,7 +84,7 @@ ChunkFwdArgs = _args_struct(
     "ChunkFwdArgs",
     ["q", "k", "v", "g", "beta", "decay", "A_log", "dt_bias", "cu_seqlens", "initial_state", "state_pool",
      "state_indices", "out", "final_state", "intermediate_states"],
-    [("chunk_size", ctypes.c_int32)],
+    [("chunk_size", ctypes.c_int32), ("cu_seqlens_host", TP)],
 )
 DecodeArgs = _args_struct(
     "DecodeArgs",
@@ -184,8 +184,19 @@ def _load_fast_call(lib_path):
 FAST_CALL = _load_fast_call(LIB.path)
 # Argument struct -> (the fast-call module's entry number, the entry's address, tensor fields in
 # struct order): the module calls the function this ctypes handle loaded.
+def _tensor_run(args_type):
+    """The tensor fields up to the first scalar after them: the ones the fast-call module fills (a
+    tensor field after a scalar, like cu_seqlens_host, goes through the ctypes path)."""
+    run = []
+    for name, kind in args_type._fields_[2:]:  # after struct_size and opt
+        if kind is not TP:
+            break
+        run.append(name)
+    return tuple(run)
+
+
 FAST_ENTRIES = {
-    t: (kind, ctypes.cast(getattr(LIB, fn), ctypes.c_void_p).value, tuple(n for n, f in t._fields_ if f is TP))
+    t: (kind, ctypes.cast(getattr(LIB, fn), ctypes.c_void_p).value, _tensor_run(t))
     for kind, (fn, t) in enumerate([("cula_chunk_fwd", ChunkFwdArgs), ("cula_decode", DecodeArgs),
                                     ("cula_chunk_bwd", ChunkBwdArgs), ("cula_kda_gate", KdaGateArgs)])
 }

@@ -39,7 +39,9 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                  use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
                  safe_gate=safe_gate, lower_bound=lower_bound, return_intermediate_states=return_intermediate_states,
                  chunk_size=chunk_size, cu_seqlens=offsets_for(q, cu_seqlens, cu_seqlens_cpu),
-                 state_layout="k_last" if state_v_first else "k_first")
+                 state_layout="k_last" if state_v_first else "k_first",
+                 **({"cu_seqlens_host": cu_seqlens_cpu} if return_intermediate_states and cu_seqlens_cpu is not None
+                    else {}))
 
 
 def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,

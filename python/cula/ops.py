@@ -66,8 +66,8 @@ def _options(fn: str, options, kw: dict) -> Options:
 def chunk_fwd(family, q, k, v, g=None, beta=None, decay=None, *, initial_state=None, output_final_state=False,
               A_log=None, dt_bias=None, cu_seqlens=None, state_pool=None, state_indices=None,
               return_intermediate_states=False, chunk_size=64, state_dtype=None, intermediate_dtype=None, out=None,
-              final_state_out=None, intermediate_states_out=None, backend="auto", options=None, _entry=None,
-              **option_kw):
+              final_state_out=None, intermediate_states_out=None, cu_seqlens_host=None, backend="auto", options=None,
+              _entry=None, **option_kw):
     """Chunked forward of any family ("kda", "gdn", "gla", "simple_gla", "lightning").
 
     The options (cula.Options: scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
@@ -77,7 +77,9 @@ def chunk_fwd(family, q, k, v, g=None, beta=None, decay=None, *, initial_state=N
     Returns ``(o, final_state)`` or ``(o, final_state, intermediate_states)`` when
     ``return_intermediate_states``; final_state is None unless ``output_final_state`` (or a
     caller buffer ``final_state_out`` is given). ``out`` and ``intermediate_states_out`` are optional
-    caller buffers for o and the intermediate states.
+    caller buffers for o and the intermediate states. With device ``cu_seqlens``, the intermediate
+    states' count is taken from ``cu_seqlens_host`` (the same offsets on the host, FLA's
+    cu_seqlens_cpu), or from a copy of cu_seqlens to the host (one synchronisation, as in FLA).
     With ``state_pool`` the initial states are read from ``state_pool[state_indices[n]]`` and the
     final states written back there in place (negative index: zero state, pool untouched).
     """
@@ -100,8 +102,12 @@ def chunk_fwd(family, q, k, v, g=None, beta=None, decay=None, *, initial_state=N
         final = empty_like_family(q, _state_shape(max(N, 0), HV, K, V, state_layout), sd)
     inter = None
     if return_intermediate_states:
-        if offsets is None and cu is not None:
-            raise CulaError("argument 'cu_seqlens': expected a host tensor with return_intermediate_states=True, got a device tensor")
+        if offsets is None and cu is not None:  # device offsets: their count from the host copy
+            if cu_seqlens_host is None:
+                cu_seqlens_host = cu.cpu()
+            offsets = _host_offsets(cu_seqlens_host)
+            if offsets is None:
+                raise CulaError("argument 'cu_seqlens_host': expected a host tensor, got a device tensor")
         nt = sum((offsets[i + 1] - offsets[i] + chunk_size - 1) // chunk_size for i in range(N)) if offsets is not None \
             else (T + chunk_size - 1) // chunk_size
         b = 1 if offsets is not None else B
@@ -116,7 +122,10 @@ def chunk_fwd(family, q, k, v, g=None, beta=None, decay=None, *, initial_state=N
         arrays["final_state"] = final
     if inter is not None:
         arrays["intermediate_states"] = inter
-    call(_lib.ChunkFwdArgs, _entry or _lib.LIB.cula_chunk_fwd, opt, arrays, fast=_entry is None, chunk_size=chunk_size)
+    if cu_seqlens_host is not None:
+        arrays["cu_seqlens_host"] = as_array(cu_seqlens_host, "cu_seqlens_host")
+    call(_lib.ChunkFwdArgs, _entry or _lib.LIB.cula_chunk_fwd, opt, arrays,
+         fast=_entry is None and cu_seqlens_host is None, chunk_size=chunk_size)
     if return_intermediate_states:
         return o, final, inter
     return o, final

@@ -230,6 +230,47 @@ TEST(Validation, IntermediateStatesShape) {
   expect_fwd_error(p, [&](auto& a) { a.intermediate_states = bad.ptr(); }, {"argument 'intermediate_states'", "NT"});
 }
 
+// Device offsets with intermediate states: their count comes from cu_seqlens_host (the same
+// offsets on the host), checked like cu_seqlens; without it the call is refused naming it.
+TEST(Validation, DeviceOffsetsTakeTheIntermediateCountFromTheirHostCopy) {
+  Problem p;
+  p.K = 8;
+  p.V = 4;
+  p.B = 1;
+  p.seqlens = {5, 0, 20, 12};
+  p.T = 37;
+  p.intermediate = true;
+  p.make(fresh_seed());
+  HostTensor short_copy({2}, CULA_INT32), wrong_copy = p.cu;
+  short_copy.set(0, 0);
+  short_copy.set(1, 37);
+  wrong_copy.set(1, 7);  // 0, 7, 5, ...: not non-decreasing
+  // host tensors: a host copy is checked too, and a matching one changes nothing
+  expect_fwd_error(p, [&](auto& a) { a.cu_seqlens_host = short_copy.cptr(); }, {"argument 'cu_seqlens_host'", "[N+1] = [5]"});
+  expect_fwd_error(p, [&](auto& a) { a.cu_seqlens_host = wrong_copy.cptr(); }, {"argument 'cu_seqlens_host'", "non-decreasing"});
+  cula_chunk_fwd_args ok = p.fwd_args(CULA_BACKEND_AUTO);
+  ok.cu_seqlens_host = p.cu.cptr();
+  EXPECT_EQ(cula_chunk_fwd(&ok), CULA_OK) << cula_last_error();
+  // (fake) device tensors: refused without the copy; with it, validation passes and the CUDA rows
+  // decline K = 8 before any pointer is read
+  HostTensor cq = p.q, ck = p.k, cv = p.v, cg = p.g, cb = p.beta, co = p.out, ch0 = p.h0, cht = p.ht, ccu = p.cu,
+             ci = p.inter;
+  for (HostTensor* t : {&cq, &ck, &cv, &cg, &cb, &co, &ch0, &cht, &ccu, &ci}) t->t.device_type = CULA_CUDA;
+  cula_chunk_fwd_args a = p.fwd_args(CULA_BACKEND_AUTO);
+  a.q = cq.cptr(); a.k = ck.cptr(); a.v = cv.cptr(); a.g = cg.cptr(); a.beta = cb.cptr(); a.out = co.ptr();
+  a.initial_state = ch0.cptr(); a.final_state = cht.ptr(); a.cu_seqlens = ccu.cptr(); a.intermediate_states = ci.ptr();
+  EXPECT_EQ(cula_chunk_fwd(&a), CULA_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(cula_last_error()).find("argument 'cu_seqlens_host'"), std::string::npos) << cula_last_error();
+  a.cu_seqlens_host = p.cu.cptr();
+  EXPECT_EQ(cula_chunk_fwd(&a), CULA_ERROR_UNSUPPORTED);
+  EXPECT_NE(std::string(cula_last_error()).find("K in {64, 128, 256}"), std::string::npos) << cula_last_error();
+  // a caller built before the field (a smaller struct) is still served: no host copy read
+  cula_chunk_fwd_args old = p.fwd_args(CULA_BACKEND_AUTO);
+  old.struct_size = offsetof(cula_chunk_fwd_args, cu_seqlens_host);
+  old.cu_seqlens_host = short_copy.cptr();  // beyond the struct the caller knows: ignored
+  EXPECT_EQ(cula_chunk_fwd(&old), CULA_OK) << cula_last_error();
+}
+
 TEST(Validation, UnknownFamilyAndLayout) {
   Problem p = base();
   expect_fwd_error(p, [](auto& a) { a.opt.family = 9; }, {"argument 'family'", "9"});

@@ -68,7 +68,7 @@ def draw_chunk_config(rng, family="kda"):
         kgate=str(rng.choice(["bounded", "softplus", "log_decay"])),
         # input dtype: fp16 on the prep + scan engine (KDA, GDN, GLA), bf16 everywhere
         idt=rng.choice([torch.bfloat16, torch.float16]) if family in ("kda", "gdn", "gla") else torch.bfloat16,
-        inter=(not varlen) and bool(rng.random() < 0.4),
+        inter=bool(rng.random() < 0.4),  # with varlen: device offsets, the count from their host copy
     )
 
 

@@ -60,6 +60,28 @@ def test_kda_chunk_size_32_intermediate_states_follow_it(rng, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_varlen_intermediate_states_with_offsets_where_q_lives(rng, device):
+    """Packed sequences with return_intermediate_states, offsets on q's device (on CUDA: the count
+    from cu_seqlens_cpu, or from one copy to the host): one state per chunk of each sequence, the
+    same as the host reference's, and the same with or without cu_seqlens_cpu."""
+    seqlens = [70, 0, 5, 64, 130]
+    q, k, v, g, beta = _kda_inputs(rng, device, T=sum(seqlens))
+    g = -g.abs() * 0.1
+    cpu_cu = torch.tensor(np.cumsum([0] + seqlens), dtype=torch.int32)
+    cu = cpu_cu.to(device)
+    o, s, inter = cula.kda.chunk_kda(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True,
+                                     return_intermediate_states=True)
+    assert inter.shape[1] == sum((n + 63) // 64 for n in seqlens), inter.shape
+    o2, s2, inter2 = cula.kda.chunk_kda(q, k, v, g, beta, cu_seqlens=cu, cu_seqlens_cpu=cpu_cu,
+                                        output_final_state=True, return_intermediate_states=True)
+    assert torch.equal(o, o2) and torch.equal(s, s2) and torch.equal(inter, inter2)
+    ref = cula.chunk_fwd("kda", *(x.float().cpu() for x in (q, k, v, g, beta)), cu_seqlens=cpu_cu,
+                         output_final_state=True, return_intermediate_states=True, state_layout="k_first",
+                         backend="reference")
+    assert rel(inter.float().cpu().numpy(), ref[2].float().numpy()) < 5e-3
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_gate_parameters_in_any_shape_holding_their_values(rng, device):
     q, k, v, g, beta = _kda_inputs(rng, device)
     H, K = q.shape[2], q.shape[3]
