@@ -249,15 +249,19 @@ def _cp_grad_all(rank, world, device, rng):
     _each(lambda *a: _cp_grad(*a, varlen=True), ("kda", "gdn", "lightning"))(rank, world, device, rng)
 
 
-def _cp_deterministic(rank, world, device, rng, family, varlen, singles):
+def _cp_deterministic(rank, world, device, rng, family, varlen, singles, lengths=None):
     """chunk_cp(deterministic=True): outputs, final states and every gradient bitwise equal to the
     same call made on one rank (a group of one) over the whole problem, for 2 and 4 ranks; and
     within float32 tolerance of the whole problem without segments. A_log, dt_bias and the initial
-    states' gradients, summed over the ranks as for any weight, are exact (one rank holds each)."""
+    states' gradients, summed over the ranks as for any weight, are exact (one rank holds each).
+    lengths: every rank's number of tokens (default: split_tokens_for_sp's even split)."""
     seg = 32  # 256 tokens: 128 or 64 per rank, on the grid of 32
     cu, d, kw, h0, params, w_o, w_s = _grad_problem(rng, family, device, [5, 0, 70, 3, 90, 0, 88] if varlen else None,
                                                     256)
     decay = kw.pop("decay", None)
+    start = sum(lengths[:rank]) if lengths else 0
+    part = ((lambda x: x[:, start:start + lengths[rank]]) if lengths else
+            (lambda x: dist.split_tokens_for_sp(x, world, rank)))
 
     def run(inputs, group, with_state_loss, w):
         leaves = {n: x.detach().clone().requires_grad_() for n, x in inputs.items()}
@@ -270,12 +274,12 @@ def _cp_deterministic(rank, world, device, rng, family, varlen, singles):
         return o.detach(), s.detach(), {n: x.grad for n, x in leaves.items()}, {n: x.grad for n, x in whole.items()}
 
     o1, s1, g1, p1 = run(d, singles[rank], True, w_o)
-    mine = {n: dist.split_tokens_for_sp(x, world, rank) for n, x in d.items()}
-    o, s, g, p = run(mine, None, rank == 0, dist.split_tokens_for_sp(w_o, world, rank))
-    assert torch.equal(o, dist.split_tokens_for_sp(o1, world, rank)), (rank, family, varlen)
+    mine = {n: part(x) for n, x in d.items()}
+    o, s, g, p = run(mine, None, rank == 0, part(w_o))
+    assert torch.equal(o, part(o1)), (rank, family, varlen)
     assert torch.equal(s, s1), (rank, family, varlen)
     for n in g:
-        assert torch.equal(g[n], dist.split_tokens_for_sp(g1[n], world, rank)), (rank, family, varlen, n)
+        assert torch.equal(g[n], part(g1[n])), (rank, family, varlen, n)
     for n in p:
         summed = p[n].clone()
         torch_dist.all_reduce(summed)
@@ -304,6 +308,9 @@ def _cp_deterministic_all(rank, world, device, rng):
     for family in ("kda", "gdn", "lightning"):
         for varlen in (False, True):
             _cp_deterministic(rank, world, device, rng, family, varlen, singles)
+    if world == 4:  # uneven slices on the grid, one of them empty
+        for varlen in (False, True):
+            _cp_deterministic(rank, world, device, rng, "kda", varlen, singles, lengths=[64, 0, 128, 64])
 
 
 def _tp(rank, world, device, rng, family):
