@@ -1,12 +1,13 @@
 """FLA drop-in for Gated DeltaNet (the op Qwen3-Next uses):
-``from cula.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule``."""
+``from cula.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, fused_gdn_gate``."""
 
 from __future__ import annotations
 
 from ._fla_common import fla_chunk_size, gate_param, offsets_for, per_token_head, recurrent_dropin, resolve_state_layout
 from ._front import chunk, reject_unknown
+from ._gate import gate
 
-__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"]
+__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "fused_gdn_gate"]
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -60,3 +61,11 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
                             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
                             use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
                             lower_bound=None, state_v_first=state_v_first, cu_seqlens=cu_seqlens, kwargs=kwargs)
+
+
+def fused_gdn_gate(g, A_log, dt_bias=None, output_dtype=None):
+    """FLA ``fused_gdn_gate``: ``-exp(A_log) softplus(g + dt_bias)`` of g [..., HV] with autograd
+    (A_log and dt_bias: HV values). The forward runs cula's gate kernel."""
+    import torch
+
+    return gate("fused_gdn_gate", g, A_log, dt_bias, None, output_dtype or torch.float32, per_head=True)

@@ -1,4 +1,4 @@
-"""FLA drop-in for the KDA family: ``from cula.kda import chunk_kda, fused_recurrent_kda``.
+"""FLA drop-in for the KDA family: ``from cula.kda import chunk_kda, fused_recurrent_kda, fused_kda_gate``.
 
 Same argument lists, defaults and return tuples as flash-linear-attention 0.6.0's functions of
 the same names. Arguments cula cannot honour raise an error instead of being ignored."""
@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from ._fla_common import fla_chunk_size, gate_param, offsets_for, recurrent_dropin, resolve_state_layout, unsupported
 from ._front import chunk, reject_unknown
+from ._gate import gate
 
-__all__ = ["chunk_kda", "fused_recurrent_kda"]
+__all__ = ["chunk_kda", "fused_recurrent_kda", "fused_kda_gate"]
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -59,3 +60,12 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
                             lower_bound=lower_bound, state_v_first=state_v_first, cu_seqlens=cu_seqlens, kwargs=kwargs)
 
 
+
+
+def fused_kda_gate(g, A_log=None, dt_bias=None, lower_bound=None, output_dtype=None):
+    """FLA ``fused_kda_gate``: the gate activation of g [..., H, K] with autograd (A_log: H values,
+    dt_bias: H * K; ``lower_bound`` gives ``lb * sigmoid(exp(A_log) (g + dt_bias))``, and then
+    A_log may be None). The forward runs cula's gate kernel."""
+    import torch
+
+    return gate("fused_kda_gate", g, A_log, dt_bias, lower_bound, output_dtype or torch.float32, per_head=False)

@@ -146,3 +146,40 @@ def test_fused_recurrent_gla_and_simple_gla_dropins_match_fla_naive(rng):
         fused_recurrent_gla(q, k, v, gk, gv=torch.zeros_like(v))
     with pytest.raises(NotImplementedError, match="reverse"):
         fused_recurrent_simple_gla(q, k, v, gs, reverse=True)
+
+
+@pytest.mark.parametrize("form", ["softplus", "lower_bound", "lower_bound_no_A_log", "gdn"])
+def test_gate_dropins_match_fla_naive_gates_with_gradients(rng, form):
+    """fused_kda_gate / fused_gdn_gate (cula's gate kernel forward, its derivative backward) against
+    FLA's naive gates under torch autograd: the output and the gradients of g, A_log and dt_bias."""
+    from fla.ops.gated_delta_rule.gate import naive_gdn_gate
+    from fla.ops.kda.gate import naive_kda_gate, naive_kda_lowerbound_gate
+
+    from cula.gated_delta_rule import fused_gdn_gate
+    from cula.kda import fused_kda_gate
+
+    B, T, H, K = 2, 9, 3, 8
+    per_head = form == "gdn"
+    t = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32))  # noqa: E731
+    g = (t(B, T, H) if per_head else t(B, T, H, K)) * 4
+    A_log = None if form == "lower_bound_no_A_log" else torch.log(torch.from_numpy(rng.uniform(1, 16, (1, 1, H, 1))
+                                                                                     .astype(np.float32)))
+    dt_bias = t(H) if per_head else t(H * K)
+    leaves = [x.clone().requires_grad_() if x is not None else None for x in (g, A_log, dt_bias)]
+    mine = [x.clone().requires_grad_() if x is not None else None for x in (g, A_log, dt_bias)]
+    if form == "gdn":
+        ref = naive_gdn_gate(leaves[0], leaves[1].reshape(H), leaves[2])
+        got = fused_gdn_gate(mine[0], mine[1].reshape(H), mine[2])
+    elif form == "softplus":
+        ref = naive_kda_gate(leaves[0], leaves[1], leaves[2])
+        got = fused_kda_gate(mine[0], mine[1], mine[2])
+    else:
+        ref = naive_kda_lowerbound_gate(leaves[0], leaves[1], leaves[2], lower_bound=-3.0)
+        got = fused_kda_gate(mine[0], mine[1], mine[2], lower_bound=-3.0)
+    assert got.dtype == torch.float32 and got.shape == ref.shape
+    do = t(*ref.shape)
+    (ref * do).sum().backward()
+    (got * do).sum().backward()
+    errors = [rel(got.detach(), _np(ref))] + [rel(a.grad, _np(b.grad)) for a, b in zip(mine, leaves) if a is not None]
+    print(form, errors)
+    assert worst(errors) < 1e-5

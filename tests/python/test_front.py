@@ -142,6 +142,8 @@ DROPINS = [
     ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule", cula.gated_delta_rule.chunk_gated_delta_rule),
     ("fla.ops.gated_delta_rule", "fused_recurrent_gated_delta_rule",
      cula.gated_delta_rule.fused_recurrent_gated_delta_rule),
+    ("fla.ops.kda.gate", "fused_kda_gate", cula.kda.fused_kda_gate),
+    ("fla.ops.gated_delta_rule.gate", "fused_gdn_gate", cula.gated_delta_rule.fused_gdn_gate),
     ("fla.ops.gla", "chunk_gla", cula.gla.chunk_gla),
     ("fla.ops.gla", "fused_recurrent_gla", cula.gla.fused_recurrent_gla),
     ("fla.ops.simple_gla", "chunk_simple_gla", cula.simple_gla.chunk_simple_gla),
@@ -157,10 +159,14 @@ def test_dropin_signatures_match_fla(module, name, ours):
     pytest.importorskip("fla", reason="fla-core is not installed")
     import importlib
 
+    import torch
+
     theirs = inspect.signature(inspect.unwrap(getattr(importlib.import_module(module), name)))
     mine = inspect.signature(ours)
     t = [(p.name, p.default) for p in theirs.parameters.values() if p.kind != p.VAR_KEYWORD]
-    m = [(p.name, p.default) for p in mine.parameters.values() if p.kind != p.VAR_KEYWORD]
+    # (an output_dtype of None is FLA's torch.float32: cula's modules import torch only when called)
+    m = [(p.name, torch.float32 if p.name == "output_dtype" and p.default is None else p.default)
+         for p in mine.parameters.values() if p.kind != p.VAR_KEYWORD]
     assert m == t
 
 
