@@ -1,4 +1,5 @@
-"""FLA drop-in for simple GLA: ``from cula.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla``."""
+"""FLA drop-in for simple GLA: ``from cula.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla,
+fused_chunk_simple_gla, parallel_simple_gla`` (FLA's four entries of one function)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from ._fla_common import fla_chunk_size, offsets_for, per_token_head, resolve_st
 from ._front import chunk, reject_unknown
 from ._tensor import is_torch
 
-__all__ = ["chunk_simple_gla", "fused_recurrent_simple_gla"]
+__all__ = ["chunk_simple_gla", "fused_recurrent_simple_gla", "fused_chunk_simple_gla", "parallel_simple_gla"]
 
 
 def chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None, output_final_state=False,
@@ -42,3 +43,23 @@ def fused_recurrent_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initia
     return chunk_simple_gla(q, k, v, g=g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
                             output_final_state=output_final_state, state_v_first=state_v_first,
                             cu_seqlens=cu_seqlens, **kwargs)
+
+
+def fused_chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None, output_final_state=False,
+                           cu_seqlens=None):
+    """FLA ``fused_chunk_simple_gla``: the function chunk_simple_gla computes, K-first states; as in
+    FLA's fused forms, neither gate means no decay."""
+    return fused_recurrent_simple_gla(q, k, v, g=g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
+                                      output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+def parallel_simple_gla(q, k, v, g=None, scale=None, output_attentions=False, cu_seqlens=None, cu_seqlens_cpu=None):
+    """FLA ``parallel_simple_gla``: returns (o, None), the outputs of the function chunk_simple_gla
+    computes from a zero state (no g: no decay). ``output_attentions=True`` (the [B, H, T, T]
+    scores) is not supported."""
+    if output_attentions:
+        raise NotImplementedError("parallel_simple_gla: output_attentions=True (the materialised [B, H, T, T] "
+                                  "scores) is not supported by cula")
+    o, _ = chunk_simple_gla(q, k, v, g=g if g is not None else per_token_head(v, 0.0), scale=scale,
+                            cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+    return o, None

@@ -114,13 +114,14 @@ def test_gla_and_simple_gla_and_lightning_match_fla_naive(rng):
 
 
 def test_fused_recurrent_gla_and_simple_gla_dropins_match_fla_naive(rng):
-    """FLA's fused_recurrent_gla / fused_recurrent_simple_gla signatures on cula: a missing gate means
-    no decay, simple GLA's g and g_gamma together add up, gv and reverse are refused by name."""
+    """FLA's fused_recurrent_gla / fused_recurrent_simple_gla / fused_chunk_simple_gla /
+    parallel_simple_gla on cula: a missing gate means no decay, simple GLA's g and g_gamma together
+    add up, gv, reverse and output_attentions are refused by name."""
     from fla.ops.gla.naive import naive_recurrent_gla
     from fla.ops.simple_gla.naive import naive_recurrent_simple_gla
 
     from cula.gla import fused_recurrent_gla
-    from cula.simple_gla import fused_recurrent_simple_gla
+    from cula.simple_gla import fused_chunk_simple_gla, fused_recurrent_simple_gla, parallel_simple_gla
 
     B, T, H, K, V = 2, 40, 4, 16, 8
     q, k, v = _inputs(rng, B, T, H, K, V)
@@ -140,12 +141,21 @@ def test_fused_recurrent_gla_and_simple_gla_dropins_match_fla_naive(rng):
         o, s = fused_recurrent_simple_gla(q, k, v, g=g, g_gamma=gamma, initial_state=h0, output_final_state=True)
         want = naive_recurrent_simple_gla(*d(q, k, v, total), initial_state=h0.double(), output_final_state=True)
         errors += [rel(o, _np(want[0])), rel(s, _np(want[1]))]
+        o, s = fused_chunk_simple_gla(q, k, v, g=g, g_gamma=gamma, initial_state=h0, output_final_state=True)
+        errors += [rel(o, _np(want[0])), rel(s, _np(want[1]))]
+        if gamma is None:  # (FLA's parallel form takes g only, and no states)
+            o, attn = parallel_simple_gla(q, k, v, g=g)
+            want = naive_recurrent_simple_gla(*d(q, k, v, total))
+            errors.append(rel(o, _np(want[0])))
+            assert attn is None
     print("fused_recurrent GLA / simple GLA drop-ins vs FLA naive:", errors)
     assert worst(errors) < 1e-4
     with pytest.raises(NotImplementedError, match="'gv'"):
         fused_recurrent_gla(q, k, v, gk, gv=torch.zeros_like(v))
     with pytest.raises(NotImplementedError, match="reverse"):
         fused_recurrent_simple_gla(q, k, v, gs, reverse=True)
+    with pytest.raises(NotImplementedError, match="output_attentions"):
+        parallel_simple_gla(q, k, v, gs, output_attentions=True)
 
 
 @pytest.mark.parametrize("form", ["softplus", "lower_bound", "lower_bound_no_A_log", "gdn"])

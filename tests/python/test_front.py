@@ -148,6 +148,8 @@ DROPINS = [
     ("fla.ops.gla", "fused_recurrent_gla", cula.gla.fused_recurrent_gla),
     ("fla.ops.simple_gla", "chunk_simple_gla", cula.simple_gla.chunk_simple_gla),
     ("fla.ops.simple_gla", "fused_recurrent_simple_gla", cula.simple_gla.fused_recurrent_simple_gla),
+    ("fla.ops.simple_gla", "fused_chunk_simple_gla", cula.simple_gla.fused_chunk_simple_gla),
+    ("fla.ops.simple_gla", "parallel_simple_gla", cula.simple_gla.parallel_simple_gla),
     ("fla.ops.lightning_attn", "chunk_lightning_attn", cula.lightning_attn.chunk_lightning_attn),
     ("fla.ops.lightning_attn", "fused_recurrent_lightning_attn", cula.lightning_attn.fused_recurrent_lightning_attn),
 ]
