@@ -43,6 +43,7 @@ def gate_param(x):
 _CHUNK_SIZES = {
     "chunk_kda": ((32, 64), "`chunk_size` must be either 32 or 64 for KDA, got {}."),
     "chunk_gated_delta_rule": ((16, 32, 64), "`chunk_size` must be 16, 32, or 64 for Gated Delta Rule, got {}."),
+    "chunk_delta_rule": ((16, 32, 64), "`chunk_size` must be 16, 32, or 64, got {}."),
 }
 
 
@@ -68,12 +69,14 @@ def contiguous(x):
 
 def per_token_head(v, value: float):
     """A float32 [B, T, HV] tensor of ``value`` shaped after v [B, T, HV, V], on v's device and of
-    its kind (torch tensor or numpy array): FLA's defaults for an omitted gate or beta."""
+    its kind (torch tensor or numpy array): FLA's defaults for an omitted gate or beta. float64
+    for float64 v, so that a float64 call stays on the float64 reference."""
     if is_torch(v):
         import torch
 
-        return torch.full(tuple(v.shape[:-1]), value, dtype=torch.float32, device=v.device)
-    return np.full(tuple(v.shape[:-1]), value, np.float32)
+        dt = torch.float64 if v.dtype == torch.float64 else torch.float32
+        return torch.full(tuple(v.shape[:-1]), value, dtype=dt, device=v.device)
+    return np.full(tuple(v.shape[:-1]), value, np.float64 if v.dtype == np.float64 else np.float32)
 
 
 def zero_gate(k):

@@ -193,3 +193,36 @@ def test_gate_dropins_match_fla_naive_gates_with_gradients(rng, form):
     errors = [rel(got.detach(), _np(ref))] + [rel(a.grad, _np(b.grad)) for a, b in zip(mine, leaves) if a is not None]
     print(form, errors)
     assert worst(errors) < 1e-5
+
+
+def test_delta_rule_dropins_match_fla_naive_with_gradients(rng):
+    """chunk_delta_rule / fused_recurrent_delta_rule (DeltaNet: GDN with a log-gate of 0) against FLA's
+    naive delta_rule_recurrence (which computes in float32): outputs, final states and every
+    gradient (cula's backward against torch autograd through FLA's loop); no beta is 1."""
+    from fla.ops.delta_rule.naive import delta_rule_recurrence
+
+    from cula.delta_rule import chunk_delta_rule, fused_recurrent_delta_rule
+
+    B, T, H, K, V = 2, 40, 2, 16, 8
+    q, k, v = _inputs(rng, B, T, H, K, V)
+    beta = torch.from_numpy(rng.uniform(0.1, 0.9, (B, T, H)).astype(np.float32))
+    h0 = torch.from_numpy(rng.standard_normal((B, H, K, V)).astype(np.float32))
+    heads_first = lambda x: x.transpose(1, 2).double()  # noqa: E731  (FLA's naive loop is [B, H, T, ...])
+    errors = []
+    for fn, b in ((chunk_delta_rule, beta), (fused_recurrent_delta_rule, None)):
+        o, s = fn(q, k, v, b, initial_state=h0, output_final_state=True)
+        o_ref, s_ref = delta_rule_recurrence(*map(heads_first, (q, k, v, beta if b is not None else torch.ones_like(beta))),
+                                             initial_state=h0.double())
+        errors += [rel(o, _np(o_ref.transpose(1, 2))), rel(s, _np(s_ref))]
+    leaves = [x.double().requires_grad_() for x in (q, k, v, beta, h0)]
+    mine = [x.double().requires_grad_() for x in (q, k, v, beta, h0)]
+    o_ref, s_ref = delta_rule_recurrence(*map(lambda x: x.transpose(1, 2), leaves[:4]), initial_state=leaves[4])
+    o, s = chunk_delta_rule(*mine[:4], initial_state=mine[4], output_final_state=True)
+    do, ds = torch.randn_like(o), torch.randn_like(s)
+    ((o_ref.transpose(1, 2) * do).sum() + (s_ref * ds).sum()).backward()
+    ((o * do).sum() + (s * ds).sum()).backward()
+    grads = [rel(a.grad, _np(b.grad)) for a, b in zip(mine, leaves)]
+    print("delta rule drop-ins vs FLA naive:", errors, grads)
+    assert worst(errors) < 1e-5 and worst(grads) < 1e-5
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunk_delta_rule(q, k, v, beta, chunk_size=128)

@@ -7,6 +7,7 @@ import pytest
 from conftest import rel
 
 import cula
+import cula.delta_rule
 import cula.flash_kda
 import cula.gated_delta_rule
 import cula.gla
@@ -144,6 +145,8 @@ DROPINS = [
      cula.gated_delta_rule.fused_recurrent_gated_delta_rule),
     ("fla.ops.kda.gate", "fused_kda_gate", cula.kda.fused_kda_gate),
     ("fla.ops.gated_delta_rule.gate", "fused_gdn_gate", cula.gated_delta_rule.fused_gdn_gate),
+    ("fla.ops.delta_rule", "chunk_delta_rule", cula.delta_rule.chunk_delta_rule),
+    ("fla.ops.delta_rule", "fused_recurrent_delta_rule", cula.delta_rule.fused_recurrent_delta_rule),
     ("fla.ops.gla", "chunk_gla", cula.gla.chunk_gla),
     ("fla.ops.gla", "fused_recurrent_gla", cula.gla.fused_recurrent_gla),
     ("fla.ops.simple_gla", "chunk_simple_gla", cula.simple_gla.chunk_simple_gla),

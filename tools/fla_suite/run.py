@@ -13,7 +13,7 @@ commit with git archive), or a folder that already holds them, made once with
 (.fla-tests/ is git-ignored, so it can travel to a GPU machine with the build). The FLA package
 under test is the installed fla-core (requirements-test.txt pins it).
 
-The test files named in FILES run under pytest with ``swap.py`` loaded, which replaces FLA's
+The test files named in FILES (every family cula has drop-ins for) run under pytest with ``swap.py`` loaded, which replaces FLA's
 functions by cula's before the test modules import them. Every test is then classed: a test that
 called one of cula's functions is part of the contract; one that called none exercises only FLA's own
 kernels (``fla.ops.simple_gla.parallel_simple_gla``, FLA's gate kernels, its backends' routing) and is
@@ -41,7 +41,7 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 # read; the installed fla-core 0.6.0 wheel is built from a later one and its public signatures
 # are the same)
 FLA_COMMIT = "bc3b101dcb713ddc5bd8924b66754eb68b5ccf89"
-FILES = ("test_kda.py", "test_gdn.py", "test_gla.py", "test_simple_gla.py", "test_lightning_attn.py")
+FILES = ("test_kda.py", "test_gdn.py", "test_delta.py", "test_gla.py", "test_simple_gla.py", "test_lightning_attn.py")
 
 
 def _export_tests(repo: str, dest: str) -> str:
