@@ -54,12 +54,26 @@ def fused_chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_st
 
 
 def parallel_simple_gla(q, k, v, g=None, scale=None, output_attentions=False, cu_seqlens=None, cu_seqlens_cpu=None):
-    """FLA ``parallel_simple_gla``: returns (o, None), the outputs of the function chunk_simple_gla
-    computes from a zero state (no g: no decay). ``output_attentions=True`` (the [B, H, T, T]
-    scores) is not supported."""
-    if output_attentions:
-        raise NotImplementedError("parallel_simple_gla: output_attentions=True (the materialised [B, H, T, T] "
-                                  "scores) is not supported by cula")
+    """FLA ``parallel_simple_gla``: (o, attn), o the outputs of the function chunk_simple_gla computes
+    from a zero state (no g: no decay); attn None, or with ``output_attentions=True`` (dense batches,
+    as in FLA) the scores FLA materialises, float32 [B, H, T, T]:
+    scale q_i.k_j exp(G_i - G_j) for j <= i (G the cumulative log-gate), computed apart in torch
+    (no gradient flows through them)."""
+    if output_attentions and cu_seqlens is not None:
+        raise ValueError("parallel_simple_gla: output_attentions=True is not supported with variable-length "
+                         "sequences (as in FLA)")
     o, _ = chunk_simple_gla(q, k, v, g=g if g is not None else per_token_head(v, 0.0), scale=scale,
                             cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
-    return o, None
+    return o, (_attention_scores(q, k, g, scale) if output_attentions else None)
+
+
+def _attention_scores(q, k, g, scale):
+    import torch
+
+    with torch.no_grad():
+        qh, kh = (x.transpose(1, 2).float() for x in (q, k))  # [B, H, T, K]
+        A = qh @ kh.transpose(-1, -2) * (scale if scale is not None else q.shape[-1] ** -0.5)
+        if g is None:
+            return A.tril()
+        G = g.transpose(1, 2).float().cumsum(-1)  # [B, H, T]
+        return A * (G.unsqueeze(-1) - G.unsqueeze(-2)).tril().exp().tril()

@@ -116,7 +116,7 @@ def test_gla_and_simple_gla_and_lightning_match_fla_naive(rng):
 def test_fused_recurrent_gla_and_simple_gla_dropins_match_fla_naive(rng):
     """FLA's fused_recurrent_gla / fused_recurrent_simple_gla / fused_chunk_simple_gla /
     parallel_simple_gla on cula: a missing gate means no decay, simple GLA's g and g_gamma together
-    add up, gv, reverse and output_attentions are refused by name."""
+    add up, parallel_simple_gla's scores are FLA's, gv and reverse are refused by name."""
     from fla.ops.gla.naive import naive_recurrent_gla
     from fla.ops.simple_gla.naive import naive_recurrent_simple_gla
 
@@ -154,8 +154,15 @@ def test_fused_recurrent_gla_and_simple_gla_dropins_match_fla_naive(rng):
         fused_recurrent_gla(q, k, v, gk, gv=torch.zeros_like(v))
     with pytest.raises(NotImplementedError, match="reverse"):
         fused_recurrent_simple_gla(q, k, v, gs, reverse=True)
-    with pytest.raises(NotImplementedError, match="output_attentions"):
-        parallel_simple_gla(q, k, v, gs, output_attentions=True)
+    from fla.ops.simple_gla.naive import naive_parallel_simple_gla
+
+    _, attn = parallel_simple_gla(q, k, v, gs, output_attentions=True)  # the scores FLA materialises
+    assert rel(attn, _np(naive_parallel_simple_gla(q, k, v, gs)[1])) < 1e-5
+    _, attn = parallel_simple_gla(q, k, v, output_attentions=True)  # no gate (FLA's naive takes none)
+    assert rel(attn, _np((q.transpose(1, 2) @ k.permute(0, 2, 3, 1) * K ** -0.5).tril())) < 1e-5
+    with pytest.raises(ValueError, match="output_attentions"):
+        parallel_simple_gla(q[:1], k[:1], v[:1], gs[:1], output_attentions=True,
+                            cu_seqlens=torch.tensor([0, 10, T], dtype=torch.int32))
 
 
 @pytest.mark.parametrize("form", ["softplus", "lower_bound", "lower_bound_no_A_log", "gdn"])
