@@ -13,6 +13,7 @@ import cula.gated_delta_rule
 import cula.gla
 import cula.kda
 import cula.lightning_attn
+import cula.retention
 import cula.simple_gla
 
 f32 = np.float32
@@ -147,6 +148,10 @@ DROPINS = [
     ("fla.ops.gated_delta_rule.gate", "fused_gdn_gate", cula.gated_delta_rule.fused_gdn_gate),
     ("fla.ops.delta_rule", "chunk_delta_rule", cula.delta_rule.chunk_delta_rule),
     ("fla.ops.delta_rule", "fused_recurrent_delta_rule", cula.delta_rule.fused_recurrent_delta_rule),
+    ("fla.ops.retention", "chunk_retention", cula.retention.chunk_retention),
+    ("fla.ops.retention", "fused_chunk_retention", cula.retention.fused_chunk_retention),
+    ("fla.ops.retention", "fused_recurrent_retention", cula.retention.fused_recurrent_retention),
+    ("fla.ops.retention", "parallel_retention", cula.retention.parallel_retention),
     ("fla.ops.gla", "chunk_gla", cula.gla.chunk_gla),
     ("fla.ops.gla", "fused_recurrent_gla", cula.gla.fused_recurrent_gla),
     ("fla.ops.simple_gla", "chunk_simple_gla", cula.simple_gla.chunk_simple_gla),

@@ -41,7 +41,8 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 # read; the installed fla-core 0.6.0 wheel is built from a later one and its public signatures
 # are the same)
 FLA_COMMIT = "bc3b101dcb713ddc5bd8924b66754eb68b5ccf89"
-FILES = ("test_kda.py", "test_gdn.py", "test_delta.py", "test_gla.py", "test_simple_gla.py", "test_lightning_attn.py")
+FILES = ("test_kda.py", "test_gdn.py", "test_delta.py", "test_gla.py", "test_simple_gla.py", "test_lightning_attn.py",
+         "test_retention.py")
 
 
 def _export_tests(repo: str, dest: str) -> str:

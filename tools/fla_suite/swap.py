@@ -16,7 +16,7 @@ import json
 import os
 import pkgutil
 
-FAMILIES = ("kda", "gated_delta_rule", "delta_rule", "gla", "simple_gla", "lightning_attn")
+FAMILIES = ("kda", "gated_delta_rule", "delta_rule", "gla", "simple_gla", "lightning_attn", "retention")
 NOT_FLA = {"lightning_decay"}  # cula helpers with no FLA counterpart
 
 _called: set[str] = set()
