@@ -72,13 +72,13 @@ def _gather_rows(dist, group, rows, count_per_rank, shape, dev):
     count; returns every rank's rows in rank order."""
     import torch
 
+    from .dist import _all_gather  # (dist imports this module: imported when first called)
+
     most = max(count_per_rank) if count_per_rank else 0
     send = torch.zeros(most, *shape, dtype=torch.float32, device=dev)
     if rows is not None and len(rows):
         send[:len(rows)] = rows
-    out = [torch.empty_like(send) for _ in count_per_rank]
-    dist.all_gather(out, send, group=group)
-    return [out[r][:c] for r, c in enumerate(count_per_rank)]
+    return [x[:c] for x, c in zip(_all_gather(dist, group, send), count_per_rank)]
 
 
 class Plan:
