@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 from . import ops
-from ._lib import CulaError
+from ._lib import CulaError, CulaUnsupportedError
 from ._tensor import is_torch
 from .options import NAMES as OPTION_NAMES
 
@@ -62,6 +62,8 @@ def chunk(family: str, q, k, v, g=None, beta=None, decay=None, *, A_log=None, dt
     Torch tensors go through the registered op cula::chunk_fwd, whose autograd formula calls
     cula::chunk_bwd (traceable by torch.compile, forward and backward)."""
     initial_state = _widen_half_state(initial_state)
+    if _fit_needed(q, opts):
+        return _fit_head_size(family, q, k, v, g, beta, decay, A_log, dt_bias, initial_state, opts)
     if _through_op(q, opts):
         from . import torch_ops
 
@@ -80,6 +82,77 @@ def chunk(family: str, q, k, v, g=None, beta=None, decay=None, *, A_log=None, dt
         raise CulaError("argument 'state_pool': expected None when gradients are required (in-place pool updates "
                         "are not differentiable)")
     return _ChunkFn.apply(family, opts, *(inputs[n] for n in _DIFF_NAMES))
+
+
+# The key head sizes (K) the CUDA kernels are built for. Another K runs zero-padded to the next one:
+# exact, since padded key channels add nothing to q.k and their state rows stay zero whatever their
+# gate (a zero log-gate, or a raw gate of zero activated with zero dt_bias: finite either way, and
+# the chunked kernels floor the log-decay, so no zero is scaled by an overflowing exponential). For the
+# families without the delta rule, whose state rows are independent, a K over 256 runs as slices
+# of at most 256 whose outputs add.
+_CUDA_HEAD_SIZES = (64, 128, 256)
+_KEY_GATED = ("kda", "gla")  # the families whose gate has a K axis
+_DELTA_RULE = ("kda", "gdn")
+_CALLER_BUFFERS = ("state_pool", "out", "final_state_out", "intermediate_states_out")
+
+
+def _fit_needed(q, opts) -> bool:
+    """A CUDA call with a K the kernels are not built for, and no caller buffer (those are written in
+    place, at the caller's K): the chunk_fwd error names the head sizes then."""
+    return (is_torch(q) and q.is_cuda and len(q.shape) == 4 and q.shape[-1] > 0
+            and q.shape[-1] not in _CUDA_HEAD_SIZES and all(opts.get(n) is None for n in _CALLER_BUFFERS))
+
+
+def _fit_head_size(family, q, k, v, g, beta, decay, A_log, dt_bias, initial_state, opts):
+    """chunk() of a call whose K the CUDA kernels do not take, through zero-padded K slices (above).
+    The padding and slicing are torch ops, so autograd and torch.compile see through them."""
+    import torch
+    import torch.nn.functional as F
+
+    K = q.shape[-1]
+    if K > _CUDA_HEAD_SIZES[-1] and family in _DELTA_RULE:
+        raise CulaUnsupportedError(f"chunk_fwd: the CUDA kernels take K up to {_CUDA_HEAD_SIZES[-1]} with the delta "
+                                   f"rule (family {family!r}), got K = {K}; use host tensors (the CPU backend)")
+    opts = dict(opts)
+    if opts.get("scale") is None:
+        opts["scale"] = K ** -0.5  # the caller's K, not the padded one
+    state_axis = -1 if opts.get("state_layout", "k_last") == "k_last" else -2
+    step = _CUDA_HEAD_SIZES[-1]
+    pieces = []
+    for lo in range(0, K, step):
+        n = min(step, K - lo)
+        width = next(w for w in _CUDA_HEAD_SIZES if w >= n)
+
+        def cut(x, axis=-1):
+            if x is None:
+                return None
+            x = x.narrow(axis, lo, n) if n != K else x
+            if width == n:
+                return x
+            pad = [0, 0] * (-axis - 1) + [0, width - n]
+            return F.pad(x, pad)
+
+        keyed = family in _KEY_GATED
+        bias = dt_bias
+        if keyed and dt_bias is not None and dt_bias.numel() == v.shape[2] * K:  # per key (else per head)
+            bias = cut(dt_bias.reshape(-1, K)).reshape(-1)
+        res = chunk(family, cut(q), cut(k), v, cut(g) if keyed else g, beta, decay, A_log=A_log,
+                    dt_bias=bias, initial_state=cut(initial_state, state_axis), **opts)
+        pieces.append(res)
+    o = pieces[0][0]
+    if len(pieces) > 1:  # the slices' outputs add, in float32 at least
+        acc = torch.promote_types(o.dtype, torch.float32)
+        o = sum(p[0].to(acc) for p in pieces).to(o.dtype)
+
+    def join(i):  # states: each slice's K rows, without the padding
+        parts = [p[i] for p in pieces]
+        if parts[0] is None:
+            return None
+        rows = [min(step, K - lo) for lo in range(0, K, step)]
+        parts = [x.narrow(state_axis, 0, r) for x, r in zip(parts, rows)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=state_axis)
+
+    return (o, *(join(i) for i in range(1, len(pieces[0]))))
 
 
 def _make_fn():

@@ -357,3 +357,72 @@ def test_chunk_op_passes_opcheck_on_host_tensors(rng):
     o, s = cula.torch_ops.chunk_fwd("kda", q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
     o2, s2 = cula.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, output_final_state=True)
     assert torch.equal(o, o2) and torch.equal(s, s2)
+
+
+# (family, K, gate kind, options): the head sizes the CUDA kernels are not built for, run padded to the
+# next one (and, without the delta rule, in slices of at most 256).
+_FIT_CASES = [
+    ("kda", 60, "key", dict(use_qk_l2norm_in_kernel=True)),
+    ("kda", 100, "raw_key", dict(use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)),
+    ("kda", 40, "raw_key", dict(use_gate_in_kernel=True, lower_bound=-5.0, state_layout="k_first")),
+    ("gdn", 32, "head", dict(state_layout="k_first")),
+    ("gla", 320, "key", dict(state_layout="k_first")),
+    ("gla", 100, "key", {}),
+    ("simple_gla", 520, "head", {}),
+    ("lightning", 60, None, {}),
+]
+
+
+def _fit_inputs(torch, rng, family, K, gate, B=2, T=37, H=2, V=12):
+    mk = lambda *s: torch.from_numpy(rng.standard_normal(s) * 0.5).requires_grad_()  # noqa: E731
+    log_decay = lambda *s: (-torch.from_numpy(rng.uniform(0.05, 1.0, s))).requires_grad_()  # noqa: E731
+    x = dict(q=mk(B, T, H, K), k=mk(B, T, H, K), v=mk(B, T, H, V), g=None, beta=None, decay=None, A_log=None,
+             dt_bias=None)
+    if gate == "key":
+        x["g"] = log_decay(B, T, H, K)
+    elif gate == "raw_key":
+        x.update(g=mk(B, T, H, K), A_log=mk(H), dt_bias=mk(H * K))
+    elif gate == "head":
+        x["g"] = log_decay(B, T, H)
+    if family in ("kda", "gdn"):
+        x["beta"] = torch.from_numpy(rng.uniform(0.1, 0.9, (B, T, H))).requires_grad_()
+    if family == "lightning":
+        x["decay"] = torch.from_numpy(rng.uniform(0.05, 0.5, H))
+    return x
+
+
+@pytest.mark.parametrize("family,K,gate,opts", _FIT_CASES, ids=[f"{c[0]}-K{c[1]}" for c in _FIT_CASES])
+def test_head_size_fit_is_exact_on_the_reference(rng, family, K, gate, opts):
+    """The padded (and sliced) run that CUDA calls with other head sizes take computes the same
+    function, forward and gradients: forced here on float64 host tensors, against the direct call."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from cula import _front
+
+    x = _fit_inputs(torch, rng, family, K, gate)
+    layout = opts.get("state_layout", "k_last")
+    h0 = torch.from_numpy(rng.standard_normal((2, 2, K, 12) if layout == "k_first" else (2, 2, 12, K)))
+    h0.requires_grad_()
+    kw = dict(output_final_state=True, **opts)
+    direct = _front.chunk(family, x["q"], x["k"], x["v"], x["g"], x["beta"], x["decay"], A_log=x["A_log"],
+                          dt_bias=x["dt_bias"], initial_state=h0, **kw)
+    fitted = _front._fit_head_size(family, x["q"], x["k"], x["v"], x["g"], x["beta"], x["decay"], x["A_log"],
+                                   x["dt_bias"], h0, kw)
+    assert fitted[1].shape == direct[1].shape and fitted[0].shape == direct[0].shape
+    for a, b in zip(fitted, direct):
+        assert rel(a.detach().numpy(), b.detach().numpy()) < 1e-12
+    leaves = [t for t in (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], h0)
+              if t is not None and t.requires_grad]
+    do, ds = torch.randn_like(direct[0]), torch.randn_like(direct[1])
+    g_direct = torch.autograd.grad((direct[0] * do).sum() + (direct[1] * ds).sum(), leaves)
+    g_fitted = torch.autograd.grad((fitted[0] * do).sum() + (fitted[1] * ds).sum(), leaves)
+    for a, b in zip(g_fitted, g_direct):
+        assert rel(a.numpy(), b.numpy()) < 1e-10
+
+
+def test_head_size_fit_refuses_delta_rule_over_256(rng):
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from cula import _front
+
+    x = _fit_inputs(torch, rng, "gdn", 320, "head")
+    with pytest.raises(cula.CulaUnsupportedError, match="K up to 256.*'gdn'.*K = 320"):
+        _front._fit_head_size("gdn", x["q"], x["k"], x["v"], x["g"], x["beta"], None, None, None, None, {})

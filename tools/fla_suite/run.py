@@ -64,7 +64,7 @@ def _reason(record: dict) -> str:
         return "fla_kernel_needs_gpu"
     if "NotImplementedError" in error and "backward" in error:
         return "missing_backward"
-    if "not supported by cula" in error or "CulaError" in error or "cula does not" in error:
+    if any(m in error for m in ("not supported by cula", "CulaError", "CulaUnsupportedError", "cula does not")):
         return "refused_by_cula"
     if error.startswith("AssertionError") or "assert" in error.split(":")[0].lower():
         return "tolerance_or_value"
