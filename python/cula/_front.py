@@ -128,7 +128,7 @@ def _fit_head_size(family, q, k, v, g, beta, decay, A_log, dt_bias, initial_stat
                 return None
             x = x.narrow(axis, lo, n) if n != K else x
             if width == n:
-                return x
+                return x.contiguous()  # (a slice of a state is a strided view; the kernels read states dense)
             pad = [0, 0] * (-axis - 1) + [0, width - n]
             return F.pad(x, pad)
 
