@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import tempfile
+import traceback
 from types import SimpleNamespace
 
 import numpy as np
@@ -45,18 +46,22 @@ def _worker(rank, world, backend, store, seed, fn, args):
     try:
         fn(rank, world, "cuda" if backend == "nccl" else "cpu", np.random.default_rng(seed), *args)
         torch_dist.barrier()  # no rank tears its connections down while another still reads from them
-    finally:
-        torch_dist.destroy_process_group()
+    except BaseException:
+        # A failing rank leaves at once: tearing NCCL down waits for the collectives the other ranks
+        # still wait in, so the failure would never be reported. mp.spawn ends the others.
+        traceback.print_exc()
+        _leave(1)
+    torch_dist.destroy_process_group()
     _leave()
 
 
-def _leave():
+def _leave(status=0):
     """A rank that succeeded exits without the interpreter's shutdown: gloo's worker threads may still be
     freeing the last collective's tensors, which takes the GIL, and taking it while the interpreter
     finalises aborts the process (pytorch/pytorch#179291; seen here once in about 20 runs)."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)
 
 
 def _problem(rng, family, B, T, H, HV, K, V, device, N=None):
