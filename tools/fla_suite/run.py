@@ -102,7 +102,7 @@ def summarise(records: list[dict]) -> dict:
     return dict(files=files, failures=failures, fla_only_tests=fla_only)
 
 
-def _environment() -> dict:
+def _environment(cula_commit=None) -> dict:
     env = dict(fla_commit=FLA_COMMIT, python=platform.python_version(),
                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"))
     try:
@@ -117,6 +117,9 @@ def _environment() -> dict:
         env["triton"] = triton.__version__
     except ImportError as e:  # reported, not fatal: pytest will say what is missing
         env["import_error"] = str(e)
+    if cula_commit:  # given: a copied working tree whose git metadata is not the tree's
+        env["cula_commit"] = f"{cula_commit} (as given)"
+        return env
     cula_head = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     env["cula_commit"] = cula_head.stdout.strip()
     dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--", "python", "csrc", "include"],
@@ -151,10 +154,12 @@ def main(argv=None) -> int:
     ap.add_argument("--files", nargs="+", default=list(FILES), help="FLA test files to run (default: %(default)s)")
     ap.add_argument("--skip-fla-only", metavar="JSON", help="a summary of an earlier run: leave out the tests it "
                     "found to call none of cula's functions (they test only FLA's own kernels)")
+    ap.add_argument("--cula-commit", help="the cula commit the working tree holds, where the checkout's git metadata "
+                    "is not the tree's (a working tree copied to a GPU machine)")
     ap.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --), e.g. -k chunk")
     args = ap.parse_args(argv)
 
-    environment = _environment()  # before the run: the code that runs
+    environment = _environment(args.cula_commit)  # before the run: the code that runs
     with tempfile.TemporaryDirectory() as tmp:
         root = _export_tests(args.fla_repo, tmp) if args.fla_repo else os.path.abspath(args.fla_tests)
         paths = [os.path.join(root, "tests", "ops", f) for f in args.files]
