@@ -33,7 +33,11 @@ status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$LOG/summary.txt"
 python3 -m cula info | tee -a "$LOG/summary.txt" || status=1
 build/cula_tests --gtest_brief=1 2>&1 | tee "$LOG/ctest.txt" | tail -3 || status=1
-timeout "${CULA_PYTEST_TIMEOUT:-0}" python3 -m pytest -q -rs -s -p no:cacheprovider tests/python 2>&1 | tee "$LOG/pytest.txt" | tail -25
+# The GPU tests spend most of their time in the float64 host reference: with pytest-xdist present,
+# test files run in CULA_PYTEST_WORKERS processes side by side (one file per process at a time).
+PAR="-s"
+if python3 -c "import xdist" 2>/dev/null; then PAR="-n ${CULA_PYTEST_WORKERS:-6} --dist loadfile"; fi
+timeout "${CULA_PYTEST_TIMEOUT:-0}" python3 -m pytest -q -rs $PAR -p no:cacheprovider tests/python 2>&1 | tee "$LOG/pytest.txt" | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 # racecheck models __syncthreads, not mbarrier hand-offs nor a named barrier split into arrive and
 # sync (it reports hazards on correct ones), so it runs with the fused kernels' 8-warp path and the
