@@ -24,7 +24,10 @@ from cula._front import chunk  # noqa: E402
 from cula.kda import chunk_kda as kda_dropin  # noqa: E402
 
 TOL = 2e-5  # float32 on the host, against the single-process result
-TOL_CUDA = 5e-3  # SPEC §5: bf16 inputs and outputs (the carried-query correction adds one more bf16 rounding)
+TOL_CUDA = 5e-3  # SPEC §5: bf16 inputs and outputs against the float64 reference
+# CUDA gradients against the float64 reference: FLA's own backward tolerances (test_gpu_backward's
+# per-gradient table), and 1e-2 for the bf16 gradients of bf16 leaves (one more rounding)
+GRAD_TOL_CUDA = {"q": 1e-2, "k": 1e-2, "v": 1e-2, "h0": 8e-3, "g": 2e-2, "beta": 2e-2, "A_log": 3e-3, "dt_bias": 8e-3}
 # NVLink multicast stays off on the GPU machines (NCCL's NVLS, symmetric memory, NVSHMEM)
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -102,6 +105,24 @@ def _whole(family, d, kw, h0, cu=None):
     return o, s
 
 
+def _reference(family, d, kw, h0, cu=None):
+    """What a split computation is held to: on the host, the whole problem in one process (_whole);
+    for CUDA tensors, the whole problem in float64 on the host (SPEC §5's reference), through casts
+    that autograd follows back to the CUDA leaves, so the gradients are the reference's too. (A
+    second bf16 run is no reference: its own rounding would count against the split one.)"""
+    if d["q"].device.type != "cuda":
+        return _whole(family, d, kw, h0, cu)
+    dev = d["q"].device
+    host = lambda x: x.to("cpu", torch.float64) if isinstance(x, torch.Tensor) else x  # noqa: E731
+    o, s = _whole(family, {n: host(x) for n, x in d.items()}, {n: host(x) for n, x in kw.items()}, host(h0),
+                  None if cu is None else cu.cpu())
+    return o.to(dev), s.to(dev)
+
+
+def _grad_tol(device, name):
+    return GRAD_TOL_CUDA[name] if device == "cuda" else TOL
+
+
 def _rel(a, b):
     a, b = a.double().cpu(), b.double().cpu()
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
@@ -109,7 +130,7 @@ def _rel(a, b):
 
 def _cp_dense(rank, world, device, rng, family):
     d, kw, h0 = _problem(rng, family, 2, 150, 2, 4 if family in ("kda", "gdn") else 2, 32, 32, device)
-    o_ref, s_ref = _whole(family, d, kw, h0)
+    o_ref, s_ref = _reference(family, d, kw, h0)
     local = {n: dist.split_tokens_for_sp(x, world, rank) for n, x in d.items()}
     decay = kw.pop("decay", None)
     with torch.no_grad():
@@ -125,7 +146,7 @@ def _cp_varlen(rank, world, device, rng, family):
     T = sum(seqlens)
     cu = torch.tensor(np.cumsum([0] + seqlens), dtype=torch.int32, device=device)
     d, kw, h0 = _problem(rng, family, 1, T, 2, 2, 32, 32, device, N=len(seqlens))
-    o_ref, s_ref = _whole(family, d, kw, h0, cu)
+    o_ref, s_ref = _reference(family, d, kw, h0, cu)
     local = {n: dist.split_tokens_for_sp(x, world, rank) for n, x in d.items()}
     decay = kw.pop("decay", None)
     with torch.no_grad():
@@ -140,7 +161,7 @@ def _cp_varlen(rank, world, device, rng, family):
         pieces = dist._pieces([int(x) for x in cu.tolist()], int(span[0]), int(span[1]), rank, world)
         ctx = SimpleNamespace(group=None, cu_seqlens=local_cu, layout="contiguous",
                               is_first_rank=not pieces[0][3], is_last_rank=not pieces[-1][4])
-        o_ref0, _ = _whole(family, d, dict(kw, decay=decay) if decay is not None else dict(kw), None, cu)
+        o_ref0, _ = _reference(family, d, dict(kw, decay=decay) if decay is not None else dict(kw), None, cu)
         with torch.no_grad():
             o_fla = kda_dropin(local["q"], local["k"], local["v"], local["g"], local["beta"], cp_context=ctx, **kw)[0]
         assert _rel(o_fla, dist.split_tokens_for_sp(o_ref0, world, rank)) < tol, rank
@@ -226,8 +247,8 @@ def _cp_grad(rank, world, device, rng, family, varlen):
     cu, d, kw, h0, params, w_o, w_s = _grad_problem(rng, family, device, [5, 0, 70, 3, 90, 0, 12] if varlen else None,
                                                     150)
     leaves = {n: x.detach().clone().requires_grad_() for n, x in {**d, **params, "h0": h0}.items()}
-    o_ref, s_ref = _whole(family, {n: leaves[n] for n in d}, {**kw, **{n: leaves[n] for n in params}},
-                          leaves["h0"], cu)
+    o_ref, s_ref = _reference(family, {n: leaves[n] for n in d}, {**kw, **{n: leaves[n] for n in params}},
+                              leaves["h0"], cu)
     ((o_ref.float() * w_o).sum() + (s_ref * w_s).sum()).backward()
 
     mine = {n: dist.split_tokens_for_sp(x.detach(), world, rank).clone().requires_grad_() for n, x in d.items()}
@@ -239,14 +260,13 @@ def _cp_grad(rank, world, device, rng, family, varlen):
     if rank == 0:
         loss = loss + (s * w_s).sum()
     loss.backward()
-    tol = TOL_CUDA if device == "cuda" else TOL
     for n, x in mine.items():
         want = dist.split_tokens_for_sp(leaves[n].grad, world, rank)
-        assert _rel(x.grad, want) < tol, (rank, family, varlen, n, _rel(x.grad, want))
+        assert _rel(x.grad, want) < _grad_tol(device, n), (rank, family, varlen, n, _rel(x.grad, want))
     for n, x in whole.items():
         got = x.grad.clone()
         torch_dist.all_reduce(got)
-        assert _rel(got, leaves[n].grad) < tol, (rank, family, varlen, n, _rel(got, leaves[n].grad))
+        assert _rel(got, leaves[n].grad) < _grad_tol(device, n), (rank, family, varlen, n, _rel(got, leaves[n].grad))
 
 
 def _cp_grad_all(rank, world, device, rng):
@@ -291,15 +311,15 @@ def _cp_deterministic(rank, world, device, rng, family, varlen, singles, lengths
         assert torch.equal(summed, p1[n]), (rank, family, varlen, n)
     # the same function as without segments
     leaves = {n: x.detach().clone().requires_grad_() for n, x in {**d, **params, "h0": h0}.items()}
-    o_ref, s_ref = _whole(family, {n: leaves[n] for n in d}, {**kw, "decay": decay, **{n: leaves[n] for n in params}},
-                          leaves["h0"], cu)
+    o_ref, s_ref = _reference(family, {n: leaves[n] for n in d},
+                              {**kw, "decay": decay, **{n: leaves[n] for n in params}}, leaves["h0"], cu)
     ((o_ref.float() * w_o).sum() + (s_ref * w_s).sum()).backward()
     tol = TOL_CUDA if device == "cuda" else TOL
     assert _rel(o1, o_ref) < tol and _rel(s1, s_ref) < tol, (family, varlen, _rel(o1, o_ref), _rel(s1, s_ref))
     for n in g1:
-        assert _rel(g1[n], leaves[n].grad) < tol, (family, varlen, n, _rel(g1[n], leaves[n].grad))
+        assert _rel(g1[n], leaves[n].grad) < _grad_tol(device, n), (family, varlen, n, _rel(g1[n], leaves[n].grad))
     for n in p1:
-        assert _rel(p1[n], leaves[n].grad) < tol, (family, varlen, n, _rel(p1[n], leaves[n].grad))
+        assert _rel(p1[n], leaves[n].grad) < _grad_tol(device, n), (family, varlen, n, _rel(p1[n], leaves[n].grad))
     # a rank starting off the grid (128 or 64 tokens each, segment_len 48) is refused on every rank
     with pytest.raises(cula.CulaError, match="argument 'segment_len'"):
         with torch.no_grad():
@@ -342,7 +362,7 @@ def _tp_cp(rank, world, device, rng):
     sp_groups = [torch_dist.new_group([0, 2]), torch_dist.new_group([1, 3])]
     tp_rank, sp_rank = rank % 2, rank // 2
     d, kw, h0 = _problem(rng, "kda", 1, 120, 2, 4, 32, 32, device)
-    o_ref, s_ref = _whole("kda", d, dict(kw), h0)
+    o_ref, s_ref = _reference("kda", d, dict(kw), h0)
     mine = {n: dist.split_tokens_for_sp(dist.shard_heads(x, 2, tp_rank), 2, sp_rank) for n, x in d.items()}
     with torch.no_grad():
         o, s = dist.cula_kda_tp_cp(mine["q"], mine["k"], mine["v"], mine["g"], mine["beta"],
