@@ -67,25 +67,25 @@ def contiguous(x):
     return x.contiguous() if x is not None and is_torch(x) else x
 
 
-def per_token_head(v, value: float):
-    """A float32 [B, T, HV] tensor of ``value`` shaped after v [B, T, HV, V], on v's device and of
-    its kind (torch tensor or numpy array): FLA's defaults for an omitted gate or beta. float64
-    for float64 v, so that a float64 call stays on the float64 reference."""
-    if is_torch(v):
+def _filled(like, shape, value: float):
+    """A float32 tensor of ``value``, on like's device and of its kind (torch tensor or numpy array);
+    float64 for float64 ``like``, so that a float64 call stays on the float64 reference."""
+    if is_torch(like):
         import torch
 
-        dt = torch.float64 if v.dtype == torch.float64 else torch.float32
-        return torch.full(tuple(v.shape[:-1]), value, dtype=dt, device=v.device)
-    return np.full(tuple(v.shape[:-1]), value, np.float64 if v.dtype == np.float64 else np.float32)
+        dt = torch.float64 if like.dtype == torch.float64 else torch.float32
+        return torch.full(shape, value, dtype=dt, device=like.device)
+    return np.full(shape, value, np.float64 if like.dtype == np.float64 else np.float32)
+
+
+def per_token_head(v, value: float):
+    """[B, T, HV] of ``value`` shaped after v [B, T, HV, V]: FLA's defaults for an omitted gate or beta."""
+    return _filled(v, tuple(v.shape[:-1]), value)
 
 
 def zero_gate(k):
-    """A float32 zero log-gate shaped like k [B, T, H, K] (FLA's omitted per-key gate: no decay)."""
-    if is_torch(k):
-        import torch
-
-        return torch.zeros(tuple(k.shape), dtype=torch.float32, device=k.device)
-    return np.zeros(tuple(k.shape), np.float32)
+    """A zero log-gate shaped like k [B, T, H, K] (FLA's omitted per-key gate: no decay)."""
+    return _filled(k, tuple(k.shape), 0.0)
 
 
 def unsupported(fn_name: str, use_graph=False, max_num_seqs=None) -> None:

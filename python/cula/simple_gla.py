@@ -37,12 +37,24 @@ def fused_recurrent_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initia
     if reverse:
         raise NotImplementedError("fused_recurrent_simple_gla: reverse=True is not supported by cula")
     if g is not None and g_gamma is not None:
-        g, g_gamma = g.float() + g_gamma.float() if is_torch(g) else g.astype("float32") + g_gamma, None
+        g, g_gamma = _sum_gates(g, g_gamma), None
     elif g is None and g_gamma is None:
         g = per_token_head(v, 0.0)
     return chunk_simple_gla(q, k, v, g=g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
                             output_final_state=output_final_state, state_v_first=state_v_first,
                             cu_seqlens=cu_seqlens, **kwargs)
+
+
+def _sum_gates(g, g_gamma):
+    """g [B, T, H] + g_gamma [H] in float32, or float64 where either is (a float64 call stays on the
+    float64 reference)."""
+    if is_torch(g):
+        import torch
+
+        dt = torch.float64 if torch.float64 in (g.dtype, g_gamma.dtype) else torch.float32
+        return g.to(dt) + g_gamma.to(dt)
+    dt = "float64" if "float64" in (str(g.dtype), str(g_gamma.dtype)) else "float32"
+    return g.astype(dt) + g_gamma.astype(dt)
 
 
 def fused_chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None, output_final_state=False,

@@ -426,3 +426,26 @@ def test_head_size_fit_refuses_delta_rule_over_256(rng):
     x = _fit_inputs(torch, rng, "gdn", 320, "head")
     with pytest.raises(cula.CulaUnsupportedError, match="K up to 256.*'gdn'.*K = 320"):
         _front._fit_head_size("gdn", x["q"], x["k"], x["v"], x["g"], x["beta"], None, None, None, None, {})
+
+
+def test_omitted_gates_and_betas_follow_float64_calls(rng):
+    """FLA's defaults for an omitted gate or beta keep a float64 call on the float64 reference: the
+    result equals the call given the same defaults explicitly in float64."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from cula.delta_rule import fused_recurrent_delta_rule
+    from cula.gla import chunk_gla, fused_recurrent_gla
+    from cula.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
+
+    B, T, H, K, V = 1, 19, 2, 8, 5
+    q, k, v = (torch.from_numpy(x.astype(np.float64)) for x in qkv(rng, B, T, H, K, V))
+    zeros_k, zeros_h, ones_h = torch.zeros(B, T, H, K, dtype=torch.float64), torch.zeros(
+        B, T, H, dtype=torch.float64), torch.ones(B, T, H, dtype=torch.float64)
+    pairs = [
+        (fused_recurrent_gla(q, k, v)[0], chunk_gla(q, k, v, zeros_k)[0]),
+        (fused_recurrent_simple_gla(q, k, v)[0], chunk_simple_gla(q, k, v, g=zeros_h)[0]),
+        (fused_recurrent_simple_gla(q, k, v, g=zeros_h - 0.1, g_gamma=torch.full((H,), -0.2, dtype=torch.float64))[0],
+         chunk_simple_gla(q, k, v, g=(zeros_h - 0.1) + torch.full((H,), -0.2, dtype=torch.float64))[0]),
+        (fused_recurrent_delta_rule(q, k, v)[0], fused_recurrent_delta_rule(q, k, v, beta=ones_h)[0]),
+    ]
+    for got, want in pairs:
+        assert got.dtype == torch.float64 and rel(got.numpy(), want.numpy()) == 0
