@@ -14,7 +14,9 @@ token order. One pass per rank computes, with the chunk engine, its outputs from
 state together with the affine summary of its slice: the value columns are extended by K zero
 columns and the initial state by the identity, so the same pass also returns, per token, q^
 carried through the slice's transitions (Q~_t = P_t^T q^_t) and, per sequence, the state it adds
-(A) and its K x K transition (M). The ranks all-gather (A, M) - a size independent of the number
+(A) and its K x K transition (M). Without the delta rule (GLA, simple GLA, Lightning) the
+transitions are diagonal, the products of the decays: Q~ and M come from the gates in float32 and
+the pass runs the V columns alone. The ranks all-gather (A, M) - a size independent of the number
 of tokens - and each folds its predecessors in order (X <- X M_j + A_j, float32), which gives its
 incoming state X; its outputs are then o_t + X Q~_t and its final states A + X M. Dense batches:
 every sequence spans every rank. Packed varlen batches (B = 1): ``cu_seqlens`` holds the *global*
@@ -403,6 +405,39 @@ def _make_segments_cp_fn():
 _SegmentsCP = LazyFunction(_make_segments_cp_fn)
 
 
+_DIAGONAL = ("gla", "simple_gla", "lightning")  # the families without the delta rule: diagonal transitions
+_MIN_LOG_DECAY = -64.0  # the chunked kernels' floor of a token's log-decay (csrc/common/problem.h)
+_L2_EPS = 1e-6  # use_qk_l2norm_in_kernel: eps inside the sqrt (SPEC §2)
+
+
+def _diagonal_summary(family, q, g, decay, HV, opts):
+    """For a family without the delta rule, a piece's carried queries and transition from its gates
+    alone: with D_t = exp(sum of the piece's log-decays up to t) per key channel, Q~_t = scale D_t q^_t
+    (q^: q after the in-kernel L2 norm) [L, HV, K] and M = diag(D_L) [HV, K, K], in float32 (cumulative
+    sums in float64). q [L, H, K]; g [L, HV, K] (GLA) or [L, HV] (simple GLA); decay [H] or [HV]
+    (Lightning, log-decay -decay per token)."""
+    import torch
+
+    L, H, K = (int(s) for s in q.shape)
+    group = HV // H
+    if family == "lightning":
+        rate = decay.to(device=q.device, dtype=torch.float64).reshape(-1)
+        if rate.numel() != HV:
+            rate = rate.repeat_interleave(group)
+        a = (-rate).clamp_min(_MIN_LOG_DECAY).view(1, HV, 1).expand(L, HV, 1)
+    else:
+        a = g.to(torch.float64).clamp_min(_MIN_LOG_DECAY)
+        a = a if a.dim() == 3 else a.unsqueeze(-1)
+    cum = torch.exp(torch.cumsum(a, dim=0)).float()  # [L, HV, K or 1]
+    qh = q.float()
+    if opts.get("use_qk_l2norm_in_kernel"):
+        qh = qh / torch.sqrt((qh * qh).sum(-1, keepdim=True) + _L2_EPS)
+    scale = opts.get("scale")
+    qh = qh.repeat_interleave(group, dim=1) * (K ** -0.5 if scale is None else float(scale))
+    end = cum[-1].expand(HV, K) if L else torch.ones(HV, K, dtype=torch.float32, device=q.device)
+    return qh * cum, torch.diag_embed(end)
+
+
 def _cp_pieces(family, q, k, v, g, beta, decay, dist, group, rank, pieces, packed, initial_state, opts,
                for_backward=False):
     """The context-parallel pass over this rank's pieces [(sequence n, local begin, local end,
@@ -413,16 +448,20 @@ def _cp_pieces(family, q, k, v, g, beta, decay, dist, group, rank, pieces, packe
     B, T, H, K = (int(s) for s in q.shape)
     HV, V = int(v.shape[2]), int(v.shape[3])
     dev = q.device
-    # One pass: values extended by K zero columns, the crossing-in pieces' initial state by the identity.
+    # One pass. Delta rule: values extended by K zero columns, the crossing-in pieces' initial state by
+    # the identity (the extension carries M and Q~). Without it the transition is diagonal: both come
+    # from the gates (_diagonal_summary), and the pass runs the V columns alone.
     crossing_in = any(p[3] for p in pieces)
-    W = V + K if crossing_in else V
+    diagonal = family in _DIAGONAL
+    extended = crossing_in and not diagonal
+    W = V + K if extended else V
     init = torch.zeros(len(pieces), HV, W, K, dtype=torch.float32, device=dev)
     for i, (n, _, _, cin, _) in enumerate(pieces):
-        if cin:
+        if cin and extended:
             init[i, :, V:, :] = torch.eye(K, dtype=torch.float32, device=dev)
-        elif initial_state is not None:
+        elif initial_state is not None and not cin:
             init[i, :, :V, :] = initial_state[n].to(device=dev, dtype=torch.float32)
-    vw = torch.cat([v, v.new_zeros(B, T, HV, K)], dim=-1) if crossing_in else v
+    vw = torch.cat([v, v.new_zeros(B, T, HV, K)], dim=-1) if extended else v
     local_cu = None
     if packed and pieces:
         local_cu = torch.tensor([pieces[0][1]] + [p[2] for p in pieces], dtype=torch.int32, device=dev)
@@ -431,7 +470,15 @@ def _cp_pieces(family, q, k, v, g, beta, decay, dist, group, rank, pieces, packe
     else:
         ow, fw = ops.chunk_fwd(family, q, k, vw, g, beta, decay, initial_state=init, output_final_state=True,
                                cu_seqlens=local_cu, state_layout="k_last", state_dtype="float32", **opts)
-    A, M = fw[:, :, :V, :], (fw[:, :, V:, :] if crossing_in else None)
+    A, M = fw[:, :, :V, :], (fw[:, :, V:, :] if extended else None)
+    carried_of = {}  # crossing-in piece -> Q~ [L, HV, K] (float32)
+    if crossing_in and diagonal:
+        M = torch.zeros(len(pieces), HV, K, K, dtype=torch.float32, device=dev)
+        for i, (n, lo, hi, cin, _) in enumerate(pieces):
+            if cin:
+                b = 0 if packed else n
+                carried_of[i], M[i] = _diagonal_summary(family, q[b, lo:hi], None if g is None else g[b, lo:hi],
+                                                        decay, HV, opts)
 
     # Exchange: the summary of each sequence leaving this rank (dense: every row; packed: the last piece).
     rows = 1 if packed else B
@@ -450,10 +497,11 @@ def _cp_pieces(family, q, k, v, g, beta, decay, dist, group, rank, pieces, packe
         X = torch.where(all_leaving[j].view(rows, 1, 1, 1) > 0, torch.matmul(X, all_M[j]) + all_A[j],
                         torch.zeros_like(X))
 
-    o = ow[..., :V].contiguous() if crossing_in else ow
-    for n, lo, hi, _, _ in (p for p in pieces if p[3]):
+    o = ow[..., :V].contiguous() if extended else ow
+    for i, (n, lo, hi, _, _) in ((i, p) for i, p in enumerate(pieces) if p[3]):
         b, x = (0, X[0]) if packed else (n, X[n])  # x: [HV, V, K]
-        carried = ow[b, lo:hi, :, V:].float()  # Q~: q^ through this piece's transitions [L, HV, K]
+        # Q~: q^ through this piece's transitions [L, HV, K]
+        carried = carried_of[i] if diagonal else ow[b, lo:hi, :, V:].float()
         o[b, lo:hi] = (o[b, lo:hi].float() + torch.einsum("lhk,hvk->lhv", carried, x)).to(o.dtype)
     final = {}
     for i, (n, _, _, cin, cout) in enumerate(pieces):

@@ -129,7 +129,8 @@ def _rel(a, b):
 
 
 def _cp_dense(rank, world, device, rng, family):
-    d, kw, h0 = _problem(rng, family, 2, 150, 2, 4 if family in ("kda", "gdn") else 2, 32, 32, device)
+    d, kw, h0 = _problem(rng, family, 2, 150, 2, 4, 32, 32, device)  # GVA: two value heads per q/k head
+    kw["scale"] = 0.3
     o_ref, s_ref = _reference(family, d, kw, h0)
     local = {n: dist.split_tokens_for_sp(x, world, rank) for n, x in d.items()}
     decay = kw.pop("decay", None)
