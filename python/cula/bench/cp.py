@@ -1,5 +1,6 @@
 """`cula bench cp`: context parallelism over the GPUs of one machine against FLA's KCP and against one
-GPU: KDA and GDN, forward and forward + backward, one packed sequence split over the ranks.
+GPU: KDA and GDN (and simple GLA, the path without the delta rule, where FLA's KCP has no peer),
+forward and forward + backward, one packed sequence split over the ranks.
 
 Every rank is a process (torch.multiprocessing, NCCL with NVLink multicast off). Per configuration
 and implementation: warm-up steps, then steps each between two barriers, timed by CUDA events on
@@ -24,8 +25,10 @@ CONFIGS = [
     ("kda 1x131072 H16", "kda", 131072, 16, 16),
     ("gdn 1x32768 H64", "gdn", 32768, 64, 64),
     ("gdn 1x131072 H16 HV32", "gdn", 131072, 16, 32),
+    ("simple_gla 1x131072 H16", "simple_gla", 131072, 16, 16),  # no delta rule: the diagonal path
 ]
-SMOKE_CONFIGS = [("kda 1x192 H2", "kda", 192, 2, 2), ("gdn 1x160 H2 HV4", "gdn", 160, 2, 4)]
+SMOKE_CONFIGS = [("kda 1x192 H2", "kda", 192, 2, 2), ("gdn 1x160 H2 HV4", "gdn", 160, 2, 4),
+                 ("simple_gla 1x160 H2", "simple_gla", 160, 2, 2)]
 K = V = 128
 REPS, WARMUP = 15, 3
 SEGMENT, SEGMENT_SMOKE = 4096, 16  # deterministic mode's segment grid (every rank's slice a multiple of it)
@@ -44,6 +47,10 @@ def _inputs(torch, family, T, H, HV, Kd, Vd, dev, dt, seed):
         x["g"] = r(1, T, HV, Kd)
         kw.update(use_gate_in_kernel=True, lower_bound=-5.0, safe_gate=True, A_log=r(HV).to(dev) * 0.5,
                   dt_bias=(r(HV * Kd) * 0.5).to(dev))
+    elif family == "simple_gla":  # a scalar log-gate, no beta
+        del x["beta"]
+        x["g"] = -torch.nn.functional.softplus(r(1, T, HV))
+        kw = dict(use_qk_l2norm_in_kernel=True)
     else:  # beta as a probability: FLA's GDN has no in-kernel sigmoid
         x["g"] = -torch.nn.functional.softplus(r(1, T, HV))
         x["beta"] = torch.sigmoid(x["beta"])
@@ -62,8 +69,7 @@ def _worker(rank, world, backend, store, out_dir, configs, families, with_fla):
         torch.cuda.set_device(rank)
     td.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
     from .. import dist
-    from ..kda import chunk_kda as cula_kda_whole
-    from ..gated_delta_rule import chunk_gated_delta_rule as cula_gdn_whole
+    from .._front import chunk
 
     dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
     dt = torch.bfloat16 if cuda else torch.float32
@@ -78,13 +84,12 @@ def _worker(rank, world, backend, store, out_dir, configs, families, with_fla):
             mine = {n: dist.split_tokens_for_sp(t, world, rank).contiguous() for n, t in x.items()}
             do_whole = torch.randn_like(x["v"])
             do_mine = dist.split_tokens_for_sp(do_whole, world, rank).contiguous()
-            whole_fn = cula_kda_whole if family == "kda" else cula_gdn_whole
 
             def cula_cp(grad):
                 inp = {n: t.detach().requires_grad_(grad) for n, t in mine.items()}
                 with torch.set_grad_enabled(grad):
-                    o, _ = dist.chunk_cp(family, inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], cu_seqlens=cu,
-                                         output_final_state=False, **kw)
+                    o, _ = dist.chunk_cp(family, inp["q"], inp["k"], inp["v"], inp["g"], inp.get("beta"),
+                                         cu_seqlens=cu, output_final_state=False, **kw)
                     if grad:
                         torch.autograd.grad(o, list(inp.values()), do_mine)
 
@@ -93,15 +98,17 @@ def _worker(rank, world, backend, store, out_dir, configs, families, with_fla):
                     return
                 inp = {n: t.detach().requires_grad_(grad) for n, t in x.items()}
                 with torch.set_grad_enabled(grad):
-                    o = whole_fn(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], cu_seqlens=cu, **kw)[0]
+                    o = chunk(family, inp["q"], inp["k"], inp["v"], inp["g"], inp.get("beta"), cu_seqlens=cu,
+                              **kw)[0]
                     if grad:
                         torch.autograd.grad(o, list(inp.values()), do_whole)
 
             def cula_cp_det(grad):  # deterministic mode: bitwise the same on any number of ranks
                 inp = {n: t.detach().requires_grad_(grad) for n, t in mine.items()}
                 with torch.set_grad_enabled(grad):
-                    o, _ = dist.chunk_cp(family, inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], cu_seqlens=cu,
-                                         output_final_state=False, deterministic=True, segment_len=segment, **kw)
+                    o, _ = dist.chunk_cp(family, inp["q"], inp["k"], inp["v"], inp["g"], inp.get("beta"),
+                                         cu_seqlens=cu, output_final_state=False, deterministic=True,
+                                         segment_len=segment, **kw)
                     if grad:
                         torch.autograd.grad(o, list(inp.values()), do_mine)
 
@@ -143,6 +150,8 @@ def _worker(rank, world, backend, store, out_dir, configs, families, with_fla):
 
 def _fla(torch, family, cu, td):
     """FLA's context (build_cp_context over the global offsets) and its chunk function, or (None, None)."""
+    if family not in ("kda", "gdn"):  # FLA's KCP covers KDA and GDN
+        return None, None
     try:
         from fla.ops.cp import build_cp_context
         if family == "kda":
@@ -210,7 +219,7 @@ def _write(torch, out_dir, world, records, cuda):
     print("\n".join(lines))
 
 
-def bench_cp(out_dir: str, world: int | None = None, device: str = "cuda", families=("kda", "gdn"),
+def bench_cp(out_dir: str, world: int | None = None, device: str = "cuda", families=("kda", "gdn", "simple_gla"),
              configs=None) -> int:
     """Runs the suite over `world` ranks (default: every visible GPU; --device cpu: 2 gloo ranks)."""
     import tempfile
