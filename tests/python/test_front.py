@@ -449,3 +449,23 @@ def test_omitted_gates_and_betas_follow_float64_calls(rng):
     ]
     for got, want in pairs:
         assert got.dtype == torch.float64 and rel(got.numpy(), want.numpy()) == 0
+
+
+@pytest.mark.parametrize("family,K,layout", [("kda", 48, "k_first"), ("gla", 300, "k_last")])
+def test_head_size_fit_keeps_varlen_and_intermediate_states(rng, family, K, layout):
+    """The fitted run with packed sequences and return_intermediate_states: the same outputs, final
+    states and per-chunk states as the direct call (float64 host tensors, the fit forced)."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from cula import _front
+
+    x = _fit_inputs(torch, rng, family, K, "key", B=1, T=150)
+    cu = torch.tensor([0, 40, 40, 150], dtype=torch.int32)
+    h0 = torch.from_numpy(rng.standard_normal((3, 2, K, 12) if layout == "k_first" else (3, 2, 12, K)))
+    kw = dict(output_final_state=True, return_intermediate_states=True, chunk_size=32, cu_seqlens=cu,
+              state_layout=layout, intermediate_dtype="float64")
+    with torch.no_grad():
+        direct = _front.chunk(family, x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=h0, **kw)
+        fitted = _front._fit_head_size(family, x["q"], x["k"], x["v"], x["g"], x["beta"], None, None, None, h0, kw)
+    assert len(fitted) == len(direct) == 3
+    for a, b in zip(fitted, direct):
+        assert a.shape == b.shape and rel(a.numpy(), b.numpy()) < 1e-12
