@@ -62,7 +62,7 @@ def chunk(family: str, q, k, v, g=None, beta=None, decay=None, *, A_log=None, dt
     Torch tensors go through the registered op cula::chunk_fwd, whose autograd formula calls
     cula::chunk_bwd (traceable by torch.compile, forward and backward)."""
     initial_state = _widen_half_state(initial_state)
-    if _fit_needed(q, opts):
+    if _fit_needed(q, v, opts):
         return _fit_head_size(family, q, k, v, g, beta, decay, A_log, dt_bias, initial_state, opts)
     if _through_op(q, opts):
         from . import torch_ops
@@ -89,68 +89,85 @@ def chunk(family: str, q, k, v, g=None, beta=None, decay=None, *, A_log=None, dt
 # gate (a zero log-gate, or a raw gate of zero activated with zero dt_bias: finite either way, and
 # the chunked kernels floor the log-decay, so no zero is scaled by an overflowing exponential). For the
 # families without the delta rule, whose state rows are independent, a K over 256 runs as slices
-# of at most 256 whose outputs add.
+# of at most 256 whose outputs add. Value columns are independent in every family: 16-bit calls
+# whose V is not a multiple of 64 (which the tensor-core engines' column slices need) run with V
+# zero-padded to one, instead of on the recurrent kernel.
 _CUDA_HEAD_SIZES = (64, 128, 256)
+_V_MULTIPLE = 64
 _KEY_GATED = ("kda", "gla")  # the families whose gate has a K axis
 _DELTA_RULE = ("kda", "gdn")
 _CALLER_BUFFERS = ("state_pool", "out", "final_state_out", "intermediate_states_out")
 
 
-def _fit_needed(q, opts) -> bool:
-    """A CUDA call with a K the kernels are not built for, and no caller buffer (those are written in
-    place, at the caller's K): the chunk_fwd error names the head sizes then."""
-    return (is_torch(q) and q.is_cuda and len(q.shape) == 4 and q.shape[-1] > 0
-            and q.shape[-1] not in _CUDA_HEAD_SIZES and all(opts.get(n) is None for n in _CALLER_BUFFERS))
+def _fit_needed(q, v, opts) -> bool:
+    """A CUDA call with a K the kernels are not built for, or a 16-bit call whose V the tensor-core
+    engines do not take, and no caller buffer (those are written in place, at the caller's sizes:
+    the op's error names the head sizes then)."""
+    if not (is_torch(q) and q.is_cuda and len(q.shape) == 4 and len(v.shape) == 4 and q.shape[-1] > 0
+            and all(opts.get(n) is None for n in _CALLER_BUFFERS)):
+        return False
+    odd_v = v.shape[-1] % _V_MULTIPLE != 0 and str(q.dtype) in ("torch.bfloat16", "torch.float16")
+    return q.shape[-1] not in _CUDA_HEAD_SIZES or odd_v
+
+
+def _pad_to(x, axis, width):
+    """x zero-padded along axis to width (contiguous: the kernels read states dense)."""
+    if x is None:
+        return None
+    n = x.shape[axis]
+    if n == width:
+        return x.contiguous()
+    import torch.nn.functional as F
+
+    return F.pad(x, [0, 0] * (-axis - 1) + [0, width - n])
 
 
 def _fit_head_size(family, q, k, v, g, beta, decay, A_log, dt_bias, initial_state, opts):
-    """chunk() of a call whose K the CUDA kernels do not take, through zero-padded K slices (above).
-    The padding and slicing are torch ops, so autograd and torch.compile see through them."""
+    """chunk() of a call whose head sizes the CUDA kernels do not take, through zero-padded K slices
+    and zero-padded value columns (above). The padding and slicing are torch ops, so autograd and
+    torch.compile see through them."""
     import torch
-    import torch.nn.functional as F
 
-    K = q.shape[-1]
+    K, V = q.shape[-1], v.shape[-1]
     if K > _CUDA_HEAD_SIZES[-1] and family in _DELTA_RULE:
         raise CulaUnsupportedError(f"chunk_fwd: the CUDA kernels take K up to {_CUDA_HEAD_SIZES[-1]} with the delta "
                                    f"rule (family {family!r}), got K = {K}; use host tensors (the CPU backend)")
     opts = dict(opts)
     if opts.get("scale") is None:
         opts["scale"] = K ** -0.5  # the caller's K, not the padded one
-    state_axis = -1 if opts.get("state_layout", "k_last") == "k_last" else -2
+    k_last = opts.get("state_layout", "k_last") == "k_last"
+    k_axis, v_axis = (-1, -2) if k_last else (-2, -1)
+    Vp = V
+    if V % _V_MULTIPLE and str(q.dtype) in ("torch.bfloat16", "torch.float16"):
+        Vp = (V + _V_MULTIPLE - 1) // _V_MULTIPLE * _V_MULTIPLE
+    v, initial_state = _pad_to(v, -1, Vp), _pad_to(initial_state, v_axis, Vp)
     step = _CUDA_HEAD_SIZES[-1]
+    spans = [(lo, min(step, K - lo)) for lo in range(0, K, step)]  # (first key, keys) of each slice
+    keyed = family in _KEY_GATED
     pieces = []
-    for lo in range(0, K, step):
-        n = min(step, K - lo)
-        width = next(w for w in _CUDA_HEAD_SIZES if w >= n)
+    for lo, n in spans:
+        width = next(w for w in _CUDA_HEAD_SIZES if w >= n) if K not in _CUDA_HEAD_SIZES else K
 
         def cut(x, axis=-1):
-            if x is None:
-                return None
-            x = x.narrow(axis, lo, n) if n != K else x
-            if width == n:
-                return x.contiguous()  # (a slice of a state is a strided view; the kernels read states dense)
-            pad = [0, 0] * (-axis - 1) + [0, width - n]
-            return F.pad(x, pad)
+            return None if x is None else _pad_to(x.narrow(axis, lo, n) if n != K else x, axis, width)
 
-        keyed = family in _KEY_GATED
         bias = dt_bias
         if keyed and dt_bias is not None and dt_bias.numel() == v.shape[2] * K:  # per key (else per head)
             bias = cut(dt_bias.reshape(-1, K)).reshape(-1)
-        res = chunk(family, cut(q), cut(k), v, cut(g) if keyed else g, beta, decay, A_log=A_log,
-                    dt_bias=bias, initial_state=cut(initial_state, state_axis), **opts)
-        pieces.append(res)
+        pieces.append(chunk(family, cut(q), cut(k), v, cut(g) if keyed else g, beta, decay, A_log=A_log,
+                            dt_bias=bias, initial_state=cut(initial_state, k_axis), **opts))
     o = pieces[0][0]
     if len(pieces) > 1:  # the slices' outputs add, in float32 at least
         acc = torch.promote_types(o.dtype, torch.float32)
         o = sum(p[0].to(acc) for p in pieces).to(o.dtype)
+    o = o.narrow(-1, 0, V).contiguous() if Vp != V else o
 
-    def join(i):  # states: each slice's K rows, without the padding
-        parts = [p[i] for p in pieces]
-        if parts[0] is None:
+    def join(i):  # states: each slice's K rows and the caller's V columns, without the padding
+        if pieces[0][i] is None:
             return None
-        rows = [min(step, K - lo) for lo in range(0, K, step)]
-        parts = [x.narrow(state_axis, 0, r) for x, r in zip(parts, rows)]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=state_axis)
+        parts = [p[i].narrow(k_axis, 0, n) for p, (_, n) in zip(pieces, spans)]
+        x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=k_axis)
+        return (x.narrow(v_axis, 0, V) if Vp != V else x).contiguous()
 
     return (o, *(join(i) for i in range(1, len(pieces[0]))))
 

@@ -469,3 +469,32 @@ def test_head_size_fit_keeps_varlen_and_intermediate_states(rng, family, K, layo
     assert len(fitted) == len(direct) == 3
     for a, b in zip(fitted, direct):
         assert a.shape == b.shape and rel(a.numpy(), b.numpy()) < 1e-12
+
+
+@pytest.mark.parametrize("family,K,V,layout", [("kda", 64, 40, "k_last"), ("gdn", 100, 100, "k_first"),
+                                               ("simple_gla", 64, 100, "k_last"), ("lightning", 60, 36, "k_last")])
+def test_value_head_size_fit_on_16_bit_inputs(rng, family, K, V, layout):
+    """16-bit calls whose V is not a multiple of 64 run with the value columns zero-padded (the
+    tensor-core engines' column slices): on host bf16 tensors, the fitted run against the direct one,
+    outputs and gradients, and the caller's shapes, dense, on the way out."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from cula import _front
+
+    x = _fit_inputs(torch, rng, family, K, {"kda": "key", "gdn": "head", "simple_gla": "head"}.get(family), V=V)
+    for n in ("q", "k", "v"):
+        x[n] = x[n].detach().bfloat16().requires_grad_()
+    h0 = torch.from_numpy(rng.standard_normal((2, 2, V, K) if layout == "k_last" else (2, 2, K, V))).float()
+    h0.requires_grad_()
+    kw = dict(output_final_state=True, state_layout=layout)
+    args = [x[n] for n in ("q", "k", "v", "g", "beta", "decay")]
+    direct = _front.chunk(family, *args, initial_state=h0, **kw)
+    fitted = _front._fit_head_size(family, *args, None, None, h0, kw)
+    for a, b in zip(fitted, direct):
+        assert a.shape == b.shape and a.is_contiguous()
+        assert rel(a.detach().double().numpy(), b.detach().double().numpy()) < 1e-6
+    leaves = [t for t in (*args[:5], h0) if t is not None and t.requires_grad]
+    w = torch.from_numpy(rng.standard_normal(tuple(direct[0].shape)))
+    g_direct = torch.autograd.grad((direct[0].double() * w).sum() + direct[1].sum(), leaves)
+    g_fitted = torch.autograd.grad((fitted[0].double() * w).sum() + fitted[1].sum(), leaves)
+    for a, b in zip(g_fitted, g_direct):
+        assert rel(a.double().numpy(), b.double().numpy()) < 1e-6
