@@ -153,8 +153,11 @@ def test_fla_suite_runner_swaps_cula_in_and_sorts_outcomes(tmp_path):
     assert "| test_kda.py | 1 | 2 | 1 | passed 1 |" in (tmp_path / "results" / "fla_suite.md").read_text()
     assert got["fla_only_tests"] == ["test_kda.py::test_fla_only"]
     again = tmp_path / "again.json"  # the FLA-only test left out, by its id without the folders
-    tool.main(["--fla-tests", str(tmp_path), "--files", "test_kda.py", "--skip-fla-only", str(out), "--out", str(again)])
-    summary = json.loads(again.read_text())["files"]["test_kda.py"]
+    tool.main(["--fla-tests", str(tmp_path), "--files", "test_kda.py", "--skip-fla-only", str(out), "--out", str(again),
+               "--cula-commit", "abc1234"])
+    got = json.loads(again.read_text())
+    summary = got["files"]["test_kda.py"]
     assert (summary["passed"], summary["failed"], summary["fla_only"]) == (1, 2, {}), summary
+    assert got["environment"]["cula_commit"] == "abc1234 (as given)"  # a copied tree's commit, stamped as given
     with pytest.raises(SystemExit, match="argument --fla-tests"):
         tool.main(["--fla-tests", str(tmp_path), "--files", "test_gdn.py"])
