@@ -26,6 +26,7 @@ engine's own carry at every segment boundary)."""
 from __future__ import annotations
 
 from . import ops
+from ._cp_summary import DIAGONAL, diagonal_summary
 from ._lib import CulaError
 
 
@@ -115,6 +116,7 @@ def forward(family, q, k, v, g, beta, decay, dist, group, plan, N, initial_state
 
     HV, V, K = int(v.shape[2]), int(v.shape[3]), int(q.shape[3])
     dev = q.device
+    diagonal = family in DIAGONAL  # no delta rule: no value-column extension (_cp_summary)
     o = v.new_zeros(v.shape)
     eye = torch.eye(K, dtype=torch.float32, device=dev)
     A_mine = torch.zeros(len(plan.mine), HV, V, K, dtype=torch.float32, device=dev)
@@ -127,9 +129,9 @@ def forward(family, q, k, v, g, beta, decay, dist, group, plan, N, initial_state
                 A_mine[j] = initial_state[n].float()
             continue
         vs = plan.tokens(v, i)
-        if first:
+        if first or diagonal:
             init = torch.zeros(1, HV, V, K, dtype=torch.float32, device=dev)
-            if initial_state is not None:
+            if initial_state is not None and first:
                 init[0] = initial_state[n].float()
             vw = vs
         else:
@@ -140,7 +142,11 @@ def forward(family, q, k, v, g, beta, decay, dist, group, plan, N, initial_state
                                plan.tokens(beta, i), decay, initial_state=init, output_final_state=True,
                                state_layout="k_last", state_dtype="float32", **opts)
         A_mine[j] = fw[0, :, :V, :]
-        if not first:
+        if not first and diagonal:  # the transition and carried queries from the gates
+            g_seg = plan.tokens(g, i)
+            carried[i], M_mine[j] = diagonal_summary(family, plan.tokens(q, i)[0], None if g_seg is None else g_seg[0],
+                                                     decay, HV, opts)
+        elif not first:
             M_mine[j] = fw[0, :, V:, :]
             carried[i] = ow[0, :, :, V:].float()
         row = plan.all[i][0]
