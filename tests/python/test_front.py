@@ -476,7 +476,9 @@ def test_head_size_fit_keeps_varlen_and_intermediate_states(rng, family, K, layo
 def test_value_head_size_fit_on_16_bit_inputs(rng, family, K, V, layout):
     """16-bit calls whose V is not a multiple of 64 run with the value columns zero-padded (the
     tensor-core engines' column slices): on host bf16 tensors, the fitted run against the direct one,
-    outputs and gradients, and the caller's shapes, dense, on the way out."""
+    outputs and gradients, and the caller's shapes, dense, on the way out. The padded call may sum in
+    another order (K padded too, or the host kernel's blocking over V), which can move a bf16 output
+    by one unit in the last place here and there: 1e-3 where a misplaced column would give ~1."""
     torch = pytest.importorskip("torch", reason="torch is not installed")
     from cula import _front
 
@@ -491,10 +493,10 @@ def test_value_head_size_fit_on_16_bit_inputs(rng, family, K, V, layout):
     fitted = _front._fit_head_size(family, *args, None, None, h0, kw)
     for a, b in zip(fitted, direct):
         assert a.shape == b.shape and a.is_contiguous()
-        assert rel(a.detach().double().numpy(), b.detach().double().numpy()) < 1e-6
+        assert rel(a.detach().double().numpy(), b.detach().double().numpy()) < 1e-3
     leaves = [t for t in (*args[:5], h0) if t is not None and t.requires_grad]
     w = torch.from_numpy(rng.standard_normal(tuple(direct[0].shape)))
     g_direct = torch.autograd.grad((direct[0].double() * w).sum() + direct[1].sum(), leaves)
     g_fitted = torch.autograd.grad((fitted[0].double() * w).sum() + fitted[1].sum(), leaves)
     for a, b in zip(g_fitted, g_direct):
-        assert rel(a.double().numpy(), b.double().numpy()) < 1e-6
+        assert rel(a.double().numpy(), b.double().numpy()) < 1e-3
