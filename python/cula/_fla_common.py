@@ -67,15 +67,24 @@ def contiguous(x):
     return x.contiguous() if x is not None and is_torch(x) else x
 
 
+def float32_or_64(*xs):
+    """The dtype, of xs[0]'s kind (torch or numpy), of what a drop-in makes from xs: float64 when any
+    of them is float64 (a float64 call stays on the float64 reference), else float32."""
+    wide = any(str(x.dtype) in ("torch.float64", "float64") for x in xs)
+    if is_torch(xs[0]):
+        import torch
+
+        return torch.float64 if wide else torch.float32
+    return np.float64 if wide else np.float32
+
+
 def _filled(like, shape, value: float):
-    """A float32 tensor of ``value``, on like's device and of its kind (torch tensor or numpy array);
-    float64 for float64 ``like``, so that a float64 call stays on the float64 reference."""
+    """A tensor of ``value`` (float32_or_64), on like's device and of its kind."""
     if is_torch(like):
         import torch
 
-        dt = torch.float64 if like.dtype == torch.float64 else torch.float32
-        return torch.full(shape, value, dtype=dt, device=like.device)
-    return np.full(shape, value, np.float64 if like.dtype == np.float64 else np.float32)
+        return torch.full(shape, value, dtype=float32_or_64(like), device=like.device)
+    return np.full(shape, value, float32_or_64(like))
 
 
 def per_token_head(v, value: float):

@@ -99,6 +99,13 @@ _DELTA_RULE = ("kda", "gdn")
 _CALLER_BUFFERS = ("state_pool", "out", "final_state_out", "intermediate_states_out")
 
 
+def _padded_v(q, V: int) -> int:
+    """The value head size a call runs with: V, or for 16-bit inputs the next multiple of 64."""
+    if V % _V_MULTIPLE and str(q.dtype) in ("torch.bfloat16", "torch.float16"):
+        return (V + _V_MULTIPLE - 1) // _V_MULTIPLE * _V_MULTIPLE
+    return V
+
+
 def _fit_needed(q, v, opts) -> bool:
     """A CUDA call with a K the kernels are not built for, or a 16-bit call whose V the tensor-core
     engines do not take, and no caller buffer (those are written in place, at the caller's sizes:
@@ -106,8 +113,7 @@ def _fit_needed(q, v, opts) -> bool:
     if not (is_torch(q) and q.is_cuda and len(q.shape) == 4 and len(v.shape) == 4 and q.shape[-1] > 0
             and all(opts.get(n) is None for n in _CALLER_BUFFERS)):
         return False
-    odd_v = v.shape[-1] % _V_MULTIPLE != 0 and str(q.dtype) in ("torch.bfloat16", "torch.float16")
-    return q.shape[-1] not in _CUDA_HEAD_SIZES or odd_v
+    return q.shape[-1] not in _CUDA_HEAD_SIZES or _padded_v(q, v.shape[-1]) != v.shape[-1]
 
 
 def _pad_to(x, axis, width):
@@ -137,16 +143,14 @@ def _fit_head_size(family, q, k, v, g, beta, decay, A_log, dt_bias, initial_stat
         opts["scale"] = K ** -0.5  # the caller's K, not the padded one
     k_last = opts.get("state_layout", "k_last") == "k_last"
     k_axis, v_axis = (-1, -2) if k_last else (-2, -1)
-    Vp = V
-    if V % _V_MULTIPLE and str(q.dtype) in ("torch.bfloat16", "torch.float16"):
-        Vp = (V + _V_MULTIPLE - 1) // _V_MULTIPLE * _V_MULTIPLE
+    Vp = _padded_v(q, V)
     v, initial_state = _pad_to(v, -1, Vp), _pad_to(initial_state, v_axis, Vp)
     step = _CUDA_HEAD_SIZES[-1]
     spans = [(lo, min(step, K - lo)) for lo in range(0, K, step)]  # (first key, keys) of each slice
     keyed = family in _KEY_GATED
     pieces = []
     for lo, n in spans:
-        width = next(w for w in _CUDA_HEAD_SIZES if w >= n) if K not in _CUDA_HEAD_SIZES else K
+        width = next(w for w in _CUDA_HEAD_SIZES if w >= n)
 
         def cut(x, axis=-1):
             return None if x is None else _pad_to(x.narrow(axis, lo, n) if n != K else x, axis, width)

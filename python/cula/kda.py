@@ -60,8 +60,6 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
                             lower_bound=lower_bound, state_v_first=state_v_first, cu_seqlens=cu_seqlens, kwargs=kwargs)
 
 
-
-
 def fused_kda_gate(g, A_log=None, dt_bias=None, lower_bound=None, output_dtype=None):
     """FLA ``fused_kda_gate``: the gate activation of g [..., H, K] with autograd (A_log: H values,
     dt_bias: H * K; ``lower_bound`` gives ``lb * sigmoid(exp(A_log) (g + dt_bias))``, and then

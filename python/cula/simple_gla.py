@@ -3,7 +3,7 @@ fused_chunk_simple_gla, parallel_simple_gla`` (FLA's four entries of one functio
 
 from __future__ import annotations
 
-from ._fla_common import fla_chunk_size, offsets_for, per_token_head, resolve_state_layout
+from ._fla_common import fla_chunk_size, float32_or_64, offsets_for, per_token_head, resolve_state_layout
 from ._front import chunk, reject_unknown
 from ._tensor import is_torch
 
@@ -46,15 +46,9 @@ def fused_recurrent_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initia
 
 
 def _sum_gates(g, g_gamma):
-    """g [B, T, H] + g_gamma [H] in float32, or float64 where either is (a float64 call stays on the
-    float64 reference)."""
-    if is_torch(g):
-        import torch
-
-        dt = torch.float64 if torch.float64 in (g.dtype, g_gamma.dtype) else torch.float32
-        return g.to(dt) + g_gamma.to(dt)
-    dt = "float64" if "float64" in (str(g.dtype), str(g_gamma.dtype)) else "float32"
-    return g.astype(dt) + g_gamma.astype(dt)
+    """g [B, T, H] + g_gamma [H] in float32_or_64."""
+    dt = float32_or_64(g, g_gamma)
+    return g.to(dt) + g_gamma.to(dt) if is_torch(g) else g.astype(dt) + g_gamma.astype(dt)
 
 
 def fused_chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None, output_final_state=False,
