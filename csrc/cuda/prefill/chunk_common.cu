@@ -79,9 +79,9 @@ const char* chunk::tensor_core_declines(const cula_chunk_fwd_args& a, bool half)
   if (a.chunk_size != 0 && a.chunk_size != kChunk) return "chunk_size other than 64 (intermediate states are per 64 tokens)";
   const int dt = half && a.q->dtype == CULA_FLOAT16 ? CULA_FLOAT16 : CULA_BFLOAT16;
   for (const cula_tensor* t : std::initializer_list<const cula_tensor*>{a.q, a.k, a.v, a.out})
-    if (t->dtype != dt || !aligned16(t))
-      return half ? "q, k, v and out are not all 16-byte aligned bfloat16 (or all float16)"
-                  : "q, k, v and out are not all 16-byte aligned bfloat16";
+    if ((t->dtype != dt && !(t == a.out && t->dtype == CULA_FLOAT32)) || !aligned16(t))
+      return half ? "q, k, v are not all 16-byte aligned bfloat16 (or all float16), out the same or float32"
+                  : "q, k, v are not all 16-byte aligned bfloat16, out bfloat16 or float32";
   if (first_unreadable_input(a).name) return "an input the CUDA kernels cannot read (host offsets or slots, a strided parameter)";
   if (cuda_device_arch(a.q->device_id) < 80) return "a device below sm_80 (mma.sync bf16, ldmatrix, cp.async)";
   return nullptr;

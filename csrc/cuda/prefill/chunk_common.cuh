@@ -147,7 +147,8 @@ inline bool aligned16(const cula_tensor* t) {
 
 // Why the tensor-core chunk engines (all of them) decline a call, or nullptr: the rules they share
 // (V a multiple of 64, chunk length, 16-byte aligned bf16 q, k, v and out, inputs the CUDA kernels
-// can read, sm_80); half: fp16 q, k, v and out (all four the same type) are taken as well. Each
+// can read, sm_80); half: fp16 q, k, v and out (all four the same type) are taken as well. out may
+// be float32 with either (the accumulators stored unrounded). Each
 // engine's own rules (families, key head sizes, shared memory) come in its declines predicate.
 const char* tensor_core_declines(const cula_chunk_fwd_args& a, bool half = false);
 

@@ -10,6 +10,7 @@
 
 #include "cuda/kerutils/mma.cuh"
 #include "cuda/prefill/chunk_common.cuh"
+#include "cuda/prefill/half_inputs.cuh"
 
 namespace cula {
 namespace chunk_fused {

@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   } else {
     // outputs
     const int I = warp & 3, bI = 16 * I, hw = warp >> 2, hc0 = hw * (VB / 2);
-    bf16* og = static_cast<bf16*>(p.out);
+    const bool out_f32 = p.out_dt == CULA_FLOAT32;  // else bf16
     for (int i = 0; i < nloc; ++i) {
       const int c = c_begin + i;
       const int64_t t0 = sq.bos + static_cast<int64_t>(c) * kBT;
@@ -240,11 +240,12 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int row = bI + g + 8 * hh;
-        bf16* dst = og + sq.b_row * p.out_s[0] + (t0 + row) * p.out_s[1] + hv * p.out_s[2] + v0 + hc0 + 2 * t;
+        const int64_t dst = sq.b_row * p.out_s[0] + (t0 + row) * p.out_s[1] + hv * p.out_s[2] + v0 + hc0 + 2 * t;
 #pragma unroll
         for (int nt = 0; nt < NTH; ++nt)
           if (row < Lc)
-            u32at(dst + nt * 8) = pack(o[nt][2 * hh] * fo[hh] + ox[nt][2 * hh], o[nt][2 * hh + 1] * fo[hh] + ox[nt][2 * hh + 1]);
+            chunk::store_out2(p.out, out_f32, false, dst + nt * 8, o[nt][2 * hh] * fo[hh] + ox[nt][2 * hh],
+                              o[nt][2 * hh + 1] * fo[hh] + ox[nt][2 * hh + 1]);
       }
     }
   }

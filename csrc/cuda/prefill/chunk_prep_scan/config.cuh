@@ -164,6 +164,7 @@ using chunk::half8_to_bf16;
 using chunk::half8_to_bf16_at;
 using chunk::ld2;
 using chunk::pack_out;
+using chunk::store_out2;
 
 }  // namespace chunk_prep_scan
 }  // namespace cula

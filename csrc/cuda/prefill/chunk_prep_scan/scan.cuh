@@ -133,7 +133,7 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
   stage_in(0, 0);
   if (kStages == 2) stage_in(1, 1);
   if (F::kDelta) state_to_smem();
-  bf16* og = static_cast<bf16*>(p.out);  // (fp16 when the inputs are: pack_out)
+  const bool out_f32 = p.out_dt == CULA_FLOAT32;  // else the inputs' 16-bit type (store_out2)
   const bool half_in = p.v_dt == CULA_FLOAT16;
   for (int c = 0; c < nchunks; ++c) {
     const int st = kStages == 2 ? c & 1 : 0;
@@ -320,9 +320,9 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
     for (int hh = 0; hh < 2; ++hh) {
       const int row = bI + g + 8 * hh;
       if (row >= Lc) continue;
-      bf16* dst = og + sq.b_row * p.out_s[0] + (t0 + row) * p.out_s[1] + hv * p.out_s[2] + v0 + hc0 + 2 * t;
+      const int64_t dst = sq.b_row * p.out_s[0] + (t0 + row) * p.out_s[1] + hv * p.out_s[2] + v0 + hc0 + 2 * t;
 #pragma unroll
-      for (int nt = 0; nt < NTH; ++nt) u32at(dst + nt * 8) = pack_out(o[nt][2 * hh], o[nt][2 * hh + 1], half_in);
+      for (int nt = 0; nt < NTH; ++nt) store_out2(p.out, out_f32, half_in, dst + nt * 8, o[nt][2 * hh], o[nt][2 * hh + 1]);
     }
     __syncthreads();  // B3: stage st (and S without the delta rule, Y^T on sm_90a) no longer read
     stage_in(c + kStages, st);
