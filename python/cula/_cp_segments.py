@@ -117,7 +117,8 @@ def forward(family, q, k, v, g, beta, decay, dist, group, plan, N, initial_state
     HV, V, K = int(v.shape[2]), int(v.shape[3]), int(q.shape[3])
     dev = q.device
     diagonal = family in DIAGONAL  # no delta rule: no value-column extension (_cp_summary)
-    o = v.new_zeros(v.shape)
+    # float32 until every correction is in (the segments' passes write float32: one rounding of o)
+    o = torch.zeros(v.shape, dtype=torch.float32, device=dev)
     eye = torch.eye(K, dtype=torch.float32, device=dev)
     A_mine = torch.zeros(len(plan.mine), HV, V, K, dtype=torch.float32, device=dev)
     M_mine = torch.zeros(len(plan.mine), HV, K, K, dtype=torch.float32, device=dev)
@@ -140,7 +141,8 @@ def forward(family, q, k, v, g, beta, decay, dist, group, plan, N, initial_state
             vw = torch.cat([vs, vs.new_zeros(1, b - a, HV, K)], dim=-1)
         ow, fw = ops.chunk_fwd(family, plan.tokens(q, i), plan.tokens(k, i), vw.contiguous(), plan.tokens(g, i),
                                plan.tokens(beta, i), decay, initial_state=init, output_final_state=True,
-                               state_layout="k_last", state_dtype="float32", **opts)
+                               state_layout="k_last", state_dtype="float32",
+                               out=torch.empty(vw.shape, dtype=torch.float32, device=dev), **opts)
         A_mine[j] = fw[0, :, :V, :]
         if not first and diagonal:  # the transition and carried queries from the gates
             g_seg = plan.tokens(g, i)
@@ -168,7 +170,8 @@ def forward(family, q, k, v, g, beta, decay, dist, group, plan, N, initial_state
     for i, Qc in carried.items():
         row, _, a, b, _, _ = plan.all[i]
         lo, hi = a - plan.start, b - plan.start
-        o[row, lo:hi] = (o[row, lo:hi].float() + torch.einsum("lhk,hvk->lhv", Qc, entering[i])).to(o.dtype)
+        o[row, lo:hi] += torch.einsum("lhk,hvk->lhv", Qc, entering[i])
+    o = o.to(v.dtype)
     saved = None
     if for_backward:
         saved = dict(entering={i: entering[i] for i in plan.mine if i in entering}, M_of=M_of)

@@ -433,11 +433,14 @@ def _cp_pieces(family, q, k, v, g, beta, decay, dist, group, rank, pieces, packe
     local_cu = None
     if packed and pieces:
         local_cu = torch.tensor([pieces[0][1]] + [p[2] for p in pieces], dtype=torch.int32, device=dev)
+    # Where a correction is added, the pass writes float32 (the engines' accumulators unrounded, Q~
+    # included) and o is rounded once, after the correction.
+    out = torch.empty(B, T, HV, W, dtype=torch.float32, device=dev) if crossing_in else None
     if packed and not pieces:  # no tokens and no sequence here
         ow, fw = v.new_empty(B, T, HV, W), init
     else:
         ow, fw = ops.chunk_fwd(family, q, k, vw, g, beta, decay, initial_state=init, output_final_state=True,
-                               cu_seqlens=local_cu, state_layout="k_last", state_dtype="float32", **opts)
+                               cu_seqlens=local_cu, state_layout="k_last", state_dtype="float32", out=out, **opts)
     A, M = fw[:, :, :V, :], (fw[:, :, V:, :] if extended else None)
     carried_of = {}  # crossing-in piece -> Q~ [L, HV, K] (float32)
     if crossing_in and diagonal:
@@ -470,7 +473,8 @@ def _cp_pieces(family, q, k, v, g, beta, decay, dist, group, rank, pieces, packe
         b, x = (0, X[0]) if packed else (n, X[n])  # x: [HV, V, K]
         # Q~: q^ through this piece's transitions [L, HV, K]
         carried = carried_of[i] if diagonal else ow[b, lo:hi, :, V:].float()
-        o[b, lo:hi] = (o[b, lo:hi].float() + torch.einsum("lhk,hvk->lhv", carried, x)).to(o.dtype)
+        o[b, lo:hi] += torch.einsum("lhk,hvk->lhv", carried, x)
+    o = o.to(v.dtype)
     final = {}
     for i, (n, _, _, cin, cout) in enumerate(pieces):
         if not cout:
@@ -577,7 +581,8 @@ def chunk_heads(family, q, k, v, g=None, beta=None, decay=None, *, sp_group=None
     if decay is not None:
         heads = H if decay.numel() == H else HV
         decay = _slice_param(decay, heads, heads // size, rank, "decay")
-    h0 = None if initial_state is None else initial_state[:, rank * hv_per:(rank + 1) * hv_per]
+    # (the CUDA kernels read states dense: this rank's heads of the initial states as one block)
+    h0 = None if initial_state is None else initial_state[:, rank * hv_per:(rank + 1) * hv_per].contiguous()
     o, final = chunk(family, *mine, *gates, decay, A_log=A_log, dt_bias=dt_bias, initial_state=h0,
                      output_final_state=output_final_state, cu_seqlens=cu_seqlens, state_layout="k_last",
                      state_dtype="float32", **opts)

@@ -198,7 +198,10 @@ def _heads(rank, world, device, rng, family):
         det = dist.chunk_sp(family, mine["q"], mine["k"], mine["v"], mine.get("g"), mine.get("beta"), decay,
                             initial_state=h0, cu_seqlens=cu, deterministic=True, segment_len=45, **kw)[0]
         assert dist.last_plan() == {"mode": "cp", "reason": "deterministic=True: chunk_cp's segment grid"}
-        assert _rel(det, dist.split_tokens_for_sp(o_ref, world, rank)) < (TOL if device == "cpu" else TOL_CUDA)
+        o64 = o_ref if device == "cpu" else _reference(family, d, dict(kw, decay=decay) if decay is not None else kw,
+                                                       h0, cu)[0]  # (the float64 reference: SPEC §5)
+        assert _rel(det, dist.split_tokens_for_sp(o64, world, rank)) < (TOL if device == "cpu" else TOL_CUDA), \
+            (family, _rel(det, dist.split_tokens_for_sp(o64, world, rank)))
         with pytest.raises(cula.CulaError, match="argument 'deterministic'"):
             dist.chunk_sp(family, mine["q"], mine["k"], mine["v"], mine.get("g"), mine.get("beta"), decay,
                           initial_state=h0, cu_seqlens=cu, mode="heads", deterministic=True, **kw)

@@ -59,7 +59,7 @@ def _inputs(torch, family, T, H, HV, Kd, Vd, dev, dt, seed):
     return x, kw
 
 
-def _worker(rank, world, backend, store, out_dir, configs, families, with_fla):
+def _worker(rank, world, backend, store, out_dir, configs, families, with_fla, steps):
     import torch
     import torch.distributed as td
 
@@ -127,7 +127,7 @@ def _worker(rank, world, backend, store, out_dir, configs, families, with_fla):
                             if grad:
                                 torch.autograd.grad(o, list(inp.values()), do_mine)
                     impls.append(("fla_kcp", fla_kcp))
-            for grad in (False, True):
+            for grad in (step == "forward + backward" for step in steps):
                 times = _time(torch, td, impls, grad, cuda)
                 for impl, ms in times.items():
                     records.append(dict(op="cp", config=dict(name=name, family=family, T=T, H=H, HV=HV, K=Kd, V=Vd,
@@ -135,6 +135,8 @@ def _worker(rank, world, backend, store, out_dir, configs, families, with_fla):
                                         step="forward + backward" if grad else "forward", median_ms=ms))
                 if rank == 0:
                     print(name, "fwd+bwd" if grad else "fwd", {n: round(t, 3) for n, t in times.items()}, flush=True)
+            if rank == 0:  # after every configuration: a run cut off keeps the rows it finished
+                _write(torch, out_dir, world, records, cuda, show=False)
         if rank == 0:
             _write(torch, out_dir, world, records, cuda)
         td.barrier()
@@ -191,7 +193,7 @@ def _time(torch, td, impls, grad, cuda):
     return {name: statistics.median(v) for name, v in steps.items()}
 
 
-def _write(torch, out_dir, world, records, cuda):
+def _write(torch, out_dir, world, records, cuda, show=True):
     gpu = torch.cuda.get_device_name(0) if cuda else "host (gloo), harness check"
     meta = dict(gpu=gpu, world=world, torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
                 method=f"median over {REPS} steps after {WARMUP} warm-up steps of the slowest rank's time per step "
@@ -216,12 +218,14 @@ def _write(torch, out_dir, world, records, cuda):
         json.dump(dict(meta=meta, records=records), fh, indent=1)
     with open(stem + ".md", "w") as fh:
         fh.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    if show:
+        print("\n".join(lines))
 
 
 def bench_cp(out_dir: str, world: int | None = None, device: str = "cuda", families=("kda", "gdn", "simple_gla"),
-             configs=None) -> int:
-    """Runs the suite over `world` ranks (default: every visible GPU; --device cpu: 2 gloo ranks)."""
+             configs=None, steps=("forward", "forward + backward")) -> int:
+    """Runs the suite over `world` ranks (default: every visible GPU; --device cpu: 2 gloo ranks);
+    steps: "forward" and/or "forward + backward"."""
     import tempfile
 
     import torch
@@ -237,6 +241,6 @@ def bench_cp(out_dir: str, world: int | None = None, device: str = "cuda", famil
     else:
         world, backend, configs, with_fla = world or 2, "gloo", configs or SMOKE_CONFIGS, False
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(world, backend, os.path.join(tmp, "store"), out_dir, configs, families, with_fla),
+        mp.spawn(_worker, args=(world, backend, os.path.join(tmp, "store"), out_dir, configs, families, with_fla, steps),
                  nprocs=world, join=True)
     return 0

@@ -51,6 +51,7 @@ def main(argv=None) -> int:
     bench.add_argument("--reps", type=int, default=5)
     bench.add_argument("--world", type=int, default=None, help="cp: the number of ranks (default: every GPU)")
     bench.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cp: cuda (NCCL) or cpu (gloo)")
+    bench.add_argument("--forward-only", action="store_true", help="cp: the forward rows only (no backward)")
     args = parser.parse_args(argv)
     if args.cmd == "info":
         return _info()
@@ -90,7 +91,8 @@ def main(argv=None) -> int:
 
             pool = CONFIGS if args.device == "cuda" else SMOKE_CONFIGS
             return bench_cp(args.out or "bench/results/gpu", world=args.world, device=args.device,
-                            configs=[c for c in pool if not only or c[0] in only] or None)
+                            configs=[c for c in pool if not only or c[0] in only] or None,
+                            steps=("forward",) if args.forward_only else ("forward", "forward + backward"))
         if args.suite in ("gdn", "gla", "simple_gla", "lightning"):
             from ..bench.fwd import CONFIGS, bench_fwd
 
