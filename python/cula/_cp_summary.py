@@ -28,7 +28,9 @@ def diagonal_summary(family, q, g, decay, HV, opts):
     else:
         a = g.to(torch.float64).clamp_min(MIN_LOG_DECAY)
         a = a if a.dim() == 3 else a.unsqueeze(-1)
-    cum = torch.exp(torch.cumsum(a, dim=0)).float()  # [L, HV, K or 1]
+    # the running sum along the last dimension of a [HV, K or 1, L] copy: torch scans an outer
+    # dimension one column per thread, 16 columns of 65536 tokens in sequence (~15 ms on a GPU)
+    cum = torch.exp(torch.cumsum(a.permute(1, 2, 0).contiguous(), dim=-1)).permute(2, 0, 1).float()  # [L, HV, K or 1]
     qh = q.float()
     if opts.get("use_qk_l2norm_in_kernel"):
         qh = qh / torch.sqrt((qh * qh).sum(-1, keepdim=True) + L2_EPS)
