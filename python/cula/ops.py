@@ -8,6 +8,7 @@ canonical layout) or ``"k_first"`` ([.., HV, K, V], FLA's default).
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import NamedTuple
 
 from . import _lib
@@ -63,6 +64,18 @@ def _options(fn: str, options, kw: dict) -> Options:
     return dataclasses.replace(options or Options(), **kw) if kw else (options or Options())
 
 
+CHECK_DEVICE_INDICES = "CULA_CHECK_DEVICE_INDICES"
+
+
+def _device_indices_to_check(state_indices, _entry):
+    """With CULA_CHECK_DEVICE_INDICES set (not "0"), a host copy of device slot indices, which the
+    caller validates as host indices are (slots in range, no slot named by two sequences), at the
+    cost of one synchronisation; else None. Device indices are otherwise read by the kernels only."""
+    if state_indices is None or _entry is not None or os.environ.get(CHECK_DEVICE_INDICES, "0") in ("", "0"):
+        return None
+    return state_indices.cpu() if is_torch(state_indices) and state_indices.device.type != "cpu" else None
+
+
 def chunk_fwd(family, q, k, v, g=None, beta=None, decay=None, *, initial_state=None, output_final_state=False,
               A_log=None, dt_bias=None, cu_seqlens=None, state_pool=None, state_indices=None,
               return_intermediate_states=False, chunk_size=64, state_dtype=None, intermediate_dtype=None, out=None,
@@ -84,6 +97,14 @@ def chunk_fwd(family, q, k, v, g=None, beta=None, decay=None, *, initial_state=N
     final states written back there in place (negative index: zero state, pool untouched).
     """
     opts = _options("chunk_fwd", options, option_kw)
+    host_slots = _device_indices_to_check(state_indices, _entry)
+    if host_slots is not None:  # the host checks first (explain: validated, not run)
+        chunk_fwd(family, q, k, v, g, beta, decay, initial_state=initial_state, output_final_state=output_final_state,
+                  A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens, state_pool=state_pool,
+                  state_indices=host_slots, return_intermediate_states=return_intermediate_states,
+                  chunk_size=chunk_size, state_dtype=state_dtype, intermediate_dtype=intermediate_dtype, out=out,
+                  final_state_out=final_state_out, intermediate_states_out=intermediate_states_out,
+                  cu_seqlens_host=cu_seqlens_host, backend=backend, options=opts, _entry=_lib.LIB.cula_chunk_fwd_explain)
     state_layout = opts.state_layout
     arrays = _given(q=q, k=k, v=v, g=g, beta=beta, decay=decay, initial_state=initial_state, A_log=A_log,
                     dt_bias=dt_bias, cu_seqlens=cu_seqlens, state_pool=state_pool, state_indices=state_indices, out=out)
@@ -171,6 +192,11 @@ def decode(q, k, v, state_pool, *, mode="kda", g=None, beta=None, decay=None, st
     Returns ``(o, state_pool)``. Options as for chunk_fwd.
     """
     opts = _options("decode", options, option_kw)
+    host_slots = _device_indices_to_check(state_indices, _entry)
+    if host_slots is not None:  # the host checks first (explain: validated, not run)
+        decode(q, k, v, state_pool, mode=mode, g=g, beta=beta, decay=decay, state_indices=host_slots,
+               num_accepted_tokens=num_accepted_tokens, A_log=A_log, dt_bias=dt_bias, out=out, backend=backend,
+               options=opts, _entry=_lib.LIB.cula_decode_explain)
     arrays = _given(q=q, k=k, v=v, state_pool=state_pool, g=g, beta=beta, decay=decay, state_indices=state_indices,
                     num_accepted_tokens=num_accepted_tokens, A_log=A_log, dt_bias=dt_bias, out=out)
     q = arrays.get("q")

@@ -454,3 +454,41 @@ def test_dropin_serving_decode_takes_strided_inputs_as_fla_does(rng):
     b = cula.kda.chunk_kda(**dict(flat, A_log=fused["A_log"]), **chunk_kw)
     torch.cuda.synchronize()
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_device_slot_indices_checked_on_request(rng, monkeypatch):
+    """CULA_CHECK_DEVICE_INDICES: device slot indices get the host checks (one synchronisation), in
+    decode and in the chunked forward's state pool, through Level 0 and Level 1: a slot named by two
+    sequences or past the pool is refused before anything runs (pool untouched); valid indices give
+    the unchecked call's bits."""
+    N, H, K, V = 4, 2, 128, 128
+    d, kw = make(rng, "kda", N, 1, H, H, K, V, True)
+    dev = {n: x.cuda() for n, x in d.items()}
+    rest = {n: x for n, x in dev.items() if n not in ("q", "k", "v")}
+    pool = torch.from_numpy(rng.standard_normal((N + 2, H, V, K)).astype(np.float32)).cuda()
+    good = torch.tensor([3, 0, 5, -1], dtype=torch.int32, device="cuda")
+    twice = torch.tensor([3, 0, 3, -1], dtype=torch.int32, device="cuda")
+    past = torch.tensor([3, 0, 6, -1], dtype=torch.int32, device="cuda")
+    plain_pool = pool.clone()
+    o_plain, _ = cula.decode(**dev, state_pool=plain_pool, mode="kda", state_indices=good, **kw)
+    monkeypatch.setenv("CULA_CHECK_DEVICE_INDICES", "1")
+    p = pool.clone()
+    o, _ = cula.decode(**dev, state_pool=p, mode="kda", state_indices=good, **kw)
+    torch.cuda.synchronize()
+    assert torch.equal(o, o_plain) and torch.equal(p, plain_pool)
+    for bad, msg in ((twice, "slot 3 named by sequences 0 and 2"), (past, "slot indices < pool size P = 6")):
+        for call in (lambda p, i: cula.decode(**dev, state_pool=p, mode="kda", state_indices=i, **kw),
+                     lambda p, i: cula.cula_decode(dev["q"], dev["k"], dev["v"], p, mode="kda", state_indices=i,
+                                                   **rest, **kw)):
+            p = pool.clone()
+            with pytest.raises(cula.CulaError, match=msg):
+                call(p, bad)
+            assert torch.equal(p, pool), "a refused call wrote the pool"
+    # the chunked forward with a state pool: one token per sequence of a varlen batch
+    cu = torch.arange(N + 1, dtype=torch.int32, device="cuda")
+    flat = {n: x.reshape(1, N, *x.shape[2:]) if x.dim() >= 3 else x for n, x in dev.items()}
+    p = pool.clone()
+    with pytest.raises(cula.CulaError, match="slot 3 named by sequences 0 and 2"):
+        cula.chunk_fwd("kda", flat["q"], flat["k"], flat["v"], flat["g"], flat["beta"], cu_seqlens=cu, state_pool=p,
+                       state_indices=twice, A_log=dev.get("A_log"), dt_bias=dev.get("dt_bias"), **kw)
+    assert torch.equal(p, pool)
