@@ -16,17 +16,18 @@ columns and the initial state by the identity, so the same pass also returns, pe
 carried through the slice's transitions (Q~_t = P_t^T q^_t) and, per sequence, the state it adds
 (A) and its K x K transition (M). Without the delta rule (GLA, simple GLA, Lightning) the
 transitions are diagonal, the products of the decays: Q~ and M come from the gates in float32 and
-the pass runs the V columns alone. The ranks all-gather (A, M) - a size independent of the number
-of tokens - and each folds its predecessors in order (X <- X M_j + A_j, float32), which gives its
-incoming state X; its outputs are then o_t + X Q~_t and its final states A + X M. Dense batches:
+the pass runs the V columns alone. The ranks exchange (A, M) - a size independent of the number
+of tokens - and each composes its predecessors' maps in order (X <- X M_j + A_j, float32), which
+gives its incoming state X (``_cp_exchange``: an all-gather, or a log-depth scan of point-to-point
+messages beyond 8 ranks); its outputs are then o_t + X Q~_t and its final states A + X M. Dense batches:
 every sequence spans every rank. Packed varlen batches (B = 1): ``cu_seqlens`` holds the *global*
 offsets (the same tensor on every rank), and sequences may cross rank boundaries; the local slice
 is the rank's tokens in rank order (``split_tokens_for_sp`` / ``split_cu_seqlens_for_sp``).
 Initial states are global ``[N, HV, V, K]`` (read by the rank where a sequence starts); the final
 states of all sequences are returned on every rank. The backward mirrors it (``_cp_backward``):
 a local backward with no gradient leaving the slice gives, per sequence entering it, the gradient
-it sends back (R) beside its transition (M); the ranks all-gather (R, M) and each folds its
-successors from the last (Y <- Y M^T + R), which gives the gradient arriving at the end of its
+it sends back (R) beside its transition (M); the ranks exchange (R, M) the same way and each
+composes its successors' maps from the last (Y <- Y M^T + R), which gives the gradient arriving at the end of its
 slice, and a second local backward uses it. Gradients of the final states are summed over the
 ranks (they are returned on every rank); those of inputs every rank holds whole (A_log, dt_bias,
 the global initial states) are each rank's part, to be summed over the group as for any weight.
@@ -44,13 +45,13 @@ activations twice. ``chunk_sp`` picks it when the heads divide over the ranks, e
 
 from __future__ import annotations
 
-from . import _cp_segments, ops
+from . import _cp_exchange, _cp_segments, ops
 from ._cp_summary import DIAGONAL as _DIAGONAL, diagonal_summary as _diagonal_summary
 from ._front import LazyFunction, _needs_grad, chunk
 from ._lib import CulaError
 
 __all__ = [
-    "chunk_tp", "chunk_cp", "chunk_tp_cp", "chunk_fla_cp", "chunk_heads", "chunk_sp", "last_plan",
+    "chunk_tp", "chunk_cp", "chunk_tp_cp", "chunk_fla_cp", "chunk_heads", "chunk_sp", "last_plan", "last_exchange",
     "cula_kda_tp", "cula_kda_cp", "cula_kda_tp_cp", "cula_gdn_tp", "cula_gdn_cp", "cula_gdn_tp_cp",
     "cula_lightning_tp", "cula_lightning_cp",
     "alloc_state_buffer", "alloc_decode_state_pool", "shard_heads", "split_tokens_for_sp", "split_cu_seqlens_for_sp",
@@ -196,14 +197,18 @@ def _refuse_cp_options(opts, q, k, v, g, beta, initial_state, grads=True):
 
 def chunk_cp(family, q, k, v, g=None, beta=None, decay=None, *, sp_group=None, sp_size=None, sp_rank=None,
              initial_state=None, output_final_state=True, cu_seqlens=None, deterministic=False, segment_len=4096,
-             **opts):
+             exchange="auto", **opts):
     """The chunked forward of this rank's tokens (q, k, v ... [B, T_rank, ...], rank order = token
     order) with the state carried over from the ranks before: see the module docstring. Returns
     (o of the local tokens, final states [N, HV, V, K] of every sequence on every rank, or None).
 
     deterministic=True: outputs, final states and gradients bitwise identical for any number of
     ranks (``_cp_segments``): the tokens are cut on a grid of ``segment_len`` global positions, on
-    which every rank's slice must start; one engine call per segment."""
+    which every rank's slice must start; one engine call per segment.
+
+    exchange: how the ranks' summaries meet (``_cp_exchange``): "all_gather", "scan" (log-depth,
+    point to point) or "auto" (the planner: the all-gather up to 8 ranks); ``last_exchange()`` says
+    which ran. The deterministic mode folds its segments in order after an all-gather."""
 
     dist, size, rank = _group_info(sp_group, sp_size, sp_rank, "sp_size", "sp_rank")
     _refuse_cp_options(opts, q, k, v, g, beta, initial_state)
@@ -231,6 +236,13 @@ def chunk_cp(family, q, k, v, g=None, beta=None, decay=None, *, sp_group=None, s
                         f"{[N, HV, V, K]}, got shape {list(initial_state.shape)}")
     packed = cu_seqlens is not None
     A_log, dt_bias = opts.pop("A_log", None), opts.pop("dt_bias", None)
+    how, why = ("all_gather", "deterministic=True: segments folded in order") if deterministic else \
+        _cp_exchange.choose(size, exchange)
+    if deterministic and exchange not in ("auto", "all_gather"):
+        raise CulaError(f"argument 'exchange': expected 'auto' or 'all_gather' with deterministic=True (the segments "
+                        f"fold in order), got {exchange!r}")
+    _LAST_EXCHANGE.clear()
+    _LAST_EXCHANGE.update(exchange=how, reason=why)
     if deterministic:
         plan = _cp_segments.Plan(cu if packed else None, B, lengths, rank, segment_len)
         if _needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
@@ -241,14 +253,22 @@ def chunk_cp(family, q, k, v, g=None, beta=None, decay=None, *, sp_group=None, s
                                              dict(opts, A_log=A_log, dt_bias=dt_bias))
         return o, (out if output_final_state else None)
     if _needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
-        o, out = _ChunkCP.apply(family, decay, dist, sp_group, rank, size, pieces, packed, N, opts,
+        o, out = _ChunkCP.apply(family, decay, dist, sp_group, rank, size, pieces, packed, N, opts, how,
                                 q, k, v, g, beta, A_log, dt_bias, initial_state)
         return o, (out if output_final_state else None)
     o, final, _ = _cp_pieces(family, q, k, v, g, beta, decay, dist, sp_group, rank, pieces, packed, initial_state,
-                             dict(opts, A_log=A_log, dt_bias=dt_bias))
+                             dict(opts, A_log=A_log, dt_bias=dt_bias), how)
     if not output_final_state:
         return o, None
     return o, _gather_finals(dist, sp_group, final, N, HV, V, K, dev)
+
+
+_LAST_EXCHANGE = {}
+
+
+def last_exchange():
+    """{"exchange": "all_gather" | "scan", "reason": ...} of the last chunk_cp call of this process."""
+    return dict(_LAST_EXCHANGE)
 
 
 def _gather_finals(dist, group, final, N, HV, V, K, dev):
@@ -262,7 +282,7 @@ def _gather_finals(dist, group, final, N, HV, V, K, dev):
 
 
 def _cp_backward(family, q, k, v, g, beta, decay, A_log, dt_bias, dist, group, rank, size, pieces, packed, saved,
-                 d_out, d_final, opts):
+                 d_out, d_final, opts, exchange):
     """The gradients of this rank's inputs (the reverse of _cp_pieces). The gradient leaving a piece
     that continues on the next rank is not known here: a first local backward, with zero for it,
     gives the gradient each crossing-in piece sends back (R, at the piece's start); the ranks
@@ -301,14 +321,15 @@ def _cp_backward(family, q, k, v, g, beta, decay, A_log, dt_bias, dist, group, r
             send_R[row] = first["d_initial_state"][i].float()
             send_M[row] = saved["M"][i]
             flags[row, 0], flags[row, 1] = 1, int(cout)
-    all_R, all_M, all_flags = (_all_gather(dist, group, x) for x in (send_R, send_M, flags))
+    # the gradient arriving from the ranks after, their maps Y -> Y M^T + R (Y passed through where the
+    # row also crosses out there, nothing where it does not cross in) composed from the last rank
+    cin, through = (flags[:, c].view(rows, 1, 1, 1) > 0 for c in (0, 1))
+    zero_M = torch.zeros_like(send_M)
+    Y = _cp_exchange.incoming(dist, group, rank, size,
+                              torch.where(cin & through, send_M.transpose(-1, -2), zero_M),
+                              torch.where(cin, send_R, torch.zeros_like(send_R)), exchange, reverse=True)
     if not crossing_out:
         return first
-    Y = torch.zeros(rows, HV, V, K, dtype=torch.float32, device=dev)  # the gradient arriving from the ranks after
-    for j in range(size - 1, rank, -1):
-        cin, through = (all_flags[j][:, c].view(rows, 1, 1, 1) > 0 for c in (0, 1))
-        back = torch.matmul(torch.where(through, Y, torch.zeros_like(Y)), all_M[j].transpose(-1, -2)) + all_R[j]
-        Y = torch.where(cin, back, torch.zeros_like(Y))
     for i in crossing_out:
         dfin[i] = Y[0] if packed else Y[pieces[i][0]]
     return local_backward(dfin)
@@ -325,19 +346,20 @@ def _make_chunk_cp_fn():
         for any weight under sequence parallelism."""
 
         @staticmethod
-        def forward(ctx, family, decay, dist, group, rank, size, pieces, packed, N, opts,
+        def forward(ctx, family, decay, dist, group, rank, size, pieces, packed, N, opts, exchange,
                     q, k, v, g, beta, A_log, dt_bias, initial_state):
             o, final, saved = _cp_pieces(family, q, k, v, g, beta, decay, dist, group, rank, pieces, packed,
-                                         initial_state, dict(opts, A_log=A_log, dt_bias=dt_bias), for_backward=True)
+                                         initial_state, dict(opts, A_log=A_log, dt_bias=dt_bias), exchange,
+                                         for_backward=True)
             HV, V, K = int(v.shape[2]), int(v.shape[3]), int(q.shape[3])
             out = _gather_finals(dist, group, final, N, HV, V, K, q.device)
-            ctx.meta = (family, decay, dist, group, rank, size, pieces, packed, N, opts, saved)
+            ctx.meta = (family, decay, dist, group, rank, size, pieces, packed, N, opts, exchange, saved)
             ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state)
             return o, out
 
         @staticmethod
         def backward(ctx, d_out, d_final):
-            family, decay, dist, group, rank, size, pieces, packed, N, opts, saved = ctx.meta
+            family, decay, dist, group, rank, size, pieces, packed, N, opts, exchange, saved = ctx.meta
             q, k, v, g, beta, A_log, dt_bias, initial_state = ctx.saved_tensors
             HV, V, K = int(v.shape[2]), int(v.shape[3]), int(q.shape[3])
             # (every rank takes part in the all-reduce, also where its final states were unused)
@@ -345,7 +367,7 @@ def _make_chunk_cp_fn():
                        else d_final.float().contiguous())
             dist.all_reduce(d_final, group=group)
             grads = _cp_backward(family, q, k, v, g, beta, decay, A_log, dt_bias, dist, group, rank, size, pieces,
-                                 packed, saved, d_out.contiguous(), d_final, opts)
+                                 packed, saved, d_out.contiguous(), d_final, opts, exchange)
             out = []
             for name, x in (("dq", q), ("dk", k), ("dv", v), ("dg", g), ("dbeta", beta), ("dA_log", A_log),
                             ("ddt_bias", dt_bias)):
@@ -358,7 +380,7 @@ def _make_chunk_cp_fn():
                     if not cin:
                         d_h0[n] = grads["d_initial_state"][i]
                 d_h0 = d_h0.to(initial_state.dtype)
-            return (None,) * 10 + (*out, d_h0)
+            return (None,) * 11 + (*out, d_h0)
 
     return ChunkCP
 
@@ -406,7 +428,7 @@ def _make_segments_cp_fn():
 _SegmentsCP = LazyFunction(_make_segments_cp_fn)
 
 
-def _cp_pieces(family, q, k, v, g, beta, decay, dist, group, rank, pieces, packed, initial_state, opts,
+def _cp_pieces(family, q, k, v, g, beta, decay, dist, group, rank, pieces, packed, initial_state, opts, exchange,
                for_backward=False):
     """The context-parallel pass over this rank's pieces [(sequence n, local begin, local end,
     crosses in, crosses out)] (packed: one row of packed sequences, else one piece per batch row).
@@ -461,12 +483,12 @@ def _cp_pieces(family, q, k, v, g, beta, decay, dist, group, rank, pieces, packe
         if M is not None:
             send_M[row] = M[i]
         leaving[row] = 1
-    all_A, all_M = _all_gather(dist, group, send_A), _all_gather(dist, group, send_M)
-    all_leaving = _all_gather(dist, group, leaving)
-    X = torch.zeros(rows, HV, V, K, dtype=torch.float32, device=dev)  # the incoming state, folded in rank order
-    for j in range(rank):
-        X = torch.where(all_leaving[j].view(rows, 1, 1, 1) > 0, torch.matmul(X, all_M[j]) + all_A[j],
-                        torch.zeros_like(X))
+    # the incoming state, the maps X -> X M + A of the ranks before composed in rank order (a row that
+    # does not leave a rank passes nothing on: its map is zero)
+    passes = leaving.view(rows, 1, 1, 1) > 0
+    X = _cp_exchange.incoming(dist, group, rank, dist.get_world_size(group),
+                              torch.where(passes, send_M, torch.zeros_like(send_M)),
+                              torch.where(passes, send_A, torch.zeros_like(send_A)), exchange)
 
     o = ow[..., :V].contiguous() if extended else ow
     for i, (n, lo, hi, _, _) in ((i, p) for i, p in enumerate(pieces) if p[3]):
@@ -506,13 +528,14 @@ def chunk_fla_cp(family, q, k, v, g=None, beta=None, decay=None, *, cp_context, 
     cu = getattr(cp_context, "cu_seqlens", None)
     if cu is None:
         raise CulaError("argument 'cp_context': expected a context with this rank's cu_seqlens, got None")
-    dist, _, rank = _group_info(cp_context.group, None, None, "cp_context.group", "cp_context.group")
+    dist, size, rank = _group_info(cp_context.group, None, None, "cp_context.group", "cp_context.group")
     _refuse_cp_options(opts, q, k, v, g, beta, None, grads=False)
     offsets = [int(x) for x in cu.tolist()]
     last = len(offsets) - 2
     pieces = [(i, offsets[i], offsets[i + 1], i == 0 and not cp_context.is_first_rank,
                i == last and not cp_context.is_last_rank) for i in range(len(offsets) - 1)]
-    o, _, _ = _cp_pieces(family, q, k, v, g, beta, decay, dist, cp_context.group, rank, pieces, True, None, opts)
+    o, _, _ = _cp_pieces(family, q, k, v, g, beta, decay, dist, cp_context.group, rank, pieces, True, None, opts,
+                         _cp_exchange.choose(size, "auto")[0])
     return o, None
 
 

@@ -128,7 +128,7 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
-def _cp_dense(rank, world, device, rng, family):
+def _cp_dense(rank, world, device, rng, family, exchange="auto"):
     d, kw, h0 = _problem(rng, family, 2, 150, 2, 4, 32, 32, device)  # GVA: two value heads per q/k head
     kw["scale"] = 0.3
     o_ref, s_ref = _reference(family, d, kw, h0)
@@ -136,13 +136,14 @@ def _cp_dense(rank, world, device, rng, family):
     decay = kw.pop("decay", None)
     with torch.no_grad():
         o, s = dist.chunk_cp(family, local["q"], local["k"], local["v"], local.get("g"), local.get("beta"), decay,
-                             initial_state=h0, sp_size=world, sp_rank=rank, **kw)
+                             initial_state=h0, sp_size=world, sp_rank=rank, exchange=exchange, **kw)
+    assert dist.last_exchange()["exchange"] == (exchange if exchange != "auto" else "all_gather")
     tol = TOL_CUDA if device == "cuda" else TOL
     assert _rel(o, dist.split_tokens_for_sp(o_ref, world, rank)) < tol, (rank, family, _rel(o, dist.split_tokens_for_sp(o_ref, world, rank)))
     assert _rel(s, s_ref) < tol, (rank, family, _rel(s, s_ref), float(s_ref.abs().max()))
 
 
-def _cp_varlen(rank, world, device, rng, family):
+def _cp_varlen(rank, world, device, rng, family, exchange="auto"):
     seqlens = [5, 0, 70, 3, 90, 0, 12]
     T = sum(seqlens)
     cu = torch.tensor(np.cumsum([0] + seqlens), dtype=torch.int32, device=device)
@@ -152,7 +153,7 @@ def _cp_varlen(rank, world, device, rng, family):
     decay = kw.pop("decay", None)
     with torch.no_grad():
         o, s = dist.chunk_cp(family, local["q"], local["k"], local["v"], local.get("g"), local.get("beta"), decay,
-                             initial_state=h0, cu_seqlens=cu, **kw)
+                             initial_state=h0, cu_seqlens=cu, exchange=exchange, **kw)
     tol = TOL_CUDA if device == "cuda" else TOL
     assert _rel(o, dist.split_tokens_for_sp(o_ref, world, rank)) < tol, rank
     assert _rel(s, s_ref) < tol, rank
@@ -244,7 +245,7 @@ def _grad_problem(rng, family, device, seqlens, T):
     return cu, d, kw, h0, params, w_o, w_s
 
 
-def _cp_grad(rank, world, device, rng, family, varlen):
+def _cp_grad(rank, world, device, rng, family, varlen, exchange="auto"):
     """chunk_cp's backward against autograd through the whole problem in one process: every input's
     gradient (the token slices on their rank; A_log, dt_bias and the initial states summed over the
     ranks), with the final states in the loss on rank 0 only."""
@@ -259,7 +260,8 @@ def _cp_grad(rank, world, device, rng, family, varlen):
     whole = {n: x.detach().clone().requires_grad_() for n, x in {**params, "h0": h0}.items()}
     decay = kw.pop("decay", None)
     o, s = dist.chunk_cp(family, mine["q"], mine["k"], mine["v"], mine.get("g"), mine.get("beta"), decay,
-                         initial_state=whole["h0"], cu_seqlens=cu, **kw, **{n: whole[n] for n in params})
+                         initial_state=whole["h0"], cu_seqlens=cu, exchange=exchange, **kw,
+                         **{n: whole[n] for n in params})
     loss = (o.float() * dist.split_tokens_for_sp(w_o, world, rank)).sum()
     if rank == 0:
         loss = loss + (s * w_s).sum()
@@ -409,6 +411,20 @@ def _cp_varlen_all(rank, world, device, rng):
     _each(_cp_varlen, ("kda", "gla", "lightning"))(rank, world, device, rng)
 
 
+def _cp_scan_all(rank, world, device, rng):
+    """The log-depth scan exchange in place of the all-gather: forward dense and packed, backward."""
+    for family in ("kda", "gla"):
+        _cp_dense(rank, world, device, rng, family, exchange="scan")
+        _cp_varlen(rank, world, device, rng, family, exchange="scan")
+    for family, varlen in (("kda", True), ("gdn", False), ("simple_gla", True)):
+        _cp_grad(rank, world, device, rng, family, varlen, exchange="scan")
+    with pytest.raises(cula.CulaError, match="argument 'exchange'"):
+        d, kw, _ = _problem(rng, "gdn", 1, 64, 2, 2, 32, 32, device)
+        local = {n: dist.split_tokens_for_sp(x, world, rank) for n, x in d.items()}
+        with torch.no_grad():
+            dist.chunk_cp("gdn", local["q"], local["k"], local["v"], local["g"], local["beta"], exchange="ring", **kw)
+
+
 def _tp_all(rank, world, device, rng):
     _each(_tp, ("kda", "gdn", "lightning"))(rank, world, device, rng)
 
@@ -425,6 +441,25 @@ def test_context_parallel_dense_matches_one_process(rng, backend, world):
 def test_context_parallel_varlen_with_sequences_across_ranks(rng, backend, world):
     """Packed sequences (empty ones too) cut by the rank boundaries, one across three ranks."""
     _spawn(_cp_varlen_all, _world(backend, world), backend, int(rng.integers(1 << 31)))
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("world", [3, 5])
+def test_log_depth_scan_exchange_matches_one_process(rng, backend, world):
+    """exchange="scan" (point-to-point rounds; 3 and 5 ranks leave a round half used): forward and
+    backward as with the all-gather, dense and packed (a sequence across three ranks)."""
+    _spawn(_cp_scan_all, _world(backend, world), backend, int(rng.integers(1 << 31)))
+
+
+def test_exchange_planner():
+    from cula import _cp_exchange
+
+    assert _cp_exchange.choose(2, "auto")[0] == "all_gather"
+    assert _cp_exchange.choose(8, "auto")[0] == "all_gather"
+    assert _cp_exchange.choose(16, "auto")[0] == "scan"
+    assert _cp_exchange.choose(16, "all_gather")[0] == "all_gather"
+    with pytest.raises(cula.CulaError, match="argument 'exchange': expected one of"):
+        _cp_exchange.choose(4, "ring")
 
 
 @pytest.mark.parametrize("backend", _backends())
