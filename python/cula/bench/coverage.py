@@ -11,6 +11,8 @@ K = V = 64; Qwen3-Next GDN (16 q/k heads, 32 value heads, K = V = 128); GDN with
 (a GatedDeltaNet layer with head_dim 128 and FLA's expand_v = 2); FLA's default GatedDeltaNet layer
 (head_dim 256, expand_v 2: K = 256, V = 512, 6 heads); fp16 inputs. bf16 unless the row says fp16.
 Timing as ``cula bench kda``: single synchronized calls, then queued calls (the GPU's time per call).
+Then decode with each of these (DECODE_CONFIGS: one token for each of N sequences through FLA's public
+fused_recurrent functions), written to decode_coverage.{json,md}.
 """
 
 from __future__ import annotations
@@ -43,6 +45,37 @@ CONFIGS = [
     ("FLA-default GDN K=256 V=512 1x8192 H6", "gdn", 1, 8192, 6, 6, 256, 512, None, "bfloat16", None),
     ("GDN fp16 1x8192 H16/HV32", "gdn", 1, 8192, 16, 32, 128, 128, None, "float16", None),
 ]
+
+
+# Decode (one token per sequence, the state of every sequence read and written): the same model
+# configurations through FLA's public fused_recurrent functions, as FLA's layers call them at
+# inference (q [N, 1, H, K], initial_state [N, HV, K, V] float32, output_final_state=True).
+# (name, family, N, H, HV, K, V, dtype, gate)
+DECODE_CONFIGS = [
+    ("Kimi-Linear KDA decode N64 H32", "kda", 64, 32, 32, 128, 128, "bfloat16", "softplus"),
+    ("Kimi-Linear KDA decode N256 H32", "kda", 256, 32, 32, 128, 128, "bfloat16", "softplus"),
+    ("Kimi-Linear KDA GVA decode N256 H16/HV32", "kda", 256, 16, 32, 128, 128, "bfloat16", "softplus"),
+    ("KDA lower bound -5 decode N256 H32", "kda", 256, 32, 32, 128, 128, "bfloat16", "bounded"),
+    ("KDA K=V=64 decode N256 H32", "kda", 256, 32, 32, 64, 64, "bfloat16", "softplus"),
+    ("KDA fp16 decode N256 H32", "kda", 256, 32, 32, 128, 128, "float16", "softplus"),
+    ("Qwen3-Next GDN decode N64 H16/HV32", "gdn", 64, 16, 32, 128, 128, "bfloat16", None),
+    ("Qwen3-Next GDN decode N256 H16/HV32", "gdn", 256, 16, 32, 128, 128, "bfloat16", None),
+    ("GDN K=128 V=256 decode N256 H16", "gdn", 256, 16, 16, 128, 256, "bfloat16", None),
+    ("FLA-default GDN K=256 V=512 decode N256 H6", "gdn", 256, 6, 6, 256, 512, "bfloat16", None),
+    ("GDN fp16 decode N256 H16/HV32", "gdn", 256, 16, 32, 128, 128, "float16", None),
+]
+
+
+def _decode_fns(family):
+    if family == "kda":
+        from fla.ops.kda import fused_recurrent_kda as fla_fn
+
+        from ..kda import fused_recurrent_kda as cula_fn
+    else:
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_fn
+
+        from ..gated_delta_rule import fused_recurrent_gated_delta_rule as cula_fn
+    return cula_fn, fla_fn
 
 
 def _fns(family):
@@ -84,12 +117,97 @@ def _kda_gate(torch, gate, HV, K, dev):
     return dict(kw, A_log=torch.log(torch.empty(HV, device=dev).uniform_(1, 16)))
 
 
-def bench_coverage(out_dir: str, gpu_name: str | None = None, configs=None) -> int:
+def bench_coverage(out_dir: str, gpu_name: str | None = None, configs=None, decode_configs=None) -> int:
+    """The forward grid (configs, default CONFIGS) to fwd_coverage.*, then the decode grid
+    (decode_configs, default DECODE_CONFIGS) to decode_coverage.*; an empty list skips its grid."""
     os.environ["FLA_FLASH_KDA"] = "0"
     import torch
 
     dev, props, bw = cuda_device(torch)
-    configs = configs or CONFIGS
+    configs = CONFIGS if configs is None else configs
+    decode_configs = DECODE_CONFIGS if decode_configs is None else decode_configs
+    if configs:
+        _forward_grid(torch, dev, props, bw, out_dir, gpu_name, configs)
+    if decode_configs:
+        _decode_grid(torch, dev, props, bw, out_dir, gpu_name, decode_configs)
+    return 0
+
+
+def _decode_grid(torch, dev, props, bw, out_dir, gpu_name, configs):
+    from .common import time_interleaved
+    from .. import ops
+
+    op = "decode_coverage"
+    title = "Model configurations, decode (one token per sequence): cula's drop-ins against FLA Triton"
+    meta = dict(gpu=gpu_name or props.name, copy_gb_per_s=round(bw, 1), torch=torch.__version__,
+                fla=_version("fla-core"), date=time.strftime("%Y-%m-%d"), binding=_lib.binding(),
+                method=PEERS_AND_BASELINE_METHOD.split(", torch SDPA")[0] + "; FLA's public fused_recurrent function "
+                "and cula's drop-in called with the same arguments (q [N, 1, H, K], float32 states [N, HV, K, V] in, "
+                "final states out), under torch.inference_mode", queued_method=QUEUED_METHOD.split(", torch SDPA")[0])
+    records, rows, queued_rows = [], [], []
+    prog = Progress(len(configs), "bench coverage (decode)")
+    for name, family, N, H, HV, K, V, dtype, gate in configs:
+        cula_fn, fla_fn = _decode_fns(family)
+        sets = []
+        for _ in range(2):
+            x = _inputs(torch, family, N, 1, H, HV, K, V, dtype, dev)
+            x["initial_state"] = torch.randn(N, HV, K, V, device=dev) * 0.1
+            sets.append(x)
+        kw = dict(scale=K ** -0.5, output_final_state=True)
+        kw.update(_kda_gate(torch, gate, HV, K, dev) if family == "kda" else dict(use_qk_l2norm_in_kernel=True))
+        if family == "kda":
+            kw.pop("safe_gate", None)  # (a chunked-kernel option; the recurrent functions take lower_bound alone)
+
+        def call(fn, i, s=sets, kw=kw):
+            x = s[i % 2]
+            if family == "kda":
+                return fn(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"], **kw)
+            return fn(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], initial_state=x["initial_state"], **kw)
+
+        config = dict(name=name, family=family, N=N, T=1, H=H, HV=HV, K=K, V=V, dtype=dtype, gate=gate,
+                      state_dtype="float32")
+        impls = [("cula", lambda i: call(cula_fn, i))]
+        fla_error = None
+        try:
+            with torch.inference_mode():
+                call(fla_fn, 0)
+            impls.append(("fla_triton", lambda i: call(fla_fn, i)))
+        except Exception as e:  # a configuration FLA refuses is recorded as its refusal
+            fla_error = f"{type(e).__name__}: {e}"[:300]
+            records.append(dict(op=op, config=config, impl="fla_triton", refused=fla_error))
+        isz = 2 if dtype != "float32" else 4
+        nbytes = 2 * N * HV * K * V * 4 + N * (H * 2 * K * isz + HV * (2 * V * isz + (K * isz if family == "kda" else 4) + isz))
+        floor = nbytes / (bw * 1e9) * 1e3
+        check = {}
+        with torch.inference_mode():
+            res = time_interleaved(torch, impls)
+            resq = time_interleaved(torch, impls, queued=True)
+            o_cula = call(cula_fn, 0)[0]
+            kernel = ops.last_kernel()
+            if not fla_error:
+                o_fla = call(fla_fn, 0)[0]
+                check["rel_vs_fla"] = float((o_cula.float() - o_fla.float()).norm() / o_fla.float().norm())
+        for impl in res:
+            records.append(dict(op=op, config=config, impl=impl, median_ms=round(res[impl], 4),
+                                median_ms_queued=round(resq[impl], 4)))
+        records.append(dict(op=op, config=config, impl="floor", median_ms=round(floor, 4),
+                            note="the states read and written (float32), q, k, v, gate and beta read, o written, at "
+                                 "the copy bandwidth"))
+        if "fla_triton" in res:
+            records.append(dict(op=op, config=config, impl="ratio_fla_triton_over_cula",
+                                ratio=round(res["fla_triton"] / res["cula"], 3),
+                                ratio_queued=round(resq["fla_triton"] / resq["cula"], 3)))
+        records.append(dict(op=op, config=config, impl="cula_kernel", name=kernel, **check))
+        rows.append((name, res, floor, kernel, check))
+        queued_rows.append((name, resq, floor, kernel, {}))
+        prog.step(f"{name}: cula {res['cula']:.3f} ms (queued {resq['cula']:.3f}) on {kernel}")
+        del sets
+        torch.cuda.empty_cache()
+        write_report(out_dir, op, title, meta, rows, records, ["fla_triton"], quiet=True, queued_rows=queued_rows)
+    write_report(out_dir, op, title, meta, rows, records, ["fla_triton"], queued_rows=queued_rows)
+
+
+def _forward_grid(torch, dev, props, bw, out_dir, gpu_name, configs):
     op = "fwd_coverage"
     title = "Model configurations, chunked forward: cula's drop-ins against FLA Triton"
     meta = dict(gpu=gpu_name or props.name, copy_gb_per_s=round(bw, 1), torch=torch.__version__,
@@ -141,4 +259,3 @@ def bench_coverage(out_dir: str, gpu_name: str | None = None, configs=None) -> i
         write_report(out_dir, op, title, meta, rows, records, ["fla_triton", "torch_sdpa"], quiet=True,
                      queued_rows=queued_rows)  # a run cut short keeps what it measured
     write_report(out_dir, op, title, meta, rows, records, ["fla_triton", "torch_sdpa"], queued_rows=queued_rows)
-    return 0

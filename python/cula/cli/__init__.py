@@ -75,9 +75,11 @@ def main(argv=None) -> int:
             return bench_kda(args.out or "bench/results/gpu", configs=[c for c in CONFIGS if not only or c[0] in only],
                              resume=args.resume)
         if args.suite == "coverage":
-            from ..bench.coverage import CONFIGS, bench_coverage
+            from ..bench.coverage import CONFIGS, DECODE_CONFIGS, bench_coverage
 
-            return bench_coverage(args.out or "bench/results/gpu", configs=[c for c in CONFIGS if not only or c[0] in only])
+            return bench_coverage(args.out or "bench/results/gpu",
+                                  configs=[c for c in CONFIGS if not only or c[0] in only],
+                                  decode_configs=[c for c in DECODE_CONFIGS if not only or c[0] in only])
         if args.suite == "train":
             from ..bench.train import CONFIGS, bench_train
 
