@@ -178,21 +178,14 @@ def _token_split(dist, group, q, v, cu_seqlens):
     return lengths
 
 
-def _refuse_cp_options(opts, q, k, v, g, beta, initial_state, grads=True):
-    """Options context parallelism does not take; with grads=False, also inputs that require gradients."""
-    import torch
-
+def _refuse_cp_options(opts, q, k, v, g, beta, initial_state):
+    """Options context parallelism does not take."""
     if opts.get("state_layout", "k_last") == "k_last" and opts.get("state_dtype", "float32") == "float32":
         opts.pop("state_layout", None), opts.pop("state_dtype", None)  # Level 1's convention: K-last float32
     for name in ("return_intermediate_states", "state_pool", "state_indices", "state_layout", "state_dtype"):
         if opts.get(name) not in (None, False):
             raise CulaError(f"cula.dist: argument '{name}': not supported with context parallelism")
         opts.pop(name, None)
-    if not grads and torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
-                                                     for x in (q, k, v, g, beta, initial_state, opts.get("A_log"),
-                                                               opts.get("dt_bias"))):
-        raise NotImplementedError("cula.dist: FLA's cp_context has no backward in cula; use cula.dist.chunk_cp "
-                                  "(with autograd) or call it under torch.no_grad()")
 
 
 def chunk_cp(family, q, k, v, g=None, beta=None, decay=None, *, sp_group=None, sp_size=None, sp_rank=None,
@@ -352,7 +345,9 @@ def _make_chunk_cp_fn():
                                          initial_state, dict(opts, A_log=A_log, dt_bias=dt_bias), exchange,
                                          for_backward=True)
             HV, V, K = int(v.shape[2]), int(v.shape[3]), int(q.shape[3])
-            out = _gather_finals(dist, group, final, N, HV, V, K, q.device)
+            # (N None: FLA's cp_context, which has no final states; an empty tensor stands for them)
+            out = q.new_zeros(0, dtype=torch.float32) if N is None else _gather_finals(dist, group, final, N, HV, V, K,
+                                                                                      q.device)
             ctx.meta = (family, decay, dist, group, rank, size, pieces, packed, N, opts, exchange, saved)
             ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state)
             return o, out
@@ -363,9 +358,12 @@ def _make_chunk_cp_fn():
             q, k, v, g, beta, A_log, dt_bias, initial_state = ctx.saved_tensors
             HV, V, K = int(v.shape[2]), int(v.shape[3]), int(q.shape[3])
             # (every rank takes part in the all-reduce, also where its final states were unused)
-            d_final = (torch.zeros(N, HV, V, K, dtype=torch.float32, device=q.device) if d_final is None
-                       else d_final.float().contiguous())
-            dist.all_reduce(d_final, group=group)
+            if N is None:
+                d_final = None
+            else:
+                d_final = (torch.zeros(N, HV, V, K, dtype=torch.float32, device=q.device) if d_final is None
+                           else d_final.float().contiguous())
+                dist.all_reduce(d_final, group=group)
             grads = _cp_backward(family, q, k, v, g, beta, decay, A_log, dt_bias, dist, group, rank, size, pieces,
                                  packed, saved, d_out.contiguous(), d_final, opts, exchange)
             out = []
@@ -517,7 +515,8 @@ def chunk_fla_cp(family, q, k, v, g=None, beta=None, decay=None, *, cp_context, 
     """Context parallelism driven by FLA's context object (``fla.ops.cp.FLACPContext``, contiguous
     layout, or any object with its fields ``group``, ``cu_seqlens`` - this rank's local offsets -,
     ``is_first_rank`` and ``is_last_rank``): the FLA drop-ins' ``cp_context``. As in FLA, no
-    initial or final states."""
+    initial or final states. With autograd (chunk_cp's backward): the gradients of A_log and
+    dt_bias are this rank's part, summed over the group as for any weight."""
     layout = getattr(cp_context, "layout", "contiguous")
     if layout != "contiguous":
         raise NotImplementedError(f"cula.dist: cp_context with layout {layout!r}: only the contiguous layout is "
@@ -529,13 +528,20 @@ def chunk_fla_cp(family, q, k, v, g=None, beta=None, decay=None, *, cp_context, 
     if cu is None:
         raise CulaError("argument 'cp_context': expected a context with this rank's cu_seqlens, got None")
     dist, size, rank = _group_info(cp_context.group, None, None, "cp_context.group", "cp_context.group")
-    _refuse_cp_options(opts, q, k, v, g, beta, None, grads=False)
+    _refuse_cp_options(opts, q, k, v, g, beta, None)
     offsets = [int(x) for x in cu.tolist()]
     last = len(offsets) - 2
     pieces = [(i, offsets[i], offsets[i + 1], i == 0 and not cp_context.is_first_rank,
                i == last and not cp_context.is_last_rank) for i in range(len(offsets) - 1)]
-    o, _, _ = _cp_pieces(family, q, k, v, g, beta, decay, dist, cp_context.group, rank, pieces, True, None, opts,
-                         _cp_exchange.choose(size, "auto")[0])
+    how = _cp_exchange.choose(size, "auto")[0]
+    A_log, dt_bias = opts.pop("A_log", None), opts.pop("dt_bias", None)
+    opts.pop("chunk_size", None)  # (checked by the drop-in; the chunk size does not change the function)
+    if _needs_grad(q, k, v, g, beta, A_log, dt_bias):  # chunk_cp's backward; A_log's and dt_bias's are this rank's part
+        o, _ = _ChunkCP.apply(family, decay, dist, cp_context.group, rank, size, pieces, True, None, opts, how,
+                              q, k, v, g, beta, A_log, dt_bias, None)
+        return o, None
+    o, _, _ = _cp_pieces(family, q, k, v, g, beta, decay, dist, cp_context.group, rank, pieces, True, None,
+                         dict(opts, A_log=A_log, dt_bias=dt_bias), how)
     return o, None
 
 

@@ -40,12 +40,6 @@ def _cuda_decode_head_size(K: int, V: int, dtype, device):
     return None
 
 
-def _grad_needed(*tensors) -> bool:
-    import torch
-
-    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in tensors)
-
-
 def register(priority: int = 1) -> None:
     """Registers cula for FLA's chunk_kda and fused_recurrent_kda_fwd (idempotent)."""
     global _registered
@@ -67,8 +61,6 @@ def register(priority: int = 1) -> None:
                 return False, f"cula has no chunk_kda kernel for {dev} tensors yet"
             if kwargs.get("use_graph"):
                 return False, "cula does not support use_graph"
-            if kwargs.get("cp_context") is not None and _grad_needed(q, k, v, g, beta):
-                return False, "cula's context parallelism has no backward yet"
             return True, None
 
         def chunk_kda(self, *args, **kwargs):

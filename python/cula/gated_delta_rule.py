@@ -22,7 +22,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     A_log, dt_bias = kwargs.pop("A_log", None), kwargs.pop("dt_bias", None)
     reject_unknown("chunk_gated_delta_rule", kwargs)
     del chunk_indices  # FLA's precomputed chunk bookkeeping: cula derives its own
-    if cp_context is not None:  # FLA's context parallelism (forward only): cula.dist
+    if cp_context is not None:  # FLA's context parallelism: cula.dist (with autograd)
         from .dist import chunk_fla_cp
 
         return chunk_fla_cp("gdn", q, k, v, g, beta, cp_context=cp_context, initial_state=initial_state, scale=scale,

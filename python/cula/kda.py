@@ -25,7 +25,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     reject_unknown("chunk_kda", kwargs)
     unsupported("chunk_kda", use_graph=use_graph, max_num_seqs=max_num_seqs)
     del disable_recompute  # a memory/recompute trade-off of FLA's backward: no effect on results here
-    if cp_context is not None:  # FLA's context parallelism (forward only): cula.dist
+    if cp_context is not None:  # FLA's context parallelism: cula.dist (with autograd)
         from .dist import chunk_fla_cp
 
         return chunk_fla_cp("kda", q, k, v, g, beta, cp_context=cp_context, A_log=gate_param(A_log),

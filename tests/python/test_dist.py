@@ -221,12 +221,15 @@ def _cp_errors(rank, world, device, rng):
         cu = torch.tensor([0, 10 + rank, 40], dtype=torch.int32, device=device)  # differs between ranks
         with pytest.raises(cula.CulaError, match="argument 'cu_seqlens'"):
             dist.chunk_cp("gdn", local["q"], local["k"], local["v"], local["g"], local["beta"], cu_seqlens=cu)
-    leaf = local["q"].clone().requires_grad_()
     T = local["q"].shape[1]
     ctx = SimpleNamespace(group=None, cu_seqlens=torch.tensor([0, T], dtype=torch.int32, device=device),
-                          layout="contiguous", is_first_rank=rank == 0, is_last_rank=rank == world - 1)
-    with pytest.raises(NotImplementedError, match="no_grad"):  # FLA's cp_context: forward only
-        dist.chunk_fla_cp("gdn", leaf, local["k"], local["v"], local["g"], local["beta"], cp_context=ctx)
+                          layout="zigzag", is_first_rank=rank == 0, is_last_rank=rank == world - 1)
+    with pytest.raises(NotImplementedError, match="layout 'zigzag'"):  # FLA's cp_context: the contiguous layout
+        dist.chunk_fla_cp("gdn", local["q"], local["k"], local["v"], local["g"], local["beta"], cp_context=ctx)
+    ctx.layout = "contiguous"
+    with pytest.raises(cula.CulaError, match="initial and final states are not supported"):  # as in FLA
+        dist.chunk_fla_cp("gdn", local["q"], local["k"], local["v"], local["g"], local["beta"], cp_context=ctx,
+                          output_final_state=True)
 
 
 def _grad_problem(rng, family, device, seqlens, T):
@@ -273,6 +276,40 @@ def _cp_grad(rank, world, device, rng, family, varlen, exchange="auto"):
         got = x.grad.clone()
         torch_dist.all_reduce(got)
         assert _rel(got, leaves[n].grad) < _grad_tol(device, n), (rank, family, varlen, n, _rel(got, leaves[n].grad))
+
+
+def _fla_cp_grad(rank, world, device, rng, family):
+    """FLA's cp_context through the drop-in (chunk_kda / chunk_gated_delta_rule) under autograd: each
+    rank's offsets and chain flags, no states; every input's gradient against autograd through the
+    whole problem in one process (A_log and dt_bias summed over the ranks)."""
+    from cula.gated_delta_rule import chunk_gated_delta_rule as gdn_dropin
+
+    seqlens = [5, 0, 70, 3, 90, 0, 12]
+    cu, d, kw, _, params, w_o, _ = _grad_problem(rng, family, device, seqlens, None)
+    leaves = {n: x.detach().clone().requires_grad_() for n, x in {**d, **params}.items()}
+    o_ref, _ = _reference(family, {n: leaves[n] for n in d}, {**kw, **{n: leaves[n] for n in params}}, None, cu)
+    (o_ref.float() * w_o).sum().backward()
+
+    local_cu, span = dist.split_cu_seqlens_for_sp(cu, rank, world)
+    pieces = dist._pieces([int(x) for x in cu.tolist()], int(span[0]), int(span[1]), rank, world)
+    ctx = SimpleNamespace(group=None, cu_seqlens=local_cu, layout="contiguous",
+                          is_first_rank=not pieces[0][3], is_last_rank=not pieces[-1][4])
+    mine = {n: dist.split_tokens_for_sp(x.detach(), world, rank).clone().requires_grad_() for n, x in d.items()}
+    whole = {n: x.detach().clone().requires_grad_() for n, x in params.items()}
+    fn = kda_dropin if family == "kda" else gdn_dropin
+    o = fn(mine["q"], mine["k"], mine["v"], mine["g"], mine["beta"], cp_context=ctx, **kw, **whole)[0]
+    (o.float() * dist.split_tokens_for_sp(w_o, world, rank)).sum().backward()
+    for n, x in mine.items():
+        want = dist.split_tokens_for_sp(leaves[n].grad, world, rank)
+        assert _rel(x.grad, want) < _grad_tol(device, n), (rank, family, n, _rel(x.grad, want))
+    for n, x in whole.items():
+        got = x.grad.clone()
+        torch_dist.all_reduce(got)
+        assert _rel(got, leaves[n].grad) < _grad_tol(device, n), (rank, family, n, _rel(got, leaves[n].grad))
+
+
+def _fla_cp_grad_all(rank, world, device, rng):
+    _each(_fla_cp_grad, ("kda", "gdn"))(rank, world, device, rng)
 
 
 def _cp_grad_all(rank, world, device, rng):
@@ -441,6 +478,14 @@ def test_context_parallel_dense_matches_one_process(rng, backend, world):
 def test_context_parallel_varlen_with_sequences_across_ranks(rng, backend, world):
     """Packed sequences (empty ones too) cut by the rank boundaries, one across three ranks."""
     _spawn(_cp_varlen_all, _world(backend, world), backend, int(rng.integers(1 << 31)))
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("world", [2, 4])
+def test_fla_cp_context_trains_through_the_drop_ins(rng, backend, world):
+    """FLA's cp_context in chunk_kda and chunk_gated_delta_rule with gradients: packed sequences, one
+    across three ranks at 4, empty ones; against one process."""
+    _spawn(_fla_cp_grad_all, _world(backend, world), backend, int(rng.integers(1 << 31)))
 
 
 @pytest.mark.parametrize("backend", _backends())
