@@ -186,3 +186,22 @@ def test_coverage_decode_rows_run_through_the_drop_ins():
                                                                           beta=x["beta"], **kw)
         assert tuple(o.shape) == (N, 1, HV, V) and tuple(s.shape) == (N, HV, K, V), name
         assert torch.isfinite(o.float()).all() and torch.isfinite(s).all(), name
+
+
+def test_train_rows_run_through_the_drop_ins():
+    """`cula bench train`'s rows of every family: the inputs and the call built as the benchmark builds
+    them (a few tokens, on the host) give o and a gradient for every differentiable input."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from cula.bench import train
+
+    for family in train.FAMILIES:
+        kw = dict(scale=train.K ** -0.5, cu_seqlens=None)
+        if family == "kda":
+            from cula.bench.coverage import _kda_gate
+
+            kw.update(_kda_gate(torch, "softplus", 2, train.K, "cpu"))
+        x = train._leaves(torch, family, 1, 70, 2, 2, "cpu", kw)
+        o = train._call(family, train._train_fns(family)[0], x, kw)
+        grads = torch.autograd.grad(o, train._wrt(x, kw), torch.randn_like(o))
+        assert tuple(o.shape) == (1, 70, 2, train.V), family
+        assert all(g is not None and torch.isfinite(g).all() for g in grads), family

@@ -6,7 +6,9 @@ memory of one step beside each time. A configuration FLA refuses is recorded wit
 Rows: KDA with Kimi-Linear's gate (-e^{A_log} softplus(g + dt_bias), no lower bound, q/k L2 norm and
 beta sigmoid in kernel): the anchor shape B=1 T=4096 H=16, B=1 T=8192 H=32 and 64, B=2 T=4096 H=32,
 grouped value heads and a varlen batch; GDN (q/k L2 norm in kernel): 16 q/k heads and 32 value
-heads over 32k tokens, B=1 T=8192 H=32, B=2 T=4096 H=32 and a varlen batch. bf16, K = V = 128.
+heads over 32k tokens, B=1 T=8192 H=32, B=2 T=4096 H=32 and a varlen batch; GLA (per-channel
+log-sigmoid gate), simple GLA (per-head log-sigmoid gate) and Lightning (FLA's per-layer decay,
+layer 0 of 24): B=1 T=8192 H=32, B=2 T=4096 H=32 and a varlen batch. bf16, K = V = 128.
 """
 
 from __future__ import annotations
@@ -33,15 +35,68 @@ CONFIGS = [
     ("GDN 1x8192 H32", "gdn", 1, 8192, 32, 32, None),
     ("GDN 2x4096 H32", "gdn", 2, 4096, 32, 32, None),
     ("GDN varlen6 H16/HV32", "gdn", 1, None, 16, 32, VARLEN),
+    ("GLA 1x8192 H32", "gla", 1, 8192, 32, 32, None),
+    ("GLA 2x4096 H32", "gla", 2, 4096, 32, 32, None),
+    ("GLA varlen6 H32", "gla", 1, None, 32, 32, VARLEN),
+    ("simple GLA 1x8192 H32", "simple_gla", 1, 8192, 32, 32, None),
+    ("simple GLA 2x4096 H32", "simple_gla", 2, 4096, 32, 32, None),
+    ("simple GLA varlen6 H32", "simple_gla", 1, None, 32, 32, VARLEN),
+    ("Lightning 1x8192 H32", "lightning", 1, 8192, 32, 32, None),
+    ("Lightning 2x4096 H32", "lightning", 2, 4096, 32, 32, None),
+    ("Lightning varlen6 H32", "lightning", 1, None, 32, 32, VARLEN),
 ]
+FAMILIES = ("kda", "gdn", "gla", "simple_gla", "lightning")
+LIGHTNING_LAYER = (0, 24)  # (layer_idx, num_layers): FLA's decay of the first of 24 layers
 K = V = 128
 TRAIN_REPS = 10
 
 
+def _train_fns(family):
+    """(cula's drop-in, FLA's function) of a family's chunked form."""
+    if family in ("kda", "gdn"):
+        return _fns(family)
+    if family == "gla":
+        from fla.ops.gla import chunk_gla as fla_fn
+
+        from ..gla import chunk_gla as cula_fn
+    elif family == "simple_gla":
+        from fla.ops.simple_gla import chunk_simple_gla as fla_fn
+
+        from ..simple_gla import chunk_simple_gla as cula_fn
+    else:
+        from fla.ops.lightning_attn import chunk_lightning_attn as fla_fn
+
+        from ..lightning_attn import chunk_lightning_attn as cula_fn
+    return cula_fn, fla_fn
+
+
+def _call(family, fn, x, kw):
+    """o of one call with FLA's argument list for the family."""
+    if family in ("kda", "gdn"):
+        return fn(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)[0]
+    if family == "lightning":
+        return fn(x["q"], x["k"], x["v"], *LIGHTNING_LAYER, **kw)[0]
+    return fn(x["q"], x["k"], x["v"], x["g"], **kw)[0]
+
+
+def _wrt(x, kw):
+    """The differentiable inputs of a call: the tensors of x, then A_log and dt_bias where given."""
+    return [x[n] for n in ("q", "k", "v", "g", "beta") if n in x] + [kw[n] for n in ("A_log", "dt_bias") if n in kw]
+
+
 def _leaves(torch, family, B, T, H, HV, dev, gate_kw):
-    x = _inputs(torch, family, B, T, H, HV, K, V, "bfloat16", dev)
-    for n in ("q", "k", "v", "g", "beta"):
-        x[n].requires_grad_()
+    import torch.nn.functional as F
+
+    if family in ("kda", "gdn"):
+        x = _inputs(torch, family, B, T, H, HV, K, V, "bfloat16", dev)
+    else:
+        x = {n: torch.randn(B, T, H, K if n != "v" else V, device=dev, dtype=torch.bfloat16) for n in "qkv"}
+        if family == "gla":  # FLA's tests' gate: log-sigmoid / 16
+            x["g"] = (F.logsigmoid(torch.randn(B, T, H, K, device=dev)) / 16).to(torch.bfloat16)
+        elif family == "simple_gla":
+            x["g"] = F.logsigmoid(torch.randn(B, T, H, device=dev)) / 16
+    for t in x.values():
+        t.requires_grad_()
     for n in ("A_log", "dt_bias"):
         if n in gate_kw:
             gate_kw[n] = gate_kw[n].clone().requires_grad_()
@@ -61,9 +116,13 @@ def _backward_kernel(family, inputs):
 
     x, kw, do = inputs
     opts = {n: v for n, v in kw.items() if n != "scale" or v is not None}
+    if family == "lightning":
+        from ..lightning_attn import lightning_decay
+
+        opts["decay"] = lightning_decay(x["q"].shape[2], *LIGHTNING_LAYER, like=x["q"])
     try:
-        fwd = ops.explain("chunk_fwd", family, x["q"], x["k"], x["v"], x["g"], x["beta"], **opts).kernel
-        bwd = ops.explain("chunk_bwd", family, x["q"], x["k"], x["v"], x["g"], x["beta"], do, **opts).kernel
+        fwd = ops.explain("chunk_fwd", family, x["q"], x["k"], x["v"], x.get("g"), x.get("beta"), **opts).kernel
+        bwd = ops.explain("chunk_bwd", family, x["q"], x["k"], x["v"], x.get("g"), x.get("beta"), do, **opts).kernel
     except Exception as e:  # recorded, not fatal: the timing stands
         return f"? ({type(e).__name__})"
     return f"{fwd} / {bwd}"
@@ -76,7 +135,8 @@ def bench_train(out_dir: str, family: str, gpu_name: str | None = None, configs=
     dev, props, bw = cuda_device(torch)
     configs = [c for c in (configs or CONFIGS) if c[1] == family]
     op = f"{family}_train"
-    title = f"{family.upper()} training step (forward + backward): cula's drop-in against FLA Triton"
+    label = {"simple_gla": "Simple GLA", "lightning": "Lightning"}.get(family, family.upper())
+    title = f"{label} training step (forward + backward): cula's drop-in against FLA Triton"
     method = (f"median of {TRAIN_REPS} forward + backward steps (torch.autograd.grad of o against a fixed random "
               "gradient, every differentiable input), single synchronized calls, the implementations taking turns "
               "call by call, torch SDPA (causal, forward + backward) in a block of its own")
@@ -88,21 +148,22 @@ def bench_train(out_dir: str, family: str, gpu_name: str | None = None, configs=
     for name, fam, B, T, H, HV, seqlens in configs:
         if seqlens:
             T = sum(seqlens)
-        cula_fn, fla_fn = _fns(fam)
+        cula_fn, fla_fn = _train_fns(fam)
         cu = torch.tensor([0] + list(itertools.accumulate(seqlens)), device=dev, dtype=torch.int32) if seqlens else None
         sets = []
         for _ in range(2):
             kw = dict(scale=K ** -0.5, cu_seqlens=cu)
-            kw.update(_kda_gate(torch, "softplus", HV, K, dev) if fam == "kda" else dict(use_qk_l2norm_in_kernel=True))
+            if fam == "kda":
+                kw.update(_kda_gate(torch, "softplus", HV, K, dev))
+            elif fam == "gdn":
+                kw.update(use_qk_l2norm_in_kernel=True)
             x = _leaves(torch, fam, B, T, H, HV, dev, kw)
             do = torch.randn(B, T, HV, V, device=dev, dtype=torch.bfloat16)
             sets.append((x, kw, do))
 
-        def step(fn, i, s=sets):
+        def step(fn, i, s=sets, fam=fam):
             x, kw, do = s[i % 2]
-            o = fn(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)[0]
-            wrt = [x[n] for n in ("q", "k", "v", "g", "beta")] + [kw[n] for n in ("A_log", "dt_bias") if n in kw]
-            return torch.autograd.grad(o, wrt, do)
+            return torch.autograd.grad(_call(fam, fn, x, kw), _wrt(x, kw), do)
 
         config = dict(name=name, family=fam, B=B, T=T, H=H, HV=HV, K=K, V=V, seqlens=seqlens, dtype="bfloat16")
         impls = [("cula", lambda i: step(cula_fn, i))]
@@ -136,9 +197,7 @@ def bench_train(out_dir: str, family: str, gpu_name: str | None = None, configs=
                 continue
             graphs[impl] = []
             for x, kw, do in sets:
-                o = fn(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)[0]
-                wrt = [x[n] for n in ("q", "k", "v", "g", "beta")] + [kw[n] for n in ("A_log", "dt_bias") if n in kw]
-                graphs[impl].append((o, wrt, do))
+                graphs[impl].append((_call(fam, fn, x, kw), _wrt(x, kw), do))
 
         def bwd(impl):
             return lambda i: torch.autograd.grad(graphs[impl][i % 2][0], graphs[impl][i % 2][1], graphs[impl][i % 2][2],
@@ -158,7 +217,8 @@ def bench_train(out_dir: str, family: str, gpu_name: str | None = None, configs=
             # torch's allocator and cula's own workspace pool, added (an upper bound for cula)
             peak[impl] = (torch.cuda.max_memory_allocated() - base) / 2 ** 20 + _workspace_peak_mib(dev, reset=False)
 
-        floor_bytes = B * T * (H * 2 * K * 2 + HV * (V * 2 * 2 + K * 2 + 2)) * 2  # inputs + o, then their gradients
+        gate_bytes = {"kda": K * 2 + 2, "gdn": 4 + 2, "gla": K * 2, "simple_gla": 4, "lightning": 0}[fam]
+        floor_bytes = B * T * (H * 2 * K * 2 + HV * (V * 2 * 2 + gate_bytes)) * 2  # inputs + o, then their gradients
         floor = floor_bytes / (bw * 1e9) * 1e3
         for impl in res:
             records.append(dict(op=op, config=config, impl=impl, median_ms=round(res[impl], 4),

@@ -38,7 +38,7 @@ def main(argv=None) -> int:
                        help="cpu: fast CPU path vs the float64 reference; decode: CUDA decode vs FLA; kda: KDA chunked "
                        "forward vs FLA, FlashKDA and SDPA; gdn, gla, simple_gla, lightning: that family's chunked "
                        "forward vs FLA and SDPA; coverage: the configurations real models run (Kimi-Linear, Qwen3-Next, "
-                       "FLA's default layers, fp16) vs FLA; train: KDA and GDN forward + backward vs FLA and SDPA (GPU suites need "
+                       "FLA's default layers, fp16) vs FLA; train: KDA, GDN, GLA, simple GLA and Lightning forward + backward vs FLA and SDPA (GPU suites need "
                        "torch + a GPU); cp: context parallelism over the machine's GPUs vs FLA's KCP and one GPU (--world ranks; "
                        "--device cpu: a check of the harness on gloo host ranks); replot: re-draw the PNG beside "
                        "every results JSON in --out (needs matplotlib)")
@@ -81,10 +81,10 @@ def main(argv=None) -> int:
                                   configs=[c for c in CONFIGS if not only or c[0] in only],
                                   decode_configs=[c for c in DECODE_CONFIGS if not only or c[0] in only])
         if args.suite == "train":
-            from ..bench.train import CONFIGS, bench_train
+            from ..bench.train import CONFIGS, FAMILIES, bench_train
 
             configs = [c for c in CONFIGS if not only or c[0] in only]
-            for family in ("kda", "gdn"):
+            for family in FAMILIES:
                 if any(c[1] == family for c in configs):
                     bench_train(args.out or "bench/results/gpu", family, configs=configs)
             return 0
