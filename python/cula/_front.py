@@ -64,6 +64,12 @@ def chunk(family: str, q, k, v, g=None, beta=None, decay=None, *, A_log=None, dt
     initial_state = _widen_half_state(initial_state)
     if _fit_needed(q, v, opts):
         return _fit_head_size(family, q, k, v, g, beta, decay, A_log, dt_bias, initial_state, opts)
+    if _segmented(q, k, v, g, beta, A_log, dt_bias, initial_state, opts):
+        from . import _segments
+
+        rest = {n: x for n, x in opts.items() if n != "return_intermediate_states"}
+        return _segments.forward(family, q, k, v, g, beta, decay, seg_len=_segments.segment_tokens(), A_log=A_log,
+                                 dt_bias=dt_bias, initial_state=initial_state, **rest)
     if _through_op(q, opts):
         from . import torch_ops
 
@@ -82,6 +88,18 @@ def chunk(family: str, q, k, v, g=None, beta=None, decay=None, *, A_log=None, dt
         raise CulaError("argument 'state_pool': expected None when gradients are required (in-place pool updates "
                         "are not differentiable)")
     return _ChunkFn.apply(family, opts, *(inputs[n] for n in _DIFF_NAMES))
+
+
+def _segmented(q, k, v, g, beta, A_log, dt_bias, initial_state, opts) -> bool:
+    """Whether a call runs in parallel segments (_segments: CULA_SEGMENT_TOKENS set): torch tensors,
+    no gradient, no intermediate states or caller buffers, not while torch.compile traces."""
+    import os
+
+    if not os.environ.get("CULA_SEGMENT_TOKENS") or not is_torch(q) or compiling():
+        return False
+    if opts.get("return_intermediate_states") or any(opts.get(n) is not None for n in _CALLER_BUFFERS):
+        return False
+    return not _needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state)
 
 
 # The key head sizes (K) the CUDA kernels are built for. Another K runs zero-padded to the next one:

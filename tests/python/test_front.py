@@ -500,3 +500,59 @@ def test_value_head_size_fit_on_16_bit_inputs(rng, family, K, V, layout):
     g_fitted = torch.autograd.grad((fitted[0].double() * w).sum() + fitted[1].sum(), leaves)
     for a, b in zip(g_fitted, g_direct):
         assert rel(a.double().numpy(), b.double().numpy()) < 1e-3
+
+
+_SEGMENT_CASES = [
+    ("kda", "raw_key", dict(use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_qk_l2norm_in_kernel=True)),
+    ("kda", "key", dict(state_layout="k_first")),
+    ("gdn", "head", dict(use_qk_l2norm_in_kernel=True)),
+    ("gla", "key", dict(state_layout="k_first")),
+    ("simple_gla", "head", dict(scale=0.3)),
+    ("lightning", None, {}),
+]
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+@pytest.mark.parametrize("family,gate,opts", _SEGMENT_CASES, ids=[f"{c[0]}-{c[1]}" for c in _SEGMENT_CASES])
+def test_parallel_segments_compute_the_same_function(rng, monkeypatch, family, gate, opts, varlen):
+    """CULA_SEGMENT_TOKENS (_segments: one call over all segments, the summaries folded per sequence):
+    o and the final states of the direct call, dense (2 rows of 3 segments) and packed (an empty
+    sequence, one of one token, one shorter than a segment, two of several), with initial states."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from cula import _front, _segments
+
+    K = 32
+    seqlens = [70, 0, 1, 40, 200] if varlen else None
+    B, T = (1, sum(seqlens)) if varlen else (2, 150)
+    x = _fit_inputs(torch, rng, family, K, gate, B=B, T=T)
+    x = {n: (t.detach().float() if t is not None else None) for n, t in x.items()}
+    if gate in ("key", "head"):  # slow decays: the state entering a segment weighs in its outputs
+        x["g"] = x["g"] * 0.05
+    if x["decay"] is not None:
+        x["decay"] = x["decay"] * 0.05
+    N = len(seqlens) if varlen else B
+    layout = opts.get("state_layout", "k_last")
+    h0 = torch.from_numpy(rng.standard_normal((N, 2, K, 12) if layout == "k_first" else (N, 2, 12, K))).float()
+    cu = torch.tensor(np.cumsum([0] + seqlens), dtype=torch.int32) if varlen else None
+    kw = dict(output_final_state=True, cu_seqlens=cu, **opts)
+
+    def run():
+        return _front.chunk(family, x["q"], x["k"], x["v"], x["g"], x["beta"], x["decay"], A_log=x["A_log"],
+                            dt_bias=x["dt_bias"], initial_state=h0, **kw)
+
+    direct = run()
+    monkeypatch.setenv(_segments.SEGMENT_TOKENS, "64")
+    segmented = run()
+    for a, b in zip(segmented, direct):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert rel(a.numpy(), b.numpy()) < 2e-5, (family, rel(a.numpy(), b.numpy()))
+    monkeypatch.setenv(_segments.SEGMENT_TOKENS, "100")
+    with pytest.raises(cula.CulaError, match="CULA_SEGMENT_TOKENS: expected a positive multiple of 64"):
+        run()
+
+
+def test_segment_plan_cuts_each_sequence_from_its_start():
+    from cula import _segments
+
+    assert _segments.plan([0, 130, 130, 131], 64) == [(0, 0, 64, True), (0, 64, 128, False), (0, 128, 130, False),
+                                                      (1, 130, 130, True), (2, 130, 131, True)]

@@ -450,3 +450,31 @@ def test_float32_output_is_the_unrounded_accumulator(rng, family, idt, monkeypat
         assert torch.equal(o32.to(idt), outs[idt]), (family, idt, eight_warps)
         err = rel(o32.cpu().numpy(), ref[0].float().numpy())
         assert err < (TOL_FP16 if idt == torch.float16 else TOL), (family, idt, eight_warps, err)
+
+
+@pytest.mark.parametrize("family", ["kda", "gdn", "gla", "simple_gla"])
+def test_parallel_segments_on_cuda_match_the_reference(rng, family, monkeypatch):
+    """CULA_SEGMENT_TOKENS on CUDA (_segments: all segments in one tensor-core call writing float32,
+    the summaries folded per sequence): o and the final states against the float64 reference within
+    SPEC tolerance, a long sequence of slow decays beside short ones, initial states in."""
+    from cula import _front, _segments
+
+    c = dict(family=family, gin=family == "kda", K=128, V=128, H=2, group=1, layout="k_last", sdt=torch.float32,
+             gdt=torch.float32, l2=True, bsig=family == "kda", lb=-0.05 if family == "kda" else None, h0=True,
+             seqlens=[3000, 1, 300, 0, 700], B=1, T=0, inter=False)
+    d, cu, kw = chunk_inputs(rng, c)
+    if "g" in d and family != "kda":  # slow decays: the state entering a segment weighs in its outputs
+        d["g"] = d["g"] * 0.05
+    kw = {n: x for n, x in kw.items() if n != "return_intermediate_states"}
+    ref = cula.chunk_fwd(family, **{n: (x.float() if n in "qkv" else x) for n, x in d.items()}, cu_seqlens=cu,
+                         backend="reference", **kw)
+    dev = {n: x.cuda() for n, x in d.items()}
+    monkeypatch.setenv(_segments.SEGMENT_TOKENS, "512")
+    q, k, v = dev.pop("q"), dev.pop("k"), dev.pop("v")
+    g, beta, h0 = dev.pop("g", None), dev.pop("beta", None), dev.pop("initial_state", None)
+    o, s = _front.chunk(family, q, k, v, g, beta, dev.pop("decay", None), initial_state=h0, cu_seqlens=cu.cuda(),
+                        **dev, **kw)
+    torch.cuda.synchronize()
+    assert cula.last_kernel() == KERNEL[family], cula.last_kernel()
+    errs = [rel(o.float().cpu().numpy(), ref[0].float().numpy()), rel(s.float().cpu().numpy(), ref[1].float().numpy())]
+    assert worst(errs) < TOL, (family, errs)
