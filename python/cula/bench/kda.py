@@ -8,7 +8,9 @@ q/k L2 norm, beta sigmoid, K = V = 128, no initial state. Each implementation's 
 timed with CUDA events (median of 30 after warm-up), cula, FLA and FlashKDA taking turns call by
 call on alternating input sets, and torch SDPA after them in a block of its own. A second pass times
 queued calls (triton.testing.do_bench's method: L2 flushed before each call, no synchronization
-between calls), which is the GPU's time per call with the host's time hidden.
+between calls), which is the GPU's time per call with the host's time hidden. Rows of one
+sequence with B x H <= 16 add ``cula_segments``: the same call through cula's parallel segments
+(``cula/_segments.py``), shown as a peer (a ratio above 1: the segments are slower).
 """
 
 from __future__ import annotations
@@ -107,12 +109,21 @@ def _done_rows(out_dir, gpu, method):
     return records, rows, queued_rows
 
 
+def _segment_len(B, T, H, seqlens):
+    """The segment length of the cula_segments row (None: not run): single sequences with B x H <= 16,
+    cut into enough segments for 128 (segment, head) pairs, at least 512 tokens each."""
+    if seqlens or B * H > 16:
+        return None
+    n = -(-128 // (B * H))
+    return max(512, -(-T // n // 64) * 64)
+
+
 def bench_kda(out_dir: str, gpu_name: str | None = None, configs=None, resume=False) -> int:
     """Writes the results after every configuration; with resume, the configurations already in
     out_dir's kda_fwd.json (measured on this GPU) are kept and not run again."""
     import torch
 
-    from .. import ops
+    from .. import _segments, ops
 
     fla_fn, flash_fn = _peers()
     dev, props, bw = cuda_device(torch)
@@ -163,7 +174,16 @@ def bench_kda(out_dir: str, gpu_name: str | None = None, configs=None, resume=Fa
         def run_sdpa(i, s=sets):
             causal_sdpa(s[i % 2], seqlens)
 
+        seg_len = _segment_len(B, T, H, seqlens)
+
+        def run_segments(i, s=sets):  # few heads: parallel segments (_segments), the same arguments
+            x = s[i % 2]
+            return _segments.forward("kda", x["q"], x["k"], x["v"], x["g"], x["beta"], None, seg_len=seg_len,
+                                     scale=scale, dt_bias=dt_bias, cu_seqlens=cu64, **gate)[0]
+
         impls = [("cula", run_cula)]
+        if seg_len:
+            impls.append(("cula_segments", run_segments))
         if fla_fn:
             impls.append(("fla_triton", run_fla))
         if flash_fn:
@@ -176,7 +196,7 @@ def bench_kda(out_dir: str, gpu_name: str | None = None, configs=None, resume=Fa
             torch, "kda_fwd", name, config, impls, ("torch_sdpa", run_sdpa), floor,
             "q, k, v, g (bf16) and beta read, o written, at the copy bandwidth", records, rows, queued_rows,
             cula_out=lambda s=sets: (run_cula(0), s[0]["out"])[1], fla_out=(lambda: run_fla(0)[0]) if fla_fn else None,
-            peers=("fla_triton", "flashkda", "torch_sdpa"))
+            peers=("fla_triton", "flashkda", "torch_sdpa", "cula_segments"))
         prog.step(f"{name}: cula {res['cula']:.3f} ms (queued {resq['cula']:.3f})")
         del sets
         torch.cuda.empty_cache()
