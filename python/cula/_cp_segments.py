@@ -26,7 +26,7 @@ engine's own carry at every segment boundary)."""
 from __future__ import annotations
 
 from . import ops
-from ._cp_summary import DIAGONAL, diagonal_summary
+from ._cp_summary import DIAGONAL, diagonal_summary, precise_maps
 from ._lib import CulaError
 
 
@@ -109,6 +109,29 @@ class Plan:
         return None if x is None else x[row:row + 1, a - self.start:b - self.start]
 
 
+def _fold(dist, group, plan, A_mine, M_mine, N, HV, V, K, dev):
+    """Every rank's segment maps gathered and folded per sequence in segment order: (the state
+    entering each segment that does not start its sequence, the final states [N, HV, V, K], M of a
+    segment). A of a first segment is its end state (from the sequence's initial state)."""
+    import torch
+
+    A_all = _gather_rows(dist, group, A_mine, plan.counts, (HV, V, K), dev)
+    M_all = _gather_rows(dist, group, M_mine, plan.counts, (HV, K, K), dev)
+    A_of = lambda i: A_all[plan.slot[i][0]][plan.slot[i][1]]  # noqa: E731
+    M_of = lambda i: M_all[plan.slot[i][0]][plan.slot[i][1]]  # noqa: E731
+    entering, final = {}, torch.zeros(N, HV, V, K, dtype=torch.float32, device=dev)
+    for n, idx in plan.by_sequence.items():
+        state = None
+        for i in idx:
+            if plan.all[i][4]:
+                state = A_of(i)
+            else:
+                entering[i] = state
+                state = A_of(i) + torch.matmul(state, M_of(i))
+        final[n] = state
+    return entering, final, M_of
+
+
 def forward(family, q, k, v, g, beta, decay, dist, group, plan, N, initial_state, opts, for_backward=False):
     """Outputs of this rank's tokens, final states [N, HV, V, K] (every rank), and what the backward
     needs."""
@@ -153,29 +176,14 @@ def forward(family, q, k, v, g, beta, decay, dist, group, plan, N, initial_state
             carried[i] = ow[0, :, :, V:].float()
         row = plan.all[i][0]
         o[row, a - plan.start:b - plan.start] = ow[0, :, :, :V]
-    A_all = _gather_rows(dist, group, A_mine, plan.counts, (HV, V, K), dev)
-    M_all = _gather_rows(dist, group, M_mine, plan.counts, (HV, K, K), dev)
-    A_of = lambda i: A_all[plan.slot[i][0]][plan.slot[i][1]]  # noqa: E731
-    M_of = lambda i: M_all[plan.slot[i][0]][plan.slot[i][1]]  # noqa: E731
-    entering, final = {}, torch.zeros(N, HV, V, K, dtype=torch.float32, device=dev)
-    for n, idx in plan.by_sequence.items():
-        state = None
-        for i in idx:
-            if plan.all[i][4]:
-                state = A_of(i)
-            else:
-                entering[i] = state
-                state = A_of(i) + torch.matmul(state, M_of(i))
-        final[n] = state
+    entering, final, M_of = _fold(dist, group, plan, A_mine, M_mine, N, HV, V, K, dev)
     for i, Qc in carried.items():
         row, _, a, b, _, _ = plan.all[i]
         lo, hi = a - plan.start, b - plan.start
         o[row, lo:hi] += torch.einsum("lhk,hvk->lhv", Qc, entering[i])
     o = o.to(v.dtype)
-    saved = None
-    if for_backward:
-        saved = dict(entering={i: entering[i] for i in plan.mine if i in entering}, M_of=M_of)
-    return o, final, saved
+    # (the backward folds its entering states again from float32 maps: nothing of this pass is kept)
+    return o, final, {} if for_backward else None
 
 
 def backward(family, q, k, v, g, beta, decay, A_log, dt_bias, dist, group, rank, plan, initial_state, saved, d_out,
@@ -185,6 +193,14 @@ def backward(family, q, k, v, g, beta, decay, A_log, dt_bias, dist, group, rank,
 
     HV, V, K = int(v.shape[2]), int(v.shape[3]), int(q.shape[3])
     dev = q.device
+    # the states entering the segments again, from float32 maps (precise_maps) instead of the
+    # forward's engine summaries: their bf16-level error would reach the reduced gradients (dA_log)
+    spans = [(plan.all[i][0], plan.all[i][2] - plan.start, plan.all[i][3] - plan.start) for i in plan.mine]
+    h0s = [initial_state[plan.all[i][1]] if plan.all[i][4] and initial_state is not None else None for i in plan.mine]
+    A_mine, M_mine = precise_maps(family, q, k, v, g, beta, decay, spans, dict(opts, A_log=A_log, dt_bias=dt_bias),
+                                  h0=h0s)
+    entering, _, M_of = _fold(dist, group, plan, A_mine, M_mine, len(plan.by_sequence), HV, V, K, dev)
+    saved = dict(entering=entering, M_of=M_of)
 
     def call(i, d_leaving):
         _, n, _, _, first, _ = plan.all[i]

@@ -46,7 +46,7 @@ activations twice. ``chunk_sp`` picks it when the heads divide over the ranks, e
 from __future__ import annotations
 
 from . import _cp_exchange, _cp_segments, ops
-from ._cp_summary import DIAGONAL as _DIAGONAL, diagonal_summary as _diagonal_summary
+from ._cp_summary import DIAGONAL as _DIAGONAL, diagonal_summary as _diagonal_summary, precise_maps
 from ._front import LazyFunction, _needs_grad, chunk
 from ._lib import CulaError
 
@@ -275,7 +275,7 @@ def _gather_finals(dist, group, final, N, HV, V, K, dev):
 
 
 def _cp_backward(family, q, k, v, g, beta, decay, A_log, dt_bias, dist, group, rank, size, pieces, packed, saved,
-                 d_out, d_final, opts, exchange):
+                 d_out, d_final, opts, exchange, initial_state=None):
     """The gradients of this rank's inputs (the reverse of _cp_pieces). The gradient leaving a piece
     that continues on the next rank is not known here: a first local backward, with zero for it,
     gives the gradient each crossing-in piece sends back (R, at the piece's start); the ranks
@@ -295,11 +295,24 @@ def _cp_backward(family, q, k, v, g, beta, decay, A_log, dt_bias, dist, group, r
         if not cout and d_final is not None:
             dfin[i] = d_final[n]
 
+    # The states entering the pieces and their transitions again, from float32 maps (precise_maps)
+    # instead of the forward's engine summaries, whose bf16-level error would reach the reduced
+    # gradients (dA_log): the same exchange as the forward's.
+    spans = [(0 if packed else n, lo, hi) for n, lo, hi, _, _ in pieces]
+    h0s = [initial_state[n] if initial_state is not None and not cin else None for n, _, _, cin, _ in pieces]
+    A_p, M_p = precise_maps(family, q, k, v, g, beta, decay, spans, dict(opts, A_log=A_log, dt_bias=dt_bias), h0=h0s)
+    M_p = torch.stack([M_p[i] if p[3] else torch.zeros_like(M_p[i]) for i, p in enumerate(pieces)]) if pieces else M_p
+    X = _incoming_states(dist, group, rank, pieces, rows, A_p, M_p, exchange)
+    init = saved["init"].clone()
+    for i, (n, _, _, cin, _) in enumerate(pieces):
+        if cin:
+            init[i] = X[0] if packed else X[n]
+
     def local_backward(d_final_state):
         if not pieces:
             return {}
         return ops.chunk_bwd(family, q, k, v, g, beta, d_out, decay=decay, d_final_state=d_final_state,
-                             initial_state=saved["init"], A_log=A_log, dt_bias=dt_bias, cu_seqlens=saved["local_cu"],
+                             initial_state=init, A_log=A_log, dt_bias=dt_bias, cu_seqlens=saved["local_cu"],
                              state_layout="k_last", **opts)
 
     crossing_out = [i for i, p in enumerate(pieces) if p[4]]
@@ -312,7 +325,7 @@ def _cp_backward(family, q, k, v, g, beta, decay, A_log, dt_bias, dist, group, r
         if cin:
             row = 0 if packed else n
             send_R[row] = first["d_initial_state"][i].float()
-            send_M[row] = saved["M"][i]
+            send_M[row] = M_p[i]
             flags[row, 0], flags[row, 1] = 1, int(cout)
     # the gradient arriving from the ranks after, their maps Y -> Y M^T + R (Y passed through where the
     # row also crosses out there, nothing where it does not cross in) composed from the last rank
@@ -365,7 +378,7 @@ def _make_chunk_cp_fn():
                            else d_final.float().contiguous())
                 dist.all_reduce(d_final, group=group)
             grads = _cp_backward(family, q, k, v, g, beta, decay, A_log, dt_bias, dist, group, rank, size, pieces,
-                                 packed, saved, d_out.contiguous(), d_final, opts, exchange)
+                                 packed, saved, d_out.contiguous(), d_final, opts, exchange, initial_state)
             out = []
             for name, x in (("dq", q), ("dk", k), ("dv", v), ("dg", g), ("dbeta", beta), ("dA_log", A_log),
                             ("ddt_bias", dt_bias)):
@@ -426,6 +439,24 @@ def _make_segments_cp_fn():
 _SegmentsCP = LazyFunction(_make_segments_cp_fn)
 
 
+def _incoming_states(dist, group, rank, pieces, rows, A, M, exchange):
+    """The state entering this rank per row [rows, HV, V, K]: the maps X -> X M + A of the pieces
+    leaving the ranks before (dense: every row; packed: the last piece), composed in rank order (a
+    row that does not leave a rank passes nothing on: its map is zero). A, M: per piece, M None or
+    zero where the piece does not cross in."""
+    import torch
+
+    HV, V, K = (int(s) for s in A.shape[1:])  # (A has these even with no piece: [0, HV, V, K])
+    dev = A.device
+    send_A = torch.zeros(rows, HV, V, K, dtype=torch.float32, device=dev)
+    send_M = torch.zeros(rows, HV, K, K, dtype=torch.float32, device=dev)
+    for row, i in enumerate(i for i, p in enumerate(pieces) if p[4]):  # (dense: the rows in order)
+        send_A[row] = A[i]
+        if M is not None:
+            send_M[row] = M[i]
+    return _cp_exchange.incoming(dist, group, rank, dist.get_world_size(group), send_M, send_A, exchange)
+
+
 def _cp_pieces(family, q, k, v, g, beta, decay, dist, group, rank, pieces, packed, initial_state, opts, exchange,
                for_backward=False):
     """The context-parallel pass over this rank's pieces [(sequence n, local begin, local end,
@@ -471,22 +502,7 @@ def _cp_pieces(family, q, k, v, g, beta, decay, dist, group, rank, pieces, packe
                 carried_of[i], M[i] = _diagonal_summary(family, q[b, lo:hi], None if g is None else g[b, lo:hi],
                                                         decay, HV, opts)
 
-    # Exchange: the summary of each sequence leaving this rank (dense: every row; packed: the last piece).
-    rows = 1 if packed else B
-    send_A = torch.zeros(rows, HV, V, K, dtype=torch.float32, device=dev)
-    send_M = torch.zeros(rows, HV, K, K, dtype=torch.float32, device=dev)
-    leaving = torch.zeros(rows, dtype=torch.int64, device=dev)
-    for row, i in enumerate(i for i, p in enumerate(pieces) if p[4]):
-        send_A[row] = A[i]
-        if M is not None:
-            send_M[row] = M[i]
-        leaving[row] = 1
-    # the incoming state, the maps X -> X M + A of the ranks before composed in rank order (a row that
-    # does not leave a rank passes nothing on: its map is zero)
-    passes = leaving.view(rows, 1, 1, 1) > 0
-    X = _cp_exchange.incoming(dist, group, rank, dist.get_world_size(group),
-                              torch.where(passes, send_M, torch.zeros_like(send_M)),
-                              torch.where(passes, send_A, torch.zeros_like(send_A)), exchange)
+    X = _incoming_states(dist, group, rank, pieces, 1 if packed else B, A, M, exchange)
 
     o = ow[..., :V].contiguous() if extended else ow
     for i, (n, lo, hi, _, _) in ((i, p) for i, p in enumerate(pieces) if p[3]):
@@ -501,13 +517,9 @@ def _cp_pieces(family, q, k, v, g, beta, decay, dist, group, rank, pieces, packe
             final[n] = A[i] + torch.matmul(X[0] if packed else X[n], M[i]) if cin else A[i]
     if not for_backward:
         return o, final, None
-    # for the backward: each piece's initial state (the incoming state where it crosses in) and
-    # transition, the local offsets
-    init_bwd = init[:, :, :V, :].clone()
-    for i, (n, _, _, cin, _) in enumerate(pieces):
-        if cin:
-            init_bwd[i] = X[0] if packed else X[n]
-    return o, final, dict(init=init_bwd, M=M, local_cu=local_cu)
+    # for the backward: the pieces' own initial states (where they start a sequence) and the local
+    # offsets; it folds the incoming states again from float32 maps
+    return o, final, dict(init=init[:, :, :V, :].clone(), local_cu=local_cu)
 
 
 def chunk_fla_cp(family, q, k, v, g=None, beta=None, decay=None, *, cp_context, initial_state=None,
