@@ -100,7 +100,7 @@ def forward(family, q, k, v, g, beta, decay, *, seg_len, initial_state=None, out
                           A_log=A_log, dt_bias=dt_bias, **opts)
     o = out[..., :V]
     final = torch.zeros(N, HV, V, K, dtype=acc, device=dev)
-    entering = None
+    entering, into = None, {}  # into: segment -> the state entering it (segments that continue a sequence)
     for i, (n, s, e, first) in enumerate(segs):
         A = fw[i, :, :V, :]
         if first:
@@ -109,12 +109,22 @@ def forward(family, q, k, v, g, beta, decay, *, seg_len, initial_state=None, out
         if diagonal:
             Qc, Md = (x.to(acc) for x in diagonal_summary(family, qf[0, s:e], None if gf is None else gf[0, s:e], decay,
                                                           HV, opts))
+            o[0, s:e] += torch.einsum("lhk,hvk->lhv", Qc, entering)
         else:
-            Qc, Md = out[0, s:e, :, V:], fw[i, :, V:, :]
-        o[0, s:e] += torch.einsum("lhk,hvk->lhv", Qc, entering)
+            Md = fw[i, :, V:, :]
+            into[i] = entering
         entering = A + torch.matmul(entering, Md)
         if i + 1 == S or segs[i + 1][0] != n:
             final[n] = entering
+    if into:  # the delta rule's corrections in one product: Q~ of every such segment, padded to seg_len
+        ids = list(into)
+        start = torch.tensor([segs[i][1] for i in ids], device=dev)[:, None]
+        end = torch.tensor([segs[i][2] for i in ids], device=dev)[:, None]
+        pos = start + torch.arange(seg_len, device=dev)[None, :]
+        valid = pos < end
+        pos = torch.minimum(pos, end - 1)
+        corr = torch.einsum("slhk,shvk->slhv", out[0, :, :, V:][pos], torch.stack([into[i] for i in ids]))
+        o[0].index_put_((pos[valid],), corr[valid], accumulate=True)
     for i, (n, _, _, first) in enumerate(segs):  # sequences of one segment
         if first and (i + 1 == S or segs[i + 1][0] != n):
             final[n] = fw[i, :, :V, :]

@@ -504,7 +504,7 @@ def test_value_head_size_fit_on_16_bit_inputs(rng, family, K, V, layout):
 
 _SEGMENT_CASES = [
     ("kda", "raw_key", dict(use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_qk_l2norm_in_kernel=True)),
-    ("kda", "key", dict(state_layout="k_first")),
+    ("kda", "key", dict(state_layout="k_first", use_qk_l2norm_in_kernel=True)),  # (contractive: L2-normed keys)
     ("gdn", "head", dict(use_qk_l2norm_in_kernel=True)),
     ("gla", "key", dict(state_layout="k_first")),
     ("simple_gla", "head", dict(scale=0.3)),
