@@ -76,6 +76,10 @@ def forward(family, q, k, v, g, beta, decay, *, seg_len, initial_state=None, out
     flat = lambda x: None if x is None else x.reshape(1, B * T, *x.shape[2:])  # noqa: E731
     qf, kf, vf, gf, bf = flat(q), flat(k), flat(v), flat(g), flat(beta)
     segs = plan(offsets, seg_len)
+    if not segs:  # no sequence at all: the direct call says what it returns
+        return ops.chunk_fwd(family, q, k, v, g, beta, decay, initial_state=initial_state,
+                             output_final_state=output_final_state, cu_seqlens=cu_seqlens, state_layout=state_layout,
+                             state_dtype=state_dtype, A_log=A_log, dt_bias=dt_bias, **opts)
     S = len(segs)
     diagonal = family in DIAGONAL
     W = V if diagonal else V + K

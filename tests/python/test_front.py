@@ -556,3 +556,17 @@ def test_segment_plan_cuts_each_sequence_from_its_start():
 
     assert _segments.plan([0, 130, 130, 131], 64) == [(0, 0, 64, True), (0, 64, 128, False), (0, 128, 130, False),
                                                       (1, 130, 130, True), (2, 130, 131, True)]
+
+
+def test_parallel_segments_take_empty_calls(monkeypatch):
+    """CULA_SEGMENT_TOKENS with no tokens (T = 0) or no sequences (B = 0): the direct call's shapes,
+    and a zero final state where a sequence had no token."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from cula import _front, _segments
+
+    monkeypatch.setenv(_segments.SEGMENT_TOKENS, "64")
+    for B, T in ((0, 10), (1, 0)):
+        q, v = torch.randn(B, T, 2, 32), torch.randn(B, T, 2, 16)
+        o, s = _front.chunk("gdn", q, q, v, -torch.rand(B, T, 2), torch.rand(B, T, 2), output_final_state=True)
+        assert tuple(o.shape) == (B, T, 2, 16) and tuple(s.shape) == (B, 2, 16, 32)
+        assert not s.abs().sum()
