@@ -562,7 +562,8 @@ def test_bench_cp_harness_runs_on_host_ranks(tmp_path):
     assert bench_cp(str(tmp_path), device="cpu", configs=SMOKE_CONFIGS[:1]) == 0
     records = json.load(open(tmp_path / "cp_x2.json"))["records"]
     got = {(r["impl"], r["step"]) for r in records}
-    assert got == {(i, s) for i in ("cula_cp", "cula_cp_det", "one_gpu") for s in ("forward", "forward + backward")}
+    assert got == {(i, s) for i in ("cula_cp", "cula_cp_scan", "cula_cp_det", "one_gpu")
+                   for s in ("forward", "forward + backward")}
     assert all(r["median_ms"] > 0 for r in records)
     assert "| kda 1x192 H2 | forward + backward |" in (tmp_path / "cp_x2.md").read_text()
 

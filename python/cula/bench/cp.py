@@ -6,7 +6,9 @@ Every rank is a process (torch.multiprocessing, NCCL with NVLink multicast off).
 and implementation: warm-up steps, then steps each between two barriers, timed by CUDA events on
 every rank; a step's time is the slowest rank's (all-reduced max), the result is the median over
 steps. "one_gpu" runs the whole sequence on rank 0 alone (the others wait at the barrier);
-"cula_cp_det" is chunk_cp's deterministic mode (segments of SEGMENT tokens). The
+"cula_cp_scan" is chunk_cp with the log-depth scan exchange in place of the all-gather (the
+planner's two choices, measured side by side); "cula_cp_det" is chunk_cp's deterministic mode
+(segments of SEGMENT tokens). The
 implementations take turns step by step. --device cpu runs cula's rows on gloo host ranks with small
 shapes (a check of the harness, not a measurement).
 """
@@ -85,13 +87,16 @@ def _worker(rank, world, backend, store, out_dir, configs, families, with_fla, s
             do_whole = torch.randn_like(x["v"])
             do_mine = dist.split_tokens_for_sp(do_whole, world, rank).contiguous()
 
-            def cula_cp(grad):
+            def cula_cp(grad, exchange="auto"):
                 inp = {n: t.detach().requires_grad_(grad) for n, t in mine.items()}
                 with torch.set_grad_enabled(grad):
                     o, _ = dist.chunk_cp(family, inp["q"], inp["k"], inp["v"], inp["g"], inp.get("beta"),
-                                         cu_seqlens=cu, output_final_state=False, **kw)
+                                         cu_seqlens=cu, output_final_state=False, exchange=exchange, **kw)
                     if grad:
                         torch.autograd.grad(o, list(inp.values()), do_mine)
+
+            def cula_cp_scan(grad):  # the log-depth exchange in place of the all-gather (the planner's choice)
+                cula_cp(grad, exchange="scan")
 
             def one_gpu(grad):
                 if rank != 0:
@@ -112,7 +117,7 @@ def _worker(rank, world, backend, store, out_dir, configs, families, with_fla, s
                     if grad:
                         torch.autograd.grad(o, list(inp.values()), do_mine)
 
-            impls = [("cula_cp", cula_cp), ("one_gpu", one_gpu)]
+            impls = [("cula_cp", cula_cp), ("cula_cp_scan", cula_cp_scan), ("one_gpu", one_gpu)]
             segment = SEGMENT if cuda else SEGMENT_SMOKE
             if all(dist.split_tokens_for_sp(x["q"], world, r).shape[1] % segment == 0 for r in range(world)):
                 impls.insert(1, ("cula_cp_det", cula_cp_det))
@@ -203,13 +208,15 @@ def _write(torch, out_dir, world, records, cuda, show=True):
     for r in records:
         rows.setdefault((r["config"]["name"], r["step"]), {})[r["impl"]] = r["median_ms"]
     lines = [f"# Context parallelism on {world} x {gpu}", "", f"{meta['method']}. Times in ms.", "",
-             "| config | step | cula_cp | cula_cp deterministic | fla_kcp | one_gpu | fla_kcp/cula_cp | one_gpu/cula_cp |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| config | step | cula_cp | cula_cp scan exchange | cula_cp deterministic | fla_kcp | one_gpu | fla_kcp/cula_cp "
+             "| one_gpu/cula_cp |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for (name, step), t in rows.items():
         c = t.get("cula_cp")
         f = lambda x: f"{x:.3f}" if x is not None else "-"  # noqa: E731
         ratio = lambda x: f"{x / c:.2f}x" if x is not None and c else "-"  # noqa: E731
-        lines.append(f"| {name} | {step} | {f(c)} | {f(t.get('cula_cp_det'))} | {f(t.get('fla_kcp'))} | "
+        lines.append(f"| {name} | {step} | {f(c)} | {f(t.get('cula_cp_scan'))} | {f(t.get('cula_cp_det'))} | "
+                     f"{f(t.get('fla_kcp'))} | "
                      f"{f(t.get('one_gpu'))} | "
                      f"{ratio(t.get('fla_kcp'))} | {ratio(t.get('one_gpu'))} |")
     os.makedirs(out_dir, exist_ok=True)
