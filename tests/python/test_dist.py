@@ -595,3 +595,78 @@ def test_precise_maps_compose_their_sub_pieces(rng, family, monkeypatch):
                                    state_dtype="float32", **kw)
         assert _rel(A[i], fw[0, :, :V, :]) < TOL, (family, i, _rel(A[i], fw[0, :, :V, :]))
         assert _rel(M[i], fw[0, :, V:, :]) < TOL, (family, i, _rel(M[i], fw[0, :, V:, :]))
+
+
+class _ThreadDist:
+    """torch.distributed's calls that _cp_exchange makes, for ranks that are threads of one process:
+    point-to-point messages through queues, all_gather through a barrier."""
+
+    def __init__(self, world):
+        import queue
+        import threading
+
+        self.world, self.local = world, threading.local()
+        self.queues = {(a, b): queue.Queue() for a in range(world) for b in range(world)}
+        self.barrier, self.board = threading.Barrier(world), {}
+        self.isend, self.irecv = "isend", "irecv"
+
+    def P2POp(self, op, tensor, peer, group=None):  # noqa: N802 (torch's name)
+        return (op, tensor, peer)
+
+    def batch_isend_irecv(self, ops):
+        me = self.local.rank
+        for op, t, peer in ops:
+            if op == "isend":
+                self.queues[(me, peer)].put(t.clone())
+        for op, t, peer in ops:
+            if op == "irecv":
+                t.copy_(self.queues[(peer, me)].get(timeout=10))
+        return []
+
+    def all_gather(self, out, x, group=None):
+        self.board[self.local.rank] = x.clone()
+        self.barrier.wait()
+        for r in range(self.world):
+            out[r].copy_(self.board[r])
+        self.barrier.wait()
+
+    def get_global_rank(self, group, r):
+        return r
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 7, 8, 13])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_exchange_scan_and_all_gather_compose_the_maps_in_order(world, reverse):
+    """_cp_exchange on ranks that are threads: for every rank, the scan and the all-gather give the
+    maps of the ranks before it (reverse: after it, the last first) composed in order at zero."""
+    import threading
+
+    from cula import _cp_exchange
+
+    g = torch.Generator().manual_seed(world)
+    P = [torch.randn(2, 1, 3, 3, generator=g, dtype=torch.float64) * 0.7 for _ in range(world)]
+    Q = [torch.randn(2, 1, 4, 3, generator=g, dtype=torch.float64) for _ in range(world)]
+    want = []
+    for r in range(world):
+        Z = torch.zeros_like(Q[0])
+        for j in (range(world - 1, r, -1) if reverse else range(r)):
+            Z = Z @ P[j] + Q[j]
+        want.append(Z)
+    for how in ("scan", "all_gather"):
+        fake, got, errors = _ThreadDist(world), [None] * world, []
+
+        def rank_main(r):
+            fake.local.rank = r
+            try:
+                got[r] = _cp_exchange.incoming(fake, None, r, world, P[r], Q[r], how, reverse=reverse)
+            except Exception as e:  # noqa: BLE001 (reported below)
+                errors.append(e)
+
+        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        assert not errors, errors
+        for r in range(world):
+            assert torch.allclose(got[r], want[r], rtol=1e-12, atol=1e-12), (how, reverse, world, r)
