@@ -132,9 +132,9 @@ def _fold(dist, group, plan, A_mine, M_mine, N, HV, V, K, dev):
     return entering, final, M_of
 
 
-def forward(family, q, k, v, g, beta, decay, dist, group, plan, N, initial_state, opts, for_backward=False):
-    """Outputs of this rank's tokens, final states [N, HV, V, K] (every rank), and what the backward
-    needs."""
+def forward(family, q, k, v, g, beta, decay, dist, group, plan, N, initial_state, opts):
+    """Outputs of this rank's tokens and final states [N, HV, V, K] (every rank). The backward keeps
+    nothing of this pass: it folds its entering states again from float32 maps."""
     import torch
 
     HV, V, K = int(v.shape[2]), int(v.shape[3]), int(q.shape[3])
@@ -176,17 +176,15 @@ def forward(family, q, k, v, g, beta, decay, dist, group, plan, N, initial_state
             carried[i] = ow[0, :, :, V:].float()
         row = plan.all[i][0]
         o[row, a - plan.start:b - plan.start] = ow[0, :, :, :V]
-    entering, final, M_of = _fold(dist, group, plan, A_mine, M_mine, N, HV, V, K, dev)
+    entering, final, _ = _fold(dist, group, plan, A_mine, M_mine, N, HV, V, K, dev)
     for i, Qc in carried.items():
         row, _, a, b, _, _ = plan.all[i]
         lo, hi = a - plan.start, b - plan.start
         o[row, lo:hi] += torch.einsum("lhk,hvk->lhv", Qc, entering[i])
-    o = o.to(v.dtype)
-    # (the backward folds its entering states again from float32 maps: nothing of this pass is kept)
-    return o, final, {} if for_backward else None
+    return o.to(v.dtype), final
 
 
-def backward(family, q, k, v, g, beta, decay, A_log, dt_bias, dist, group, rank, plan, initial_state, saved, d_out,
+def backward(family, q, k, v, g, beta, decay, A_log, dt_bias, dist, group, rank, plan, initial_state, d_out,
              d_final, opts):
     """The gradients of this rank's inputs (see the module docstring)."""
     import torch
@@ -200,7 +198,6 @@ def backward(family, q, k, v, g, beta, decay, A_log, dt_bias, dist, group, rank,
     A_mine, M_mine = precise_maps(family, q, k, v, g, beta, decay, spans, dict(opts, A_log=A_log, dt_bias=dt_bias),
                                   h0=h0s)
     entering, _, M_of = _fold(dist, group, plan, A_mine, M_mine, len(plan.by_sequence), HV, V, K, dev)
-    saved = dict(entering=entering, M_of=M_of)
 
     def call(i, d_leaving):
         _, n, _, _, first, _ = plan.all[i]
@@ -209,7 +206,7 @@ def backward(family, q, k, v, g, beta, decay, A_log, dt_bias, dist, group, rank,
             if initial_state is not None:
                 init[0] = initial_state[n].float()
         else:
-            init = saved["entering"][i].unsqueeze(0).contiguous()
+            init = entering[i].unsqueeze(0).contiguous()
         return ops.chunk_bwd(family, plan.tokens(q, i), plan.tokens(k, i), plan.tokens(v, i), plan.tokens(g, i),
                              plan.tokens(beta, i), plan.tokens(d_out, i).contiguous(), decay=decay,
                              d_final_state=d_leaving.unsqueeze(0).contiguous(), initial_state=init, A_log=A_log,
@@ -236,7 +233,7 @@ def backward(family, q, k, v, g, beta, decay, A_log, dt_bias, dist, group, rank,
             if not last:
                 leaving[i] = d_state
             if not first:
-                d_state = R_of(i) if last else torch.matmul(d_state, saved["M_of"](i).transpose(-1, -2)) + R_of(i)
+                d_state = R_of(i) if last else torch.matmul(d_state, M_of(i).transpose(-1, -2)) + R_of(i)
     for i in plan.mine:
         if i not in grads:
             grads[i] = call(i, leaving[i])

@@ -1,7 +1,8 @@
-"""The affine summary of a slice of tokens for the families without the delta rule, shared by
-context parallelism (cula.dist) and its deterministic mode (_cp_segments): their transitions are
-diagonal, so the carried queries and the transition come from the gates, and the engine pass runs
-the value columns alone."""
+"""The affine summaries of slices of tokens, shared by context parallelism (cula.dist), its
+deterministic mode (_cp_segments) and the parallel segments of one device (_segments):
+diagonal_summary, for the families without the delta rule, whose transitions are diagonal (the
+carried queries and the transition come from the gates, and the engine pass runs the value columns
+alone); precise_maps, the maps in float32 that the backwards fold their entering states from."""
 
 from __future__ import annotations
 

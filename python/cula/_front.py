@@ -64,12 +64,13 @@ def chunk(family: str, q, k, v, g=None, beta=None, decay=None, *, A_log=None, dt
     initial_state = _widen_half_state(initial_state)
     if _fit_needed(q, v, opts):
         return _fit_head_size(family, q, k, v, g, beta, decay, A_log, dt_bias, initial_state, opts)
-    if _segmented(q, k, v, g, beta, A_log, dt_bias, initial_state, opts):
+    seg_len = _segment_len(q, k, v, g, beta, A_log, dt_bias, initial_state, opts)
+    if seg_len:
         from . import _segments
 
         rest = {n: x for n, x in opts.items() if n != "return_intermediate_states"}
-        return _segments.forward(family, q, k, v, g, beta, decay, seg_len=_segments.segment_tokens(), A_log=A_log,
-                                 dt_bias=dt_bias, initial_state=initial_state, **rest)
+        return _segments.forward(family, q, k, v, g, beta, decay, seg_len=seg_len, A_log=A_log, dt_bias=dt_bias,
+                                 initial_state=initial_state, **rest)
     if _through_op(q, opts):
         from . import torch_ops
 
@@ -90,16 +91,18 @@ def chunk(family: str, q, k, v, g=None, beta=None, decay=None, *, A_log=None, dt
     return _ChunkFn.apply(family, opts, *(inputs[n] for n in _DIFF_NAMES))
 
 
-def _segmented(q, k, v, g, beta, A_log, dt_bias, initial_state, opts) -> bool:
-    """Whether a call runs in parallel segments (_segments: CULA_SEGMENT_TOKENS set): torch tensors,
-    no gradient, no intermediate states or caller buffers, not while torch.compile traces."""
-    import os
+def _segment_len(q, k, v, g, beta, A_log, dt_bias, initial_state, opts):
+    """The segment length a call runs in parallel segments with (_segments: CULA_SEGMENT_TOKENS), or
+    None: torch tensors, no gradient, no intermediate states or caller buffers, not while
+    torch.compile traces."""
+    from . import _segments
 
-    if not os.environ.get("CULA_SEGMENT_TOKENS") or not is_torch(q) or compiling():
-        return False
+    seg_len = _segments.segment_tokens()  # (first: unset, the usual case, costs one lookup)
+    if not seg_len or not is_torch(q) or compiling():
+        return None
     if opts.get("return_intermediate_states") or any(opts.get(n) is not None for n in _CALLER_BUFFERS):
-        return False
-    return not _needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state)
+        return None
+    return None if _needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state) else seg_len
 
 
 # The key head sizes (K) the CUDA kernels are built for. Another K runs zero-padded to the next one:

@@ -109,16 +109,16 @@ def forward(family, q, k, v, g, beta, decay, *, seg_len, initial_state=None, out
         A = fw[i, :, :V, :]
         if first:
             entering = A
-            continue
-        if diagonal:
-            Qc, Md = (x.to(acc) for x in diagonal_summary(family, qf[0, s:e], None if gf is None else gf[0, s:e], decay,
-                                                          HV, opts))
-            o[0, s:e] += torch.einsum("lhk,hvk->lhv", Qc, entering)
         else:
-            Md = fw[i, :, V:, :]
-            into[i] = entering
-        entering = A + torch.matmul(entering, Md)
-        if i + 1 == S or segs[i + 1][0] != n:
+            if diagonal:
+                Qc, Md = (x.to(acc) for x in diagonal_summary(family, qf[0, s:e], None if gf is None else gf[0, s:e],
+                                                              decay, HV, opts))
+                o[0, s:e] += torch.einsum("lhk,hvk->lhv", Qc, entering)
+            else:
+                Md = fw[i, :, V:, :]
+                into[i] = entering
+            entering = A + torch.matmul(entering, Md)
+        if i + 1 == S or segs[i + 1][0] != n:  # the sequence's last segment
             final[n] = entering
     if into:  # the delta rule's corrections in one product: Q~ of every such segment, padded to seg_len
         ids = list(into)
@@ -129,9 +129,6 @@ def forward(family, q, k, v, g, beta, decay, *, seg_len, initial_state=None, out
         pos = torch.minimum(pos, end - 1)
         corr = torch.einsum("slhk,shvk->slhv", out[0, :, :, V:][pos], torch.stack([into[i] for i in ids]))
         o[0].index_put_((pos[valid],), corr[valid], accumulate=True)
-    for i, (n, _, _, first) in enumerate(segs):  # sequences of one segment
-        if first and (i + 1 == S or segs[i + 1][0] != n):
-            final[n] = fw[i, :, :V, :]
     o = o.reshape(B, T, HV, V).to(v.dtype)
     if not output_final_state:
         return o, None

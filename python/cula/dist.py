@@ -242,8 +242,8 @@ def chunk_cp(family, q, k, v, g=None, beta=None, decay=None, *, sp_group=None, s
             o, out = _SegmentsCP.apply(family, decay, dist, sp_group, rank, plan, N, opts,
                                        q, k, v, g, beta, A_log, dt_bias, initial_state)
         else:
-            o, out, _ = _cp_segments.forward(family, q, k, v, g, beta, decay, dist, sp_group, plan, N, initial_state,
-                                             dict(opts, A_log=A_log, dt_bias=dt_bias))
+            o, out = _cp_segments.forward(family, q, k, v, g, beta, decay, dist, sp_group, plan, N, initial_state,
+                                          dict(opts, A_log=A_log, dt_bias=dt_bias))
         return o, (out if output_final_state else None)
     if _needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
         o, out = _ChunkCP.apply(family, decay, dist, sp_group, rank, size, pieces, packed, N, opts, how,
@@ -409,23 +409,22 @@ def _make_segments_cp_fn():
         @staticmethod
         def forward(ctx, family, decay, dist, group, rank, plan, N, opts,
                     q, k, v, g, beta, A_log, dt_bias, initial_state):
-            o, out, saved = _cp_segments.forward(family, q, k, v, g, beta, decay, dist, group, plan, N,
-                                                 initial_state, dict(opts, A_log=A_log, dt_bias=dt_bias),
-                                                 for_backward=True)
-            ctx.meta = (family, decay, dist, group, rank, plan, N, opts, saved)
+            o, out = _cp_segments.forward(family, q, k, v, g, beta, decay, dist, group, plan, N, initial_state,
+                                          dict(opts, A_log=A_log, dt_bias=dt_bias))
+            ctx.meta = (family, decay, dist, group, rank, plan, N, opts)
             ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state)
             return o, out
 
         @staticmethod
         def backward(ctx, d_out, d_final):
-            family, decay, dist, group, rank, plan, N, opts, saved = ctx.meta
+            family, decay, dist, group, rank, plan, N, opts = ctx.meta
             q, k, v, g, beta, A_log, dt_bias, initial_state = ctx.saved_tensors
             HV, V, K = int(v.shape[2]), int(v.shape[3]), int(q.shape[3])
             d_final = (torch.zeros(N, HV, V, K, dtype=torch.float32, device=q.device) if d_final is None
                        else d_final.float().contiguous())
             dist.all_reduce(d_final, group=group)
             grads = _cp_segments.backward(family, q, k, v, g, beta, decay, A_log, dt_bias, dist, group, rank, plan,
-                                          initial_state, saved, d_out.contiguous(), d_final, opts)
+                                          initial_state, d_out.contiguous(), d_final, opts)
             out = []
             for name, x in (("dq", q), ("dk", k), ("dv", v), ("dg", g), ("dbeta", beta), ("dA_log", A_log),
                             ("ddt_bias", dt_bias), ("d_initial_state", initial_state)):

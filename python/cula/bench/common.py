@@ -66,15 +66,16 @@ def time_peers_and_baseline(torch, impls, baseline, reps=REPS, queued=False):
     implementation came next in the turn ran on a GPU whose clocks had dropped (cula's single
     call at 1x32768 H32 0.80 -> 1.05 ms when it followed SDPA, FLA's 1.28 -> 1.71 ms)."""
     res = time_interleaved(torch, impls, reps, queued=queued)
-    name, fn = baseline
-    res[name] = time_interleaved(torch, [(name, fn)], reps, queued=queued)[name]
+    if baseline is not None:  # (None: no baseline, e.g. decode)
+        name, fn = baseline
+        res[name] = time_interleaved(torch, [(name, fn)], reps, queued=queued)[name]
     return res
 
 
 def measure_config(torch, op, name, config, impls, baseline, floor, floor_note, records, rows, queued_rows, *,
                    cula_out, fla_out=None, peers=("fla_triton", "torch_sdpa"), ratio_queued=False):
-    """One configuration of a forward benchmark against its peers: single and queued calls timed
-    (time_peers_and_baseline), then cula's output (cula_out(): runs cula once and returns o) against
+    """One configuration of a benchmark against its peers: single and queued calls timed
+    (time_peers_and_baseline; baseline None: none), then cula's output (cula_out(): runs cula once and returns o) against
     FLA's (fla_out(), when FLA runs the configuration), the floor, the peers' ratios and the kernel
     cula ran, appended to records, rows and queued_rows (write_report's inputs). Returns (single,
     queued, kernel)."""

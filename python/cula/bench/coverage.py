@@ -134,9 +134,6 @@ def bench_coverage(out_dir: str, gpu_name: str | None = None, configs=None, deco
 
 
 def _decode_grid(torch, dev, props, bw, out_dir, gpu_name, configs):
-    from .common import time_interleaved
-    from .. import ops
-
     op = "decode_coverage"
     title = "Model configurations, decode (one token per sequence): cula's drop-ins against FLA Triton"
     meta = dict(gpu=gpu_name or props.name, copy_gb_per_s=round(bw, 1), torch=torch.__version__,
@@ -178,28 +175,11 @@ def _decode_grid(torch, dev, props, bw, out_dir, gpu_name, configs):
         isz = 2 if dtype != "float32" else 4
         nbytes = 2 * N * HV * K * V * 4 + N * (H * 2 * K * isz + HV * (2 * V * isz + (K * isz if family == "kda" else 4) + isz))
         floor = nbytes / (bw * 1e9) * 1e3
-        check = {}
-        with torch.inference_mode():
-            res = time_interleaved(torch, impls)
-            resq = time_interleaved(torch, impls, queued=True)
-            o_cula = call(cula_fn, 0)[0]
-            kernel = ops.last_kernel()
-            if not fla_error:
-                o_fla = call(fla_fn, 0)[0]
-                check["rel_vs_fla"] = float((o_cula.float() - o_fla.float()).norm() / o_fla.float().norm())
-        for impl in res:
-            records.append(dict(op=op, config=config, impl=impl, median_ms=round(res[impl], 4),
-                                median_ms_queued=round(resq[impl], 4)))
-        records.append(dict(op=op, config=config, impl="floor", median_ms=round(floor, 4),
-                            note="the states read and written (float32), q, k, v, gate and beta read, o written, at "
-                                 "the copy bandwidth"))
-        if "fla_triton" in res:
-            records.append(dict(op=op, config=config, impl="ratio_fla_triton_over_cula",
-                                ratio=round(res["fla_triton"] / res["cula"], 3),
-                                ratio_queued=round(resq["fla_triton"] / resq["cula"], 3)))
-        records.append(dict(op=op, config=config, impl="cula_kernel", name=kernel, **check))
-        rows.append((name, res, floor, kernel, check))
-        queued_rows.append((name, resq, floor, kernel, {}))
+        res, resq, kernel = measure_config(
+            torch, op, name, config, impls, None, floor,
+            "the states read and written (float32), q, k, v, gate and beta read, o written, at the copy bandwidth",
+            records, rows, queued_rows, cula_out=lambda: call(cula_fn, 0)[0],
+            fla_out=None if fla_error else (lambda: call(fla_fn, 0)[0]), peers=("fla_triton",), ratio_queued=True)
         prog.step(f"{name}: cula {res['cula']:.3f} ms (queued {resq['cula']:.3f}) on {kernel}")
         del sets
         torch.cuda.empty_cache()
