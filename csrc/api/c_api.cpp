@@ -145,16 +145,18 @@ thread_local const char* g_last_kernel = "";
 // The last explain call's answer on this thread (cula_explained_kernel, cula_explained_declines).
 thread_local std::string g_explained_kernel, g_explained_declines;
 
-enum class Entry { Run, Explain };
+enum class Entry { Run, Explain, Validate };
 
 // An op's C entry: the arguments checked and validated, then the table's row for the call run
-// (Run) or only named, with why each row before it declined (Explain).
+// (Run) or only named, with why each row before it declined (Explain); Validate stops after the
+// checks (a host copy of device indices is validated so, without asking a kernel to take it).
 template <typename Args, typename Problem, size_t N>
 cula_status enter(const Kernel<Args, Problem> (&table)[N], const char* op, const char* args_type, const Args* args,
                   Problem (*validate)(const Args&), Entry what) {
   return guarded([&] {
     if (!args) throw_arg(op, "args", std::string("a pointer to ") + args_type, "NULL");
     const Problem r = validate(*args);
+    if (what == Entry::Validate) return;
     if (what == Entry::Explain) {
       std::string declined;
       g_explained_kernel = select(table, op, r, *args, args->opt.backend, device_of(*args), &declined)->name;
@@ -221,6 +223,16 @@ cula_status cula_chunk_fwd_explain(const cula_chunk_fwd_args* args) {
 
 cula_status cula_decode_explain(const cula_decode_args* args) {
   return enter(kDecode, "decode", "cula_decode_args", args, validate_decode, Entry::Explain);
+}
+
+cula_status cula_chunk_fwd_validate(const cula_chunk_fwd_args* args) {
+  cula_chunk_fwd_args full;
+  return enter(kChunkFwd, "chunk_fwd", "cula_chunk_fwd_args", current_fwd_args(args, full), validate_chunk_fwd,
+               Entry::Validate);
+}
+
+cula_status cula_decode_validate(const cula_decode_args* args) {
+  return enter(kDecode, "decode", "cula_decode_args", args, validate_decode, Entry::Validate);
 }
 
 const char* cula_explained_kernel(void) { return g_explained_kernel.c_str(); }

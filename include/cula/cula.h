@@ -248,6 +248,11 @@ CULA_API cula_status cula_chunk_fwd_explain(const cula_chunk_fwd_args* args);
 CULA_API cula_status cula_decode_explain(const cula_decode_args* args);
 CULA_API cula_status cula_chunk_bwd_explain(const cula_chunk_bwd_args* args);
 CULA_API cula_status cula_kda_gate_explain(const cula_kda_gate_args* args);
+/* The arguments' checks alone (the errors cula_chunk_fwd / cula_decode would return for them), with
+ * no kernel chosen: host slot indices are checked for range and for a slot named by two sequences
+ * here even when the call itself will pass them on the device. Outputs neither read nor written. */
+CULA_API cula_status cula_chunk_fwd_validate(const cula_chunk_fwd_args* args);
+CULA_API cula_status cula_decode_validate(const cula_decode_args* args);
 /* After a successful *_explain on this thread: the kernel's name, and one "row: reason" line per
  * row that declined the call ("" when the first row takes it). */
 CULA_API const char* cula_explained_kernel(void);

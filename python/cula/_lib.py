@@ -135,9 +135,11 @@ def _load():
         ("cula_decode_explain", DecodeArgs),
         ("cula_chunk_bwd_explain", ChunkBwdArgs),
         ("cula_kda_gate_explain", KdaGateArgs),
+        ("cula_chunk_fwd_validate", ChunkFwdArgs),
+        ("cula_decode_validate", DecodeArgs),
     ]:
         f = getattr(lib, fn, None)
-        if f is None and fn.endswith("_explain"):  # a library built before this entry: explain() fails, calls run
+        if f is None and fn.endswith(("_explain", "_validate")):  # a library built before this entry: explain() fails, calls run
             continue
         f.argtypes = [ctypes.c_void_p]  # the address of an argument buffer laid out as argtype
         f.restype = ctypes.c_int

@@ -98,13 +98,13 @@ def chunk_fwd(family, q, k, v, g=None, beta=None, decay=None, *, initial_state=N
     """
     opts = _options("chunk_fwd", options, option_kw)
     host_slots = _device_indices_to_check(state_indices, _entry)
-    if host_slots is not None:  # the host checks first (explain: validated, not run)
+    if host_slots is not None:  # the host checks first (validated, not run)
         chunk_fwd(family, q, k, v, g, beta, decay, initial_state=initial_state, output_final_state=output_final_state,
                   A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens, state_pool=state_pool,
                   state_indices=host_slots, return_intermediate_states=return_intermediate_states,
                   chunk_size=chunk_size, state_dtype=state_dtype, intermediate_dtype=intermediate_dtype, out=out,
                   final_state_out=final_state_out, intermediate_states_out=intermediate_states_out,
-                  cu_seqlens_host=cu_seqlens_host, backend=backend, options=opts, _entry=_lib.LIB.cula_chunk_fwd_explain)
+                  cu_seqlens_host=cu_seqlens_host, backend=backend, options=opts, _entry=_lib.LIB.cula_chunk_fwd_validate)
     state_layout = opts.state_layout
     arrays = _given(q=q, k=k, v=v, g=g, beta=beta, decay=decay, initial_state=initial_state, A_log=A_log,
                     dt_bias=dt_bias, cu_seqlens=cu_seqlens, state_pool=state_pool, state_indices=state_indices, out=out)
@@ -193,10 +193,10 @@ def decode(q, k, v, state_pool, *, mode="kda", g=None, beta=None, decay=None, st
     """
     opts = _options("decode", options, option_kw)
     host_slots = _device_indices_to_check(state_indices, _entry)
-    if host_slots is not None:  # the host checks first (explain: validated, not run)
+    if host_slots is not None:  # the host checks first (validated, not run)
         decode(q, k, v, state_pool, mode=mode, g=g, beta=beta, decay=decay, state_indices=host_slots,
                num_accepted_tokens=num_accepted_tokens, A_log=A_log, dt_bias=dt_bias, out=out, backend=backend,
-               options=opts, _entry=_lib.LIB.cula_decode_explain)
+               options=opts, _entry=_lib.LIB.cula_decode_validate)
     arrays = _given(q=q, k=k, v=v, state_pool=state_pool, g=g, beta=beta, decay=decay, state_indices=state_indices,
                     num_accepted_tokens=num_accepted_tokens, A_log=A_log, dt_bias=dt_bias, out=out)
     q = arrays.get("q")

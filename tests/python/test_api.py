@@ -305,3 +305,30 @@ def test_explain_names_the_kernel_and_why_the_rows_before_it_declined(rng):
     assert cula.explain("kda_gate", g, A_log=np.zeros(H, np.float32)).kernel == "cpu"
     with pytest.raises(cula.CulaError, match="argument 'op'"):
         cula.explain("chunk_fwd_twice", "kda", q, k, v, g, beta)
+
+
+def test_validate_entries_check_the_arguments_and_run_nothing(rng):
+    """cula_decode_validate / cula_chunk_fwd_validate (the checks behind CULA_CHECK_DEVICE_INDICES):
+    the op's own errors for bad slot indices, and for good ones no kernel chosen and nothing written."""
+    from cula import _lib
+    N, H, K = 3, 2, 32
+    q, k, v = (rng.standard_normal((N, 1, H, K)).astype(np.float32) for _ in range(3))
+    g = -rng.uniform(0.01, 0.3, (N, 1, H, K)).astype(np.float32)
+    beta = rng.uniform(0.1, 0.9, (N, 1, H)).astype(np.float32)
+    pool = rng.standard_normal((N + 1, H, K, K)).astype(np.float32)
+    before = pool.copy()
+    out = np.full((N, 1, H, K), np.nan, np.float32)
+    entry = _lib.LIB.cula_decode_validate
+    cula.decode(q, k, v, pool, mode="kda", g=g, beta=beta, state_indices=np.array([2, 0, -1], np.int32), out=out,
+                _entry=entry)
+    assert np.array_equal(pool, before) and np.isnan(out).all()  # validated, not run
+    for bad, msg in (([2, 0, 2], "slot 2 named by sequences 0 and 2"), ([2, 0, 4], "slot indices < pool size P = 4")):
+        with pytest.raises(cula.CulaError, match=msg):
+            cula.decode(q, k, v, pool, mode="kda", g=g, beta=beta, state_indices=np.array(bad, np.int32),
+                        _entry=entry)
+    cu = np.arange(N + 1, dtype=np.int32)
+    flat = [x.reshape(1, N, *x.shape[2:]) for x in (q, k, v, g)]
+    with pytest.raises(cula.CulaError, match="slot 2 named by sequences 0 and 2"):
+        cula.chunk_fwd("kda", *flat, beta.reshape(1, N, H), cu_seqlens=cu, state_pool=pool,
+                       state_indices=np.array([2, 0, 2], np.int32), _entry=_lib.LIB.cula_chunk_fwd_validate)
+    assert np.array_equal(pool, before)
