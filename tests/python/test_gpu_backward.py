@@ -256,8 +256,11 @@ def test_autograd_through_the_public_entries_on_cuda_matches_the_host(rng, entry
     for side, x in (("cuda", dev), ("host", host)):
         o, s = call(x)
         outs[side] = (o, s)
-        do = torch.from_numpy(np.random.default_rng(7).standard_normal(tuple(o.shape))).to(o.device)
-        ds = torch.from_numpy(np.random.default_rng(8).standard_normal(tuple(s.shape))).to(s.device)
+        # loss weights representable in bf16: the CUDA side's o is bf16, and the gradient it passes
+        # back is rounded so; the host's float64 o would take unrounded weights (dA_log, a cancelling
+        # sum, shows the difference)
+        do = torch.from_numpy(np.random.default_rng(7).standard_normal(tuple(o.shape))).bfloat16().to(o.device).double()
+        ds = torch.from_numpy(np.random.default_rng(8).standard_normal(tuple(s.shape))).bfloat16().to(s.device).double()
         loss = (o.double() * do).sum() + (s.double() * ds).sum()
         grads[side] = torch.autograd.grad(loss, list(x.values()))
     for od, oh in zip(outs["cuda"], outs["host"]):

@@ -21,9 +21,11 @@
 //  6. key_grad_kernel, per (chunk, value head, 64 channels): over V, dQg = dO S0^T,
 //     dKg = -(beta dB) S0^T, dKr = Delta dS^T and the channel sums of S0 . dS; their terms of
 //     dq^, dk^ and dG.
-//  7. pair_grad_kernel, per (chunk, value head): dP = tril(dO Delta^T), dA = -stril(dB Delta^T)
-//     over V; beta's KEK term; the pair terms of dq^, dk^ and dG (diagonal blocks exact per
-//     channel, the rest on tensor cores); da, the reverse cumulative sum of dG.
+//  7. pair_grad_kernel, per (chunk, value head, 64 channels): dP = tril(dO Delta^T),
+//     dA = -stril(dB Delta^T) over V (each channel CTA of a chunk forms them); beta's KEK term; the
+//     pair terms of dq^, dk^ and dG, accumulated in shared memory on top of the key kernel's and
+//     written back once (diagonal blocks exact per channel, the rest on tensor cores); da, the
+//     reverse cumulative sum of dG.
 //  8. the chain kernels (chain.cu), as the recurrent form.
 // The scans stream the next chunk's factor tiles by cp.async one phase ahead. Deterministic: every
 // sum in a fixed order, no atomics. Barriers: __syncthreads between phases; an accumulating product
@@ -198,9 +200,11 @@ struct FactorsLayout {
   static constexpr int LK = K + 4, LA = C + 4, LB = K + 8;
   static constexpr int kRowOperands = (16 + (DELTA ? 16 : 0) + 48) * LK;  // one block row's operands
   static constexpr int kTail = 3 * 256 + C * LB;                          // X, then beta Kg
+  // the block rows' products (16 rows, 16 I columns) through gemm_wide: their scratch, two buffers
+  static constexpr int SC = tf32::wide_scratch<16, 16, K, NW>();
   static constexpr int q = 0, k = q + C * LK, G = k + C * LK, A = G + C * LK, T = A + (DELTA ? C * LA : 0),
                        S = T + (DELTA ? C * LA : 0), D = S + (kRowOperands > kTail ? kRowOperands : kTail),
-                       beta = D + 4 * 136 * 2, floats = beta + C;
+                       beta = D + 4 * 136 * 2, sc = beta + C, floats = sc + 2 * SC;
   static constexpr int bytes = floats * 4;
 };
 
@@ -216,7 +220,7 @@ __device__ __forceinline__ void tri_index(int pi, int& i, int& j) {  // pi = i (
 // e^{G_r - G_s}), every factor <= 1.
 template <int K, bool DELTA, int I>
 __device__ __forceinline__ void factors_block_row(const float* qs, const float* ks, const float* Gs, float* S, float* Am,
-                                                  const float* bet, float* fac) {
+                                                  const float* bet, float* fac, float* sc0, float* sc1) {
   using Ly = FactorsLayout<K, DELTA>;
   using F = Fac<K>;
   constexpr int LK = Ly::LK, LA = Ly::LA, r = 16 * I - 1;
@@ -233,9 +237,11 @@ __device__ __forceinline__ void factors_block_row(const float* qs, const float* 
     R[s * LK + c] = ks[s * LK + c] * __expf(Gs[r * LK + c] - Gs[s * LK + c]);
   }
   __syncthreads();
-  tf32::gemm<16, 16 * I, K, NW>(rows(Lq, LK), cols(R, LK), [&](int i, int j, float v) { fac[F::P + (16 * I + i) * C + j] = v; });
+  static_assert(tf32::wide_scratch<16, 16 * I, K, NW>() <= Ly::SC, "scratch");
+  tf32::gemm_wide<16, 16 * I, K, NW>(rows(Lq, LK), cols(R, LK), sc0,
+                                     [&](int i, int j, float v) { fac[F::P + (16 * I + i) * C + j] = v; });
   if (DELTA)
-    tf32::gemm<16, 16 * I, K, NW>(rows(Lk, LK), cols(R, LK), [&](int i, int j, float v) {
+    tf32::gemm_wide<16, 16 * I, K, NW>(rows(Lk, LK), cols(R, LK), sc1, [&](int i, int j, float v) {
       const int t = 16 * I + i;
       fac[F::KEK + t * C + j] = v;
       Am[t * LA + j] = bet[t] * v;
@@ -295,9 +301,9 @@ __global__ void __launch_bounds__(NT) chunk_factors_kernel(const Params bp) {
     }
     D[2 * e] = ap, D[2 * e + 1] = ak;
   }
-  factors_block_row<K, DELTA, 1>(qs, ks, Gs, S, Am, bet, fac);
-  factors_block_row<K, DELTA, 2>(qs, ks, Gs, S, Am, bet, fac);
-  factors_block_row<K, DELTA, 3>(qs, ks, Gs, S, Am, bet, fac);
+  factors_block_row<K, DELTA, 1>(qs, ks, Gs, S, Am, bet, fac, sm + Ly::sc, sm + Ly::sc + Ly::SC);
+  factors_block_row<K, DELTA, 2>(qs, ks, Gs, S, Am, bet, fac, sm + Ly::sc, sm + Ly::sc + Ly::SC);
+  factors_block_row<K, DELTA, 3>(qs, ks, Gs, S, Am, bet, fac, sm + Ly::sc, sm + Ly::sc + Ly::SC);
   __syncthreads();
   for (int e = tid; e < 4 * 136; e += NT) {
     const int I = e / 136;
@@ -660,24 +666,29 @@ __global__ void __launch_bounds__(NT) key_grad_kernel(const Params bp) {
 }
 
 // ---- 7. pair side ------------------------------------------------------------------------------
+// One CTA per (chunk, value head, 64 channels): the pair terms are per channel once dP and dA are
+// formed (over V, by each of a chunk's channel CTAs), so a CTA keeps its channels' dq^ and dk^ terms
+// in shared memory (aq, ak) from the key kernel's partial rows to one write back, instead of adding
+// to the part rows in global memory pass after pass.
+constexpr int PC = 64;  // channels per pair CTA
 template <int K>
 struct PairLayout {
-  static constexpr int L = VE + 4, LC = C + 8, LK = K + 4, LS = K + 8;
+  static constexpr int L = VE + 4, LC = C + 8, LK = PC + 4, LS = PC + 8;
+  static constexpr int SC = tf32::wide_scratch<16, PC, 16, NW>();  // the block products' split (gemm_wide)
   static constexpr int dP = 0, dA = dP + C * LC, q = dA + C * LC, k = q + C * LK, G = k + C * LK, dG = G + C * LK,
-                       S = dG + C * LK, beta = S + 48 * LS, floats = beta + C;
-  static constexpr int dO = q, dB = dO + C * L, D = dB + C * L;  // phase 1, in the q, k, G region
-  static_assert(D + C * L <= dG, "the products over V fit where q, k, G go");
+                       aq = dG + C * LK, ak = aq + C * LK, S = ak + C * LK, beta = S + 48 * LS, sc = beta + C,
+                       floats = sc + 2 * SC;
+  static constexpr int dO = q, dB = dO + C * L, D = dB + C * L;  // phase 1, in the q .. ak region
+  static_assert(D + C * L <= S, "the products over V fit where q, k, G, dG and the accumulators go");
   static constexpr int bytes = floats * 4;
 };
 
-// The pair kernel's shared state for its block passes.
+// The pair kernel's shared state for its block passes (channels c0 .. c0 + PC of the chunk).
 template <int K>
 struct PairCtx {
   const float *dP, *w, *qs, *ks, *Gs;
-  float *dGs, *S, *part;
-  int64_t row0, row_ld;  // part row of token t: part + row0 + t row_ld
+  float *dGs, *aq, *ak, *S, *sc0, *sc1;
   int Lc;
-  __device__ float* prow(int t) const { return part + row0 + t * row_ld; }
 };
 
 // Rows of block I (I >= 1) from the tokens before it, on tensor cores: through r = 16 I - 1,
@@ -686,25 +697,26 @@ template <int K, bool DELTA, int I>
 __device__ __forceinline__ void pair_block_rows(const PairCtx<K>& x) {
   using Ly = PairLayout<K>;
   constexpr int LC = Ly::LC, LK = Ly::LK, LS = Ly::LS, r = 16 * I - 1;
-  __syncthreads();  // S free; the passes before are done with part and dG
-  for (int i = threadIdx.x; i < 16 * I * K; i += NT) {
-    const int s = i / K, c = i % K;
+  static_assert(tf32::wide_scratch<16, PC, 16 * I, NW>() <= Ly::SC, "scratch");
+  __syncthreads();  // S free; the passes before are done with the accumulators
+  for (int i = threadIdx.x; i < 16 * I * PC; i += NT) {
+    const int s = i / PC, c = i % PC;
     x.S[s * LS + c] = x.ks[s * LK + c] * __expf(x.Gs[r * LK + c] - x.Gs[s * LK + c]);
   }
   __syncthreads();
-  tf32::gemm<16, K, 16 * I, NW>(rows(x.dP + 16 * I * LC, LC), rows(x.S, LS), [&](int i, int c, float v) {
+  tf32::gemm_wide<16, PC, 16 * I, NW>(rows(x.dP + 16 * I * LC, LC), rows(x.S, LS), x.sc0, [&](int i, int c, float v) {
     const int t = 16 * I + i;
     if (t >= x.Lc) return;
     v *= __expf(x.Gs[t * LK + c] - x.Gs[r * LK + c]);
-    x.prow(t)[c] += v;
+    x.aq[t * LK + c] += v;
     x.dGs[t * LK + c] += x.qs[t * LK + c] * v;
   });
   if (DELTA)
-    tf32::gemm<16, K, 16 * I, NW>(rows(x.w + 16 * I * LC, LC), rows(x.S, LS), [&](int i, int c, float v) {
+    tf32::gemm_wide<16, PC, 16 * I, NW>(rows(x.w + 16 * I * LC, LC), rows(x.S, LS), x.sc1, [&](int i, int c, float v) {
       const int t = 16 * I + i;
       if (t >= x.Lc) return;
       v *= __expf(x.Gs[t * LK + c] - x.Gs[r * LK + c]);
-      x.prow(t)[K + c] += v;
+      x.ak[t * LK + c] += v;
       x.dGs[t * LK + c] += x.ks[t * LK + c] * v;
     });
 }
@@ -715,22 +727,23 @@ template <int K, bool DELTA, int J>
 __device__ __forceinline__ void pair_block_cols(const PairCtx<K>& x) {
   using Ly = PairLayout<K>;
   constexpr int LC = Ly::LC, LK = Ly::LK, LS = Ly::LS, rho = 16 * J + 15, t0 = 16 * (J + 1), NTK = C - t0;
+  static_assert(tf32::wide_scratch<16, PC, NTK, NW>() <= Ly::SC, "scratch");
   auto epi = [&](int i, int c, float v) {
     const int s = 16 * J + i;
     if (s >= x.Lc) return;
     v *= __expf(x.Gs[rho * LK + c] - x.Gs[s * LK + c]);
-    x.prow(s)[K + c] += v;
+    x.ak[s * LK + c] += v;
     x.dGs[s * LK + c] -= x.ks[s * LK + c] * v;
   };
   for (int pass = 0; pass < (DELTA ? 2 : 1); ++pass) {
     const float* src = pass == 0 ? x.qs : x.ks;
     __syncthreads();
-    for (int i = threadIdx.x; i < NTK * K; i += NT) {
-      const int t = t0 + i / K, c = i % K;
-      x.S[(i / K) * LS + c] = src[t * LK + c] * __expf(x.Gs[t * LK + c] - x.Gs[rho * LK + c]);
+    for (int i = threadIdx.x; i < NTK * PC; i += NT) {
+      const int t = t0 + i / PC, c = i % PC;
+      x.S[(i / PC) * LS + c] = src[t * LK + c] * __expf(x.Gs[t * LK + c] - x.Gs[rho * LK + c]);
     }
     __syncthreads();
-    tf32::gemm<16, K, NTK, NW>(cols((pass == 0 ? x.dP : x.w) + t0 * LC + 16 * J, LC), rows(x.S, LS), epi);
+    tf32::gemm_wide<16, PC, NTK, NW>(cols((pass == 0 ? x.dP : x.w) + t0 * LC + 16 * J, LC), rows(x.S, LS), x.sc0, epi);
   }
 }
 
@@ -738,19 +751,24 @@ template <int K, bool DELTA>
 __global__ void __launch_bounds__(NT) pair_grad_kernel(const Params bp) {
   using Ly = PairLayout<K>;
   using F = Fac<K>;
-  constexpr int L = Ly::L, LC = Ly::LC, LK = Ly::LK;
+  constexpr int L = Ly::L, LC = Ly::LC, LK = Ly::LK, NH = K / PC;
   constexpr int64_t PW = bwd::part_width(K);
   extern __shared__ __align__(16) float sm[];
   float *dP = sm + Ly::dP, *dA = sm + Ly::dA, *dO = sm + Ly::dO, *dB = sm + Ly::dB, *Dl = sm + Ly::D;
-  float *qs = sm + Ly::q, *ks = sm + Ly::k, *Gs = sm + Ly::G, *dGs = sm + Ly::dG, *bet = sm + Ly::beta;
+  float *qs = sm + Ly::q, *ks = sm + Ly::k, *Gs = sm + Ly::G, *dGs = sm + Ly::dG, *aq = sm + Ly::aq, *ak = sm + Ly::ak;
+  float* bet = sm + Ly::beta;
   const FwdParams& p = bp.f;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int cidx = static_cast<int>(blockIdx.x / p.HV), hv = static_cast<int>(blockIdx.x % p.HV), h = hv / (p.HV / p.H);
+  const int half = static_cast<int>(blockIdx.x % NH), c0 = half * PC;
+  const int cidx = static_cast<int>(blockIdx.x / NH / p.HV), hv = static_cast<int>((blockIdx.x / NH) % p.HV);
+  const int h = hv / (p.HV / p.H);
   ChunkAt ch;
   if (!chunk_at(bp, cidx, ch)) return;
   const float* fac = bp.fac + (static_cast<int64_t>(cidx) * p.HV + hv) * F::size;
   const int Lc = ch.Lc;
-  const PairCtx<K> x{dP, dA, qs, ks, Gs, dGs, sm + Ly::S, bp.part, (ch.f0 * p.HV + hv) * PW, p.HV * PW, Lc};
+  const PairCtx<K> x{dP, dA, qs, ks, Gs, dGs, aq, ak, sm + Ly::S, sm + Ly::sc, sm + Ly::sc + Ly::SC, Lc};
+  float* const part = bp.part + (ch.f0 * p.HV + hv) * PW;  // token t's part row: part + t row_ld
+  const int64_t row_ld = p.HV * PW;
   const int64_t tok = ch.f0 * p.HV * p.V + hv * p.V, tok_ld = static_cast<int64_t>(p.HV) * p.V;
 
   // dP = tril(dO Delta^T), and dB Delta^T, over V
@@ -776,25 +794,40 @@ __global__ void __launch_bounds__(NT) pair_grad_kernel(const Params bp) {
   aP.drain([&](int i, int j, float v) { dP[i * LC + j] = j <= i ? v : 0.0f; });
   if (DELTA) aA.drain([&](int i, int j, float v) { dA[i * LC + j] = j < i ? -v : 0.0f; });
   __syncthreads();  // phase 1's buffers end
-  rows_async<C, K>(qs, LK, bp.x.qh + (ch.f0 * p.H + h) * K, static_cast<int64_t>(p.H) * K, Lc);
-  rows_async<C, K>(ks, LK, bp.x.kh + (ch.f0 * p.H + h) * K, static_cast<int64_t>(p.H) * K, Lc);
-  rows_async<C, K>(Gs, LK, fac + F::G, K);
+  rows_async<C, PC>(qs, LK, bp.x.qh + (ch.f0 * p.H + h) * K + c0, static_cast<int64_t>(p.H) * K, Lc);
+  rows_async<C, PC>(ks, LK, bp.x.kh + (ch.f0 * p.H + h) * K + c0, static_cast<int64_t>(p.H) * K, Lc);
+  rows_async<C, PC>(Gs, LK, fac + F::G + c0, K);
   mma::cp_async_commit();
-  // beta: its sums from the value kernel's column slices, in order, and A's term sum_s dA_ts KEK_ts
-  for (int t = warp; t < Lc; t += NW) {
-    float s = 0.0f;
-    if (DELTA)
-      for (int u = lane; u < t; u += 32) s += dA[t * LC + u] * fac[F::KEK + t * C + u];
-    s = dev::warp_sum(s);
-    if (lane == 0) {
+  // beta (one channel CTA): its sums from the value kernel's column slices, in order, and A's term
+  // sum_s dA_ts KEK_ts
+  if (half == 0)
+    for (int t = warp; t < Lc; t += NW) {
+      float s = 0.0f;
       if (DELTA)
-        for (int sl = 0; sl < p.V / VE; ++sl) s += bp.dbeta_part[(sl * bp.BT + ch.f0 + t) * p.HV + hv];
-      x.prow(t)[3 * K] = DELTA ? s : 0.0f;
+        for (int u = lane; u < t; u += 32) s += dA[t * LC + u] * fac[F::KEK + t * C + u];
+      s = dev::warp_sum(s);
+      if (lane == 0) {
+        if (DELTA)
+          for (int sl = 0; sl < p.V / VE; ++sl) s += bp.dbeta_part[(sl * bp.BT + ch.f0 + t) * p.HV + hv];
+        part[t * row_ld + 3 * K] = DELTA ? s : 0.0f;
+      }
     }
-  }
-  for (int i = tid; i < C * K; i += NT) {
-    const int t = i / K, c = i % K;
-    dGs[t * LK + c] = t < Lc ? x.prow(t)[2 * K + c] : 0.0f;
+  {  // the key kernel's terms of dq^, dk^ and dG: every load before the first store
+    constexpr int PER = C * PC / NT;
+    float rq[PER], rk[PER], rg[PER];
+#pragma unroll
+    for (int u = 0; u < PER; ++u) {
+      const int i = tid + u * NT, t = i / PC, c = c0 + i % PC;
+      const float* pr = part + t * row_ld;
+      rq[u] = t < Lc ? pr[c] : 0.0f;
+      rk[u] = t < Lc ? pr[K + c] : 0.0f;
+      rg[u] = t < Lc ? pr[2 * K + c] : 0.0f;
+    }
+#pragma unroll
+    for (int u = 0; u < PER; ++u) {
+      const int i = tid + u * NT, t = i / PC, c = i % PC;
+      aq[t * LK + c] = rq[u], ak[t * LK + c] = rk[u], dGs[t * LK + c] = rg[u];
+    }
   }
   mma::cp_async_wait_all();
   __syncthreads();
@@ -803,25 +836,24 @@ __global__ void __launch_bounds__(NT) pair_grad_kernel(const Params bp) {
   __syncthreads();
 
   // diagonal blocks, exact: thread (channel c, group grp) owns rows t = grp (mod NG)
-  constexpr int NG = NT / K;
-  const int c = tid % K, grp = tid / K;
+  constexpr int NG = NT / PC;
+  const int c = tid % PC, grp = tid / PC;
   // (all 16 tokens of the block, unrolled: dP and w are zero outside their triangles, and the
   // exponent is clamped at 0 there so that no e^{+x} overflows)
   for (int t = grp; t < Lc; t += NG) {
     const int b = t & ~15;
     const float Gt = Gs[t * LK + c];
-    float aq = 0.0f, ak = 0.0f;
+    float aqs = 0.0f, aks = 0.0f;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       const int s = b + j;
       const float e = __expf(fminf(Gt - Gs[s * LK + c], 0.0f)) * ks[s * LK + c];
-      aq += dP[t * LC + s] * e;
-      if (DELTA) ak += dA[t * LC + s] * e;
+      aqs += dP[t * LC + s] * e;
+      if (DELTA) aks += dA[t * LC + s] * e;
     }
-    float* pr = x.prow(t);
-    pr[c] += aq;
-    if (DELTA) pr[K + c] += ak;
-    dGs[t * LK + c] += qs[t * LK + c] * aq + ks[t * LK + c] * ak;
+    aq[t * LK + c] += aqs;
+    if (DELTA) ak[t * LK + c] += aks;
+    dGs[t * LK + c] += qs[t * LK + c] * aqs + ks[t * LK + c] * aks;
   }
   for (int s = grp; s < Lc; s += NG) {
     const int b = s & ~15;
@@ -834,7 +866,7 @@ __global__ void __launch_bounds__(NT) pair_grad_kernel(const Params bp) {
       ap += dP[t * LC + s] * e * qs[t * LK + c];
       if (DELTA) ar += dA[t * LC + s] * e * ks[t * LK + c];
     }
-    x.prow(s)[K + c] += ap + ar;
+    ak[s * LK + c] += ap + ar;
     dGs[s * LK + c] -= ks[s * LK + c] * (ap + ar);
   }
   // off the diagonal, on tensor cores
@@ -845,11 +877,17 @@ __global__ void __launch_bounds__(NT) pair_grad_kernel(const Params bp) {
   pair_block_cols<K, DELTA, 1>(x);
   pair_block_cols<K, DELTA, 2>(x);
   __syncthreads();
-  for (int cc = tid; cc < K; cc += NT) {  // da: G_t = sum_{s <= t} a_s
+  for (int i = tid; i < Lc * PC; i += NT) {  // dq^ and dk^ terms back, once
+    const int t = i / PC, cc = i % PC;
+    float* pr = part + t * row_ld + c0 + cc;
+    pr[0] = aq[t * LK + cc];
+    pr[K] = ak[t * LK + cc];
+  }
+  for (int cc = tid; cc < PC; cc += NT) {  // da: G_t = sum_{s <= t} a_s
     float acc = 0.0f;
     for (int t = Lc - 1; t >= 0; --t) {
       acc += dGs[t * LK + cc];
-      x.prow(t)[2 * K + cc] = acc;
+      part[t * row_ld + 2 * K + c0 + cc] = acc;
     }
   }
 }
@@ -887,7 +925,7 @@ void run_kernels(const Params& bp, int64_t chunks, int N, int HV, int V, int sms
   else go(state_grad_scan_kernel<K, DELTA, 16>, 2 * slices32, ScanLayout<K, DELTA, 16>::bytes);
   if (DELTA) go(value_grad_kernel<K>, chunks * HV * (V / VE), ValueLayout<K>::bytes);
   go(key_grad_kernel<K, DELTA>, chunks * HV * (K / VE), KeyLayout::bytes);
-  go(pair_grad_kernel<K, DELTA>, chunks * HV, PairLayout<K>::bytes);
+  go(pair_grad_kernel<K, DELTA>, chunks * HV * (K / PC), PairLayout<K>::bytes);
 }
 
 }  // namespace

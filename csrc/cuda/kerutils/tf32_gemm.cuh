@@ -115,6 +115,68 @@ __device__ __forceinline__ void gemm(const VA a, const VB b, Epi&& epi) {
   }
 }
 
+// The k-range split of gemm_wide: the largest power of two at most NW / TILES that divides the k
+// steps (1 when the tiles alone fill the warps).
+constexpr int split_for(int tiles, int nw, int ksteps) {
+  int s = 1;
+  while (tiles * s * 2 <= nw && ksteps % (s * 2) == 0) s *= 2;
+  return s;
+}
+
+// C = A B as gemm, for products with few output tiles (the backward's 16-row block products): 16 x 8
+// tiles, and where they number fewer than the warps, the k range split over SPLIT warp groups so
+// that every warp works. Group p > 0 leaves its partial sums in scratch ((SPLIT - 1) M N floats);
+// after a barrier group 0 adds them in order p = 1, 2, ... (the same sum run after run) and hands
+// every element to epi. Every thread of the block calls it (a __syncthreads inside when SPLIT > 1),
+// and two calls with no barrier between them need scratch buffers of their own. Ownership as gemm's:
+// same shape, same thread.
+template <int M, int N, int KD, int NW, bool kPrecise = true, class VA, class VB, class Epi>
+__device__ __forceinline__ void gemm_wide(const VA a, const VB b, float* scratch, Epi&& epi) {
+  static_assert(M % 16 == 0 && N % 8 == 0 && KD % 8 == 0, "tile multiples");
+  constexpr int TN = N / 8, TILES = (M / 16) * TN, SPLIT = split_for(TILES, NW, KD / 8);
+  if constexpr (SPLIT == 1) {
+    gemm<M, N, KD, NW, 1, kPrecise>(a, b, epi);
+  } else {
+    constexpr int KS = KD / SPLIT;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const bool active = warp < TILES * SPLIT;
+    const int tile = warp % TILES, part = warp / TILES, m0 = (tile / TN) * 16, n0 = (tile % TN) * 8;
+    float acc[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}}, cor[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
+    if (active) {
+#pragma unroll 4
+      for (int k0 = part * KS; k0 < (part + 1) * KS; k0 += 8) kstep<1, kPrecise>(a, b, m0, n0, k0, g, t, acc, cor);
+      if (kPrecise)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[0][r] += cor[0][r];
+      if (part > 0) {
+        float* s = scratch + (part - 1) * M * N;
+        s[(m0 + g) * N + n0 + 2 * t] = acc[0][0];
+        s[(m0 + g) * N + n0 + 2 * t + 1] = acc[0][1];
+        s[(m0 + g + 8) * N + n0 + 2 * t] = acc[0][2];
+        s[(m0 + g + 8) * N + n0 + 2 * t + 1] = acc[0][3];
+      }
+    }
+    __syncthreads();
+    if (active && part == 0) {
+#pragma unroll
+      for (int p = 1; p < SPLIT; ++p) {
+        const float* s = scratch + (p - 1) * M * N;
+        acc[0][0] += s[(m0 + g) * N + n0 + 2 * t];
+        acc[0][1] += s[(m0 + g) * N + n0 + 2 * t + 1];
+        acc[0][2] += s[(m0 + g + 8) * N + n0 + 2 * t];
+        acc[0][3] += s[(m0 + g + 8) * N + n0 + 2 * t + 1];
+      }
+      emit<1>(m0, n0, g, t, acc, epi);
+    }
+  }
+}
+
+// The scratch floats gemm_wide needs for a shape.
+template <int M, int N, int KD, int NW>
+constexpr int wide_scratch() {
+  return (split_for((M / 16) * (N / 8), NW, KD / 8) - 1) * M * N;
+}
+
 // The same product accumulated in registers across calls: warp w owns tiles w, w + NW, ... (TPW of
 // them); v[tile][nb][4] in the mma layout, one chain per tile. drain hands every element to
 // epi(i, j, value) once.
