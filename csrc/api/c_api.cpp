@@ -195,6 +195,10 @@ const cula_chunk_fwd_args* current_fwd_args(const cula_chunk_fwd_args* args, cul
   return current_args(args, offsetof(cula_chunk_fwd_args, cu_seqlens_host), full);  // before cu_seqlens_host
 }
 
+const cula_decode_args* current_decode_args(const cula_decode_args* args, cula_decode_args& full) {
+  return current_args(args, offsetof(cula_decode_args, final_state_out), full);  // before final_state_out
+}
+
 const cula_chunk_bwd_args* current_bwd_args(const cula_chunk_bwd_args* args, cula_chunk_bwd_args& full) {
   return current_args(args, offsetof(cula_chunk_bwd_args, decay), full);  // before decay
 }
@@ -212,7 +216,8 @@ cula_status cula_chunk_fwd(const cula_chunk_fwd_args* args) {
 }
 
 cula_status cula_decode(const cula_decode_args* args) {
-  return enter(kDecode, "decode", "cula_decode_args", args, validate_decode, Entry::Run);
+  cula_decode_args full;
+  return enter(kDecode, "decode", "cula_decode_args", current_decode_args(args, full), validate_decode, Entry::Run);
 }
 
 cula_status cula_chunk_fwd_explain(const cula_chunk_fwd_args* args) {
@@ -222,7 +227,8 @@ cula_status cula_chunk_fwd_explain(const cula_chunk_fwd_args* args) {
 }
 
 cula_status cula_decode_explain(const cula_decode_args* args) {
-  return enter(kDecode, "decode", "cula_decode_args", args, validate_decode, Entry::Explain);
+  cula_decode_args full;
+  return enter(kDecode, "decode", "cula_decode_args", current_decode_args(args, full), validate_decode, Entry::Explain);
 }
 
 cula_status cula_chunk_fwd_validate(const cula_chunk_fwd_args* args) {
@@ -232,7 +238,8 @@ cula_status cula_chunk_fwd_validate(const cula_chunk_fwd_args* args) {
 }
 
 cula_status cula_decode_validate(const cula_decode_args* args) {
-  return enter(kDecode, "decode", "cula_decode_args", args, validate_decode, Entry::Validate);
+  cula_decode_args full;
+  return enter(kDecode, "decode", "cula_decode_args", current_decode_args(args, full), validate_decode, Entry::Validate);
 }
 
 const char* cula_explained_kernel(void) { return g_explained_kernel.c_str(); }

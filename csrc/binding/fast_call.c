@@ -37,7 +37,7 @@ typedef struct {
 static const entry_layout LAYOUTS[KIND_COUNT] = {
     {sizeof(cula_chunk_fwd_args), offsetof(cula_chunk_fwd_args, q),
      TENSORS_OF(cula_chunk_fwd_args, q, intermediate_states), offsetof(cula_chunk_fwd_args, chunk_size)},
-    {sizeof(cula_decode_args), offsetof(cula_decode_args, q), TENSORS_OF(cula_decode_args, q, out), 0},
+    {sizeof(cula_decode_args), offsetof(cula_decode_args, q), TENSORS_OF(cula_decode_args, q, final_state_out), 0},
     {sizeof(cula_chunk_bwd_args), offsetof(cula_chunk_bwd_args, q),
      TENSORS_OF(cula_chunk_bwd_args, q, decay), 0},
     {sizeof(cula_kda_gate_args), offsetof(cula_kda_gate_args, g), TENSORS_OF(cula_kda_gate_args, g, g_out), 0},

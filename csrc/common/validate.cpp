@@ -422,6 +422,20 @@ Recurrence validate_decode(const cula_decode_args& a) {
   c.float_tensor(a.out, "out");
   c.shape(a.out, "out", {r.B, r.T, r.HV, r.V}, "[N, T, HV, V]");
   c.contiguous_output(a.out, "out");
+  if (a.final_state_out) {
+    c.basic(a.final_state_out, "final_state_out");
+    if (c.device_type != CULA_CUDA)
+      c.fail("final_state_out", "None on the host backends (a separate final-state buffer is CUDA's)",
+             describe(a.final_state_out));
+    if (a.state_indices)
+      c.fail("final_state_out", "None with state_indices (out is indexed by sequence, the pool by slot)",
+             describe(a.final_state_out));
+    if (a.final_state_out->dtype != a.state_pool->dtype)
+      c.fail("final_state_out", std::string("the dtype of state_pool (") + dtype_name(a.state_pool->dtype) + ")",
+             describe(a.final_state_out));
+    c.state_shape(a.final_state_out, "final_state_out", r.N, r, "N");
+    c.contiguous_output(a.final_state_out, "final_state_out");
+  }
   return r;
 }
 

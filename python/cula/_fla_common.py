@@ -159,5 +159,38 @@ def recurrent_dropin(fn_name, family, q, k, v, g, beta, *, A_log, dt_bias, scale
                               state_indices=idx, num_accepted_tokens=acc, out=split(out) if out is not None else None,
                               **common)
         return o.reshape(v.shape), initial_state
+    if _decode_serves(q, k, v, g, beta, initial_state, cu_seqlens, common):
+        # a few tokens per sequence with its state: the decode kernel reads initial_state and writes
+        # the final states fresh (no chunk engine for a handful of tokens, no copy of the states)
+        from . import torch_ops
+
+        o, final = torch_ops.decode_to(contiguous(q), contiguous(k), contiguous(v), initial_state, mode=family,
+                                       g=None if g is None else contiguous(g),
+                                       beta=None if beta is None else contiguous(beta), **common)
+        return o, (final if output_final_state else None)
     return chunk(family, q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
                  cu_seqlens=cu_seqlens, **common)
+
+
+DECODE_MAX_TOKENS = 16  # fused_recurrent calls with at most this many tokens per sequence run on the decode kernel
+
+
+def _decode_serves(q, k, v, g, beta, initial_state, cu_seqlens, common) -> bool:
+    """Whether a fused_recurrent call without in-place update goes to the decode kernel: CUDA tensors,
+    dense rows of at most DECODE_MAX_TOKENS tokens, a float32 state per row, a head size the decode
+    kernel takes, and no gradient wanted (the chunked path carries autograd)."""
+    if cu_seqlens is not None or initial_state is None or not is_torch(q) or q.device.type != "cuda":
+        return False
+    import torch
+
+    if q.dim() != 4 or q.shape[1] > DECODE_MAX_TOKENS or q.shape[-1] not in (64, 128, 256):
+        return False
+    if not is_torch(initial_state) or initial_state.dtype != torch.float32 or initial_state.device != q.device:
+        return False
+    if initial_state.dim() != 4 or initial_state.shape[0] != q.shape[0] or not initial_state.is_contiguous():
+        return False
+    if torch.is_grad_enabled():
+        params = (q, k, v, g, beta, initial_state, common.get("A_log"), common.get("dt_bias"))
+        if any(is_torch(x) and x.requires_grad for x in params):
+            return False
+    return True

@@ -89,7 +89,7 @@ ChunkFwdArgs = _args_struct(
 DecodeArgs = _args_struct(
     "DecodeArgs",
     ["q", "k", "v", "g", "beta", "decay", "A_log", "dt_bias", "state_pool", "state_indices", "num_accepted_tokens",
-     "out"],
+     "out", "final_state_out"],
 )
 ChunkBwdArgs = _args_struct(
     "ChunkBwdArgs",
@@ -98,7 +98,7 @@ ChunkBwdArgs = _args_struct(
 )
 KdaGateArgs = _args_struct("KdaGateArgs", ["g", "A_log", "dt_bias", "g_out"])
 # The fields the library writes (the non-const cula_tensor members of cula.h).
-WRITTEN = frozenset({"state_pool", "out", "final_state", "intermediate_states", "dq", "dk", "dv", "dg", "dbeta",
+WRITTEN = frozenset({"state_pool", "out", "final_state_out", "final_state", "intermediate_states", "dq", "dk", "dv", "dg", "dbeta",
                      "dA_log", "ddt_bias", "d_initial_state", "g_out"})
 
 

@@ -182,23 +182,26 @@ def chunk_lightning(q, k, v, decay, **kw):
 
 
 def decode(q, k, v, state_pool, *, mode="kda", g=None, beta=None, decay=None, state_indices=None,
-           num_accepted_tokens=None, A_log=None, dt_bias=None, out=None, backend="auto", options=None, _entry=None,
-           **option_kw):
+           num_accepted_tokens=None, A_log=None, dt_bias=None, out=None, final_state_out=None, backend="auto",
+           options=None, _entry=None, **option_kw):
     """Decode T tokens per sequence (q [N,T,H,K]) against ``state_pool`` [P,HV,V,K], in place.
 
     ``state_indices`` [N] int32 maps sequence -> slot (negative = padding: output zeros, pool
     untouched); [N, T] int32 gives one slot per draft token for speculative decoding, with
     ``num_accepted_tokens`` [N] choosing the slot to start from (FLA fused_recurrent_kda).
-    Returns ``(o, state_pool)``. Options as for chunk_fwd.
+    Returns ``(o, state_pool)``. Options as for chunk_fwd. ``final_state_out`` ([N] states of the
+    pool's dtype and layout, CUDA): the final states are written there and the pool is only read
+    (FLA's fused_recurrent without in-place update); returns ``(o, final_state_out)`` then.
     """
     opts = _options("decode", options, option_kw)
     host_slots = _device_indices_to_check(state_indices, _entry)
     if host_slots is not None:  # the host checks first (validated, not run)
         decode(q, k, v, state_pool, mode=mode, g=g, beta=beta, decay=decay, state_indices=host_slots,
-               num_accepted_tokens=num_accepted_tokens, A_log=A_log, dt_bias=dt_bias, out=out, backend=backend,
-               options=opts, _entry=_lib.LIB.cula_decode_validate)
+               num_accepted_tokens=num_accepted_tokens, A_log=A_log, dt_bias=dt_bias, out=out,
+               final_state_out=final_state_out, backend=backend, options=opts, _entry=_lib.LIB.cula_decode_validate)
     arrays = _given(q=q, k=k, v=v, state_pool=state_pool, g=g, beta=beta, decay=decay, state_indices=state_indices,
-                    num_accepted_tokens=num_accepted_tokens, A_log=A_log, dt_bias=dt_bias, out=out)
+                    num_accepted_tokens=num_accepted_tokens, A_log=A_log, dt_bias=dt_bias, out=out,
+                    final_state_out=final_state_out)
     q = arrays.get("q")
     N, T, H, K = _shape(q, "q", 4)
     _, _, HV, V = _shape(arrays.get("v"), "v", 4)
@@ -206,7 +209,7 @@ def decode(q, k, v, state_pool, *, mode="kda", g=None, beta=None, decay=None, st
     opt = opts.pack(mode, backend, stream_of(q))
     arrays["out"] = o
     call(_lib.DecodeArgs, _entry or _lib.LIB.cula_decode, opt, arrays, fast=_entry is None)
-    return o, arrays.get("state_pool")
+    return o, arrays.get("final_state_out" if final_state_out is not None else "state_pool")
 
 
 def chunk_bwd(family, q, k, v, g, beta, d_out, *, decay=None, d_final_state=None, initial_state=None, A_log=None,

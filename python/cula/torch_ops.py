@@ -15,7 +15,7 @@ from . import ops
 from .options import NAMES as OPTION_NAMES
 from .options import Options, schema_args
 
-__all__ = ["decode", "chunk_fwd"]
+__all__ = ["decode", "decode_to", "chunk_fwd"]
 
 # chunk_bwd's outputs, in order (an absent gradient is an empty tensor: custom ops return tensors)
 _GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "d_initial_state")
@@ -59,6 +59,31 @@ def _decode_fake(*args):
     a = _named(_DECODE_ARGS, args)
     q, v = a["q"], a["v"]
     return q.new_empty((q.shape[0], q.shape[1], v.shape[2], v.shape[3]))
+
+
+def _decode_to(*args):
+    a = _named(_DECODE_ARGS, args)
+    opts = _split_options(a)
+    pool = a.pop("state_pool")
+    final = pool.new_empty((a["q"].shape[0], *pool.shape[1:]))
+    o, _ = ops.decode(a.pop("q"), a.pop("k"), a.pop("v"), pool, mode=a.pop("family"), options=opts,
+                      final_state_out=final, **a)
+    return o, final
+
+
+# decode that leaves the pool as it is and returns the final states (FLA's fused_recurrent semantics)
+_decode_to = torch.library.custom_op(
+    "cula::decode_to", _decode_to, mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor v, Tensor state_pool, Tensor? g, Tensor? beta, Tensor? decay, "
+           "Tensor? state_indices, Tensor? num_accepted_tokens, Tensor? A_log, Tensor? dt_bias, str family, "
+           f"{_OPTS}) -> (Tensor, Tensor)")
+
+
+@_decode_to.register_fake
+def _decode_to_fake(*args):
+    a = _named(_DECODE_ARGS, args)
+    q, v, pool = a["q"], a["v"], a["state_pool"]
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[2], v.shape[3])), pool.new_empty((q.shape[0], *pool.shape[1:]))
 
 
 def _chunk_fwd(*args):
@@ -162,6 +187,15 @@ def decode(q, k, v, state_pool, *, mode="kda", g=None, beta=None, decay=None, st
     o = torch.ops.cula.decode(q, k, v, state_pool, g, beta, decay, state_indices, num_accepted_tokens, A_log, dt_bias,
                               mode, *opts.values())
     return o, state_pool
+
+
+def decode_to(q, k, v, state_pool, *, mode="kda", g=None, beta=None, decay=None, A_log=None, dt_bias=None,
+              options=None, **option_kw):
+    """cula.ops.decode with final_state_out as a torch op: the states of sequence n read from
+    state_pool[n], the final states returned fresh. Returns (o, final_states)."""
+    opts = ops._options("decode", options, option_kw)
+    return torch.ops.cula.decode_to(q, k, v, state_pool, g, beta, decay, None, None, A_log, dt_bias, mode,
+                                    *opts.values())
 
 
 def chunk_fwd(family, q, k, v, g=None, beta=None, decay=None, *, initial_state=None, A_log=None, dt_bias=None,

@@ -332,3 +332,22 @@ def test_validate_entries_check_the_arguments_and_run_nothing(rng):
         cula.chunk_fwd("kda", *flat, beta.reshape(1, N, H), cu_seqlens=cu, state_pool=pool,
                        state_indices=np.array([2, 0, 2], np.int32), _entry=_lib.LIB.cula_chunk_fwd_validate)
     assert np.array_equal(pool, before)
+
+
+def test_decode_final_state_out_is_cuda_only_and_checked(rng):
+    """final_state_out (a separate buffer for the final states) is the CUDA kernel's: the host
+    backends refuse it by name, before anything runs (with state_indices too; the CUDA test checks
+    that refusal on the device)."""
+    N, H, K = 2, 2, 32
+    q, k, v = (rng.standard_normal((N, 1, H, K)).astype(np.float32) for _ in range(3))
+    g = -rng.uniform(0.01, 0.3, (N, 1, H, K)).astype(np.float32)
+    beta = rng.uniform(0.1, 0.9, (N, 1, H)).astype(np.float32)
+    pool = rng.standard_normal((N, H, K, K)).astype(np.float32)
+    before = pool.copy()
+    out = np.full_like(pool, np.nan)
+    with pytest.raises(cula.CulaError, match="argument 'final_state_out': expected None on the host backends"):
+        cula.decode(q, k, v, pool, mode="kda", g=g, beta=beta, final_state_out=out)
+    with pytest.raises(cula.CulaError, match="argument 'final_state_out': expected None on the host backends"):
+        cula.decode(q, k, v, pool, mode="kda", g=g, beta=beta, final_state_out=out,
+                    state_indices=np.arange(N, dtype=np.int32))
+    assert np.array_equal(pool, before) and np.isnan(out).all()

@@ -40,6 +40,7 @@ CASES = [
     ("gdn", 1, 128, 128, False, True, torch.float32, "k_last"),
     ("gdn", 4, 64, 64, True, True, torch.bfloat16, "k_last"),
     ("gdn", 1, 128, 128, False, False, torch.float32, "k_first"),
+    ("kda", 1, 128, 128, True, True, torch.bfloat16, "k_first"),
     ("gdn", 2, 128, 128, True, True, torch.bfloat16, "k_last"),
     ("lightning", 1, 128, 128, False, False, torch.float32, "k_last"),
     ("lightning", 2, 64, 128, True, False, torch.bfloat16, "k_last"),
@@ -342,6 +343,63 @@ def test_dropin_fused_recurrent_matches_fla(rng, family, state_v_first):
     call = dict(output_final_state=True, state_v_first=state_v_first, **dev, **kw)
     assert_close_to_fla(f"{family} drop-in vs FLA", ours(initial_state=h0.clone(), **call),
                         theirs(initial_state=h0.clone(), **call))
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("layout", ["k_first", "k_last"])
+@pytest.mark.parametrize("sdt", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("T", [1, 3])
+def test_decode_final_state_out_leaves_the_pool_and_matches_in_place(rng, layout, sdt, T):
+    """final_state_out: the states read from the pool (row n) and written to out[n], bit for bit what
+    the in-place update writes, every element of out written (poisoned first), the pool unchanged."""
+    N, H, HV, K, V = 5, 2, 4, 128, 96
+    d, kw = make(rng, "kda", N, T, H, HV, K, V, True)
+    dev = {n: x.cuda() for n, x in d.items()}
+    shape = (N, HV, V, K) if layout == "k_last" else (N, HV, K, V)
+    pool = (torch.from_numpy(rng.standard_normal(shape).astype(np.float32)) * 0.5).to(sdt).cuda()
+    in_place = pool.clone()
+    o_in, _ = cula.decode(**dev, state_pool=in_place, mode="kda", state_layout=layout, **kw)
+    out = torch.full_like(pool, float("nan"))
+    keep = pool.clone()
+    o, final = cula.decode(**dev, state_pool=pool, mode="kda", state_layout=layout, final_state_out=out, **kw)
+    torch.cuda.synchronize()
+    assert final is out and torch.equal(pool, keep), "the pool changed"
+    assert torch.equal(out, in_place) and torch.equal(o, o_in)
+    with pytest.raises(cula.CulaError, match="argument 'final_state_out'.*None with state_indices"):
+        cula.decode(**dev, state_pool=pool, mode="kda", state_layout=layout, final_state_out=out,
+                    state_indices=torch.arange(N, dtype=torch.int32, device="cuda"), **kw)
+
+
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+@pytest.mark.parametrize("state_v_first", [False, True], ids=["k_first", "v_first"])
+def test_dropin_fused_recurrent_one_token_runs_the_decode_kernel(rng, family, state_v_first, monkeypatch):
+    """fused_recurrent_* at T = 1 with a float32 state per row and no gradient: the decode kernel
+    (no chunk engine), initial_state left as it was, o and the final state as FLA's; with a
+    gradient wanted the chunked path takes the call and autograd reaches initial_state."""
+    ours, theirs = dropin_pair(family)
+    B, T, H, HV, K, V = 6, 1, 2, 4, 128, 128
+    dev, kw = dropin_inputs(rng, family, B, T, H, HV, K, V)
+    shape = (B, HV, V, K) if state_v_first else (B, HV, K, V)
+    h0 = torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).cuda() * 0.5
+    keep = h0.clone()
+    call = dict(output_final_state=True, state_v_first=state_v_first, **dev, **kw)
+    import cula._fla_common as common
+
+    chunked = common.chunk
+
+    def no_chunk(*a, **k):
+        raise AssertionError("the chunked path took a one-token call")
+
+    monkeypatch.setattr(common, "chunk", no_chunk)
+    got = ours(initial_state=h0, **call)
+    assert cula.last_kernel() == "cuda", cula.last_kernel()
+    assert torch.equal(h0, keep), "initial_state changed"
+    monkeypatch.setattr(common, "chunk", chunked)
+    assert_close_to_fla(f"{family} T=1 drop-in vs FLA", got, theirs(initial_state=h0.clone(), **call))
+    h0g = h0.clone().requires_grad_()
+    o, ht = ours(initial_state=h0g, **call)
+    (o.float().sum() + ht.sum()).backward()
+    assert h0g.grad is not None and torch.isfinite(h0g.grad).all()
 
 
 @pytest.mark.parametrize("T", [1, 5])

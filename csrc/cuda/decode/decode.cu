@@ -35,7 +35,13 @@
 //  - padding (slot < 0, or >= P for device-side indices, which cannot be range-checked on the
 //    host without a synchronisation): outputs are zeros, the pool is not touched.
 // With ~16 KB of shared memory and few registers per CTA, about a dozen CTAs share an SM.
-// K-first pools use the same kernel with plain (strided) loads and stores: correct, not tuned.
+//  - K-first pools ([K][V] per head, FLA's layout): the tile [K][R] lands by cp.async in 16-byte
+//    pieces of its V rows (pitch R + 16 bytes), the warps read their rows' columns from it and
+//    write the updated columns back into it, and after the block barrier of phase 4 the tile
+//    leaves in 16-byte coalesced stores (a lane's strided stores to K rows wrote one 32-byte
+//    sector per 4 bytes). Speculative decoding's per-token slots keep the strided stores.
+//  - final_state_out: the states are read from the pool and written to out[n] instead (FLA's
+//    fused_recurrent without in-place update), the pool untouched.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -68,6 +74,7 @@ struct DecodeParams {
   const float* A_log;
   const float* dt_bias;
   void* pool;
+  void* pool_out;               // final_state_out [N, ...]: written at row n instead of the pool, or null
   const int32_t* pool_idx;      // [N] or [N, T] slots, may be null
   const int32_t* num_accepted;  // [N], may be null
   void* out;
@@ -129,8 +136,13 @@ __device__ __forceinline__ int read_slot(const DecodeParams& p, int n) {
 // then per token the preprocessed q, k and exp(a) (K each), beta, the tile's R values of v and
 // its R outputs.
 template <typename S>
+__host__ __device__ constexpr int kfirst_pitch(int R) {  // K-first tile row: R values and 16 bytes
+  return R + 16 / static_cast<int>(sizeof(S));
+}
+
+template <typename S>
 __host__ __device__ inline size_t tile_bytes(int R, int K, bool k_last) {
-  const size_t tile = k_last ? static_cast<size_t>(R) * K * sizeof(S) : static_cast<size_t>(K) * (R + 4) * sizeof(S);
+  const size_t tile = k_last ? static_cast<size_t>(R) * K * sizeof(S) : static_cast<size_t>(K) * kfirst_pitch<S>(R) * sizeof(S);
   return ((tile + 15) / 16) * 16;
 }
 
@@ -262,6 +274,10 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
   }
 
   S* tile = reinterpret_cast<S*>(smem);
+  const int TP = kfirst_pitch<S>(R);  // K-first tile pitch
+  // K-first 16-byte pieces: V rows of whole pieces (the pool's alignment is checked at launch; R is
+  // a multiple of 16, so rows is whole pieces when V is)
+  const bool kfirst_vec = !KLAST && (p.V * static_cast<int>(sizeof(S))) % 16 == 0;
   float* tok = reinterpret_cast<float*>(smem + tile_bytes<S>(R, K, KLAST));  // [T][3][K], then [T] beta
   float* tok_beta = tok + static_cast<size_t>(p.T) * 3 * K;
   float* tok_v = tok_beta + p.T;  // [T][R]: this tile's v values, off the rows' critical path
@@ -290,10 +306,19 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
       }
       mma::cp_async_commit();
     }
+  } else if (kfirst_vec) {
+    // K-first: the K rows' R values (16-byte pieces) by cp.async, waited for before the barrier
+    constexpr int kPer = 16 / static_cast<int>(sizeof(S));
+    const int pieces = rows / kPer;
+    for (int i = tid; i < K * pieces; i += blockDim.x) {
+      const int kk = i / pieces, j = (i % pieces) * kPer;
+      mma::cp_async16(tile + kk * TP + j, src + static_cast<int64_t>(kk) * p.V + j0 + j);
+    }
+    mma::cp_async_commit();
   } else {
     for (int i = tid; i < K * rows; i += blockDim.x) {
       const int kk = i / rows, j = i % rows;
-      tile[kk * (R + 4) + j] = src[static_cast<int64_t>(kk) * p.V + j0 + j];
+      tile[kk * TP + j] = src[static_cast<int64_t>(kk) * p.V + j0 + j];
     }
   }
 
@@ -338,9 +363,13 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
       });
       if (lane == 0) tok_beta[t] = xb;
     }
+    if (!KLAST && kfirst_vec) mma::cp_async_wait_all();
     __syncthreads();  // the token inputs (K-first: also the tile)
   }
 
+  // where the final state goes: the slot read, or row n of final_state_out
+  S* const final_dst = (p.pool_out ? static_cast<S*>(p.pool_out) + static_cast<int64_t>(n) * slot_elems
+                                   : pool + static_cast<int64_t>(rs) * slot_elems) + head_off;
   // 3. Rows: warp w takes rows w, w + 4, ..., kBatch of them at a time so that their warp
   //    reductions interleave instead of running back to back.
   for (int step = 0; step < my_steps; ++step) {
@@ -357,17 +386,19 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
         load_row<EPL, S>(tile + r * K + k0, s[b]);
       } else {
 #pragma unroll
-        for (int e = 0; e < EPL; ++e) s[b][e] = static_cast<float>(tile[(k0 + e) * (R + 4) + r]);
+        for (int e = 0; e < EPL; ++e) s[b][e] = static_cast<float>(tile[(k0 + e) * TP + r]);
       }
     }
-    auto store_to = [&](int slot) {
-      S* dst = pool + static_cast<int64_t>(slot) * slot_elems + head_off;
+    auto store_to = [&](S* dst) {  // the head's state in a slot (or in final_state_out)
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
         const int r = r0 + b * kWarps;
         if (r >= rows) continue;
         if constexpr (KLAST) {
           store_row<EPL, S>(dst + static_cast<int64_t>(j0 + r) * K + k0, s[b]);
+        } else if (!p.per_token_slots) {  // back into the tile, which leaves coalesced after phase 4's barrier
+#pragma unroll
+          for (int e = 0; e < EPL; ++e) tile[(k0 + e) * TP + r] = static_cast<S>(s[b][e]);
         } else {
 #pragma unroll
           for (int e = 0; e < EPL; ++e) dst[static_cast<int64_t>(k0 + e) * p.V + j0 + r] = static_cast<S>(s[b][e]);
@@ -393,16 +424,35 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
       if (dev::scatter_leader<kBatch>(lane) && o_row < rows) tok_o[t * R + o_row] = o;
       if (p.per_token_slots) {
         const int ws = p.pool_idx[f];
-        if (ws >= 0 && ws < p.P) store_to(ws);
+        if (ws >= 0 && ws < p.P) store_to(pool + static_cast<int64_t>(ws) * slot_elems + head_off);
       }
     }
-    if (!p.per_token_slots) store_to(rs);
+    if (!p.per_token_slots) store_to(final_dst);
   }
   // 4. The outputs leave in one coalesced store per token (thread j: row j0 + j) instead of the
   //    rows' scattered 2-byte stores, which wrote parts of the same sectors from four warps.
   __syncthreads();
   if (has_v)
     for (int t = 0; t < p.T; ++t) sto(v_index(t), tok_o[t * R + tid]);
+  if constexpr (!KLAST) {  // the K-first tile's updated columns, coalesced
+    if (!p.per_token_slots) {
+      S* const dst = final_dst;
+      if (kfirst_vec) {
+        constexpr int kPer = 16 / static_cast<int>(sizeof(S));
+        const int pieces = rows / kPer;
+        for (int i = tid; i < K * pieces; i += blockDim.x) {
+          const int kk = i / pieces, j = (i % pieces) * kPer;
+          *reinterpret_cast<uint4*>(dst + static_cast<int64_t>(kk) * p.V + j0 + j) =
+              *reinterpret_cast<const uint4*>(tile + kk * TP + j);
+        }
+      } else {
+        for (int i = tid; i < K * rows; i += blockDim.x) {
+          const int kk = i / rows, j = i % rows;
+          dst[static_cast<int64_t>(kk) * p.V + j0 + j] = tile[kk * TP + j];
+        }
+      }
+    }
+  }
 }
 
 void check(cudaError_t e, const char* what) { cuda_check(e, "decode", what); }
@@ -500,7 +550,7 @@ void launch_state(const DecodeParams& p, int state_dtype, bool k_last, bool pdl,
 
 Refusal cuda_decode_declines(const Recurrence& r, const cula_decode_args& a) {
   for (auto [t, name] : {std::pair<const cula_tensor*, const char*>{a.q, "q"}, {a.k, "k"}, {a.v, "v"}, {a.g, "g"},
-                         {a.beta, "beta"}, {a.out, "out"}, {a.state_pool, "state_pool"},
+                         {a.beta, "beta"}, {a.out, "out"}, {a.state_pool, "state_pool"}, {a.final_state_out, "final_state_out"},
                          {a.state_indices, "state_indices"}, {a.num_accepted_tokens, "num_accepted_tokens"},
                          {a.decay, "decay"}, {a.A_log, "A_log"}, {a.dt_bias, "dt_bias"}})
     if (t && !is_contiguous(*t)) return Refusal::bad_argument(name, "a contiguous tensor for the CUDA kernel", "a strided view");
@@ -519,6 +569,8 @@ Refusal cuda_decode_declines(const Recurrence& r, const cula_decode_args& a) {
                                 "; use host tensors (the CPU backend) for other head sizes");
   if (reinterpret_cast<uintptr_t>(a.state_pool->data) % 16 != 0)
     return Refusal::bad_argument("state_pool", "a 16-byte aligned buffer for the CUDA kernel", "a misaligned view");
+  if (a.final_state_out && reinterpret_cast<uintptr_t>(a.final_state_out->data) % 16 != 0)
+    return Refusal::bad_argument("final_state_out", "a 16-byte aligned buffer for the CUDA kernel", "a misaligned view");
   if (r.N * r.T * r.HV * r.V >= (int64_t{1} << 31) || r.N >= (1 << 30))
     return Refusal::unsupported("problem too large for the CUDA decode kernel's 32-bit token indices");
   return Refusal::takes();
@@ -535,6 +587,7 @@ void cuda_decode(const Recurrence& r, const cula_decode_args& a) {
   p.A_log = a.A_log ? static_cast<const float*>(a.A_log->data) : nullptr;
   p.dt_bias = a.dt_bias ? static_cast<const float*>(a.dt_bias->data) : nullptr;
   p.pool = a.state_pool->data;
+  p.pool_out = a.final_state_out ? a.final_state_out->data : nullptr;
   p.pool_idx = a.state_indices ? static_cast<const int32_t*>(a.state_indices->data) : nullptr;
   p.num_accepted = a.num_accepted_tokens ? static_cast<const int32_t*>(a.num_accepted_tokens->data) : nullptr;
   p.out = a.out->data;
