@@ -1,8 +1,8 @@
 """The affine summaries of slices of tokens, shared by context parallelism (cula.dist), its
 deterministic mode (_cp_segments) and the parallel segments of one device (_segments):
-diagonal_summary, for the families without the delta rule, whose transitions are diagonal (the
-carried queries and the transition come from the gates, and the engine pass runs the value columns
-alone); precise_maps, the maps in float32 that the backwards fold their entering states from."""
+diagonal_summary and diagonal_end_state, for the families without the delta rule, whose transitions
+are diagonal (the carried queries, the transition and a piece's own end state come from its gates,
+keys and values without an engine pass); precise_maps, the maps in float32 that the backwards fold their entering states from."""
 
 from __future__ import annotations
 
@@ -23,14 +23,7 @@ def diagonal_summary(family, q, g, decay, HV, opts):
 
     L, H, K = (int(s) for s in q.shape)
     group = HV // H
-    if family == "lightning":
-        rate = decay.to(device=q.device, dtype=torch.float64).reshape(-1)
-        if rate.numel() != HV:
-            rate = rate.repeat_interleave(group)
-        a = (-rate).clamp_min(MIN_LOG_DECAY).view(1, HV, 1).expand(L, HV, 1)
-    else:
-        a = g.to(torch.float64).clamp_min(MIN_LOG_DECAY)
-        a = a if a.dim() == 3 else a.unsqueeze(-1)
+    a = _log_decays(family, g, decay, L, HV, q.device)
     # the running sum along the last dimension of a [HV, K or 1, L] copy: torch scans an outer
     # dimension one column per thread, 16 columns of 65536 tokens in sequence (~15 ms on a GPU)
     cum = torch.exp(torch.cumsum(a.permute(1, 2, 0).contiguous(), dim=-1)).permute(2, 0, 1).float()  # [L, HV, K or 1]
@@ -41,6 +34,45 @@ def diagonal_summary(family, q, g, decay, HV, opts):
     qh = qh.repeat_interleave(group, dim=1) * (K ** -0.5 if scale is None else float(scale))
     end = cum[-1].expand(HV, K) if L else torch.ones(HV, K, dtype=torch.float32, device=q.device)
     return qh * cum, torch.diag_embed(end)
+
+
+def _log_decays(family, g, decay, L, HV, device):
+    """A piece's per-token log-decays [L, HV, K or 1] in float64, clamped as the chunked kernels do."""
+    import torch
+
+    if family == "lightning":
+        rate = decay.to(device=device, dtype=torch.float64).reshape(-1)
+        if rate.numel() != HV:
+            rate = rate.repeat_interleave(HV // rate.numel())
+        return (-rate).clamp_min(MIN_LOG_DECAY).view(1, HV, 1).expand(L, HV, 1)
+    a = g.to(torch.float64).clamp_min(MIN_LOG_DECAY)
+    return a if a.dim() == 3 else a.unsqueeze(-1)
+
+
+def diagonal_end_state(family, k, v, g, decay, HV, opts, s0=None):
+    """For a family without the delta rule, a piece's map X -> X M + A in float32 from its keys,
+    values and gates alone (no pass over q, no outputs): A = D_L s0 + sum_t v_t (D_L / D_t) k^_t
+    ([HV, V, K], K-last; s0 the piece's own initial state or None for zero) and M = diag(D_L), with
+    D_t = exp(sum of the log-decays up to t) per key channel (cumulative sums in float64, every
+    factor D_L / D_t <= 1). k [L, H, K], v [L, HV, V]; g and decay as diagonal_summary's."""
+    import torch
+
+    L, H, K = (int(s) for s in k.shape)
+    dev = k.device
+    a = _log_decays(family, g, decay, L, HV, dev)
+    # (the running sum along the last dimension: see diagonal_summary)
+    G = torch.cumsum(a.permute(1, 2, 0).contiguous(), dim=-1)  # [HV, K or 1, L]
+    end = G[..., -1:] if L else torch.zeros(HV, a.shape[-1], 1, dtype=torch.float64, device=dev)
+    tail = torch.exp(end - G).permute(2, 0, 1).float()  # D_L / D_t [L, HV, K or 1]
+    kh = k.float()
+    if opts.get("use_qk_l2norm_in_kernel"):
+        kh = kh / torch.sqrt((kh * kh).sum(-1, keepdim=True) + L2_EPS)
+    kh = kh.repeat_interleave(HV // H, dim=1) * tail  # [L, HV, K]
+    A = torch.einsum("lhv,lhk->hvk", v.float(), kh)
+    d_end = torch.exp(end[..., 0]).float().expand(HV, K)  # D_L [HV, K]
+    if s0 is not None:
+        A = A + s0.to(device=dev, dtype=torch.float32) * d_end.unsqueeze(1)
+    return A, torch.diag_embed(d_end)
 
 
 SUB_SEGMENT = 512  # tokens per sequential walk in precise_maps: enough parallel walks to fill a GPU

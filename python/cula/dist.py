@@ -15,8 +15,10 @@ state together with the affine summary of its slice: the value columns are exten
 columns and the initial state by the identity, so the same pass also returns, per token, q^
 carried through the slice's transitions (Q~_t = P_t^T q^_t) and, per sequence, the state it adds
 (A) and its K x K transition (M). Without the delta rule (GLA, simple GLA, Lightning) the
-transitions are diagonal, the products of the decays: Q~ and M come from the gates in float32 and
-the pass runs the V columns alone. The ranks exchange (A, M) - a size independent of the number
+transitions are diagonal, the products of the decays: the map of the piece that leaves the rank
+(A, M) comes from its keys, values and gates in float32 (one product per head, no engine pass),
+and after the exchange one engine pass from the incoming state gives the outputs and final states
+with no correction. The ranks exchange (A, M) - a size independent of the number
 of tokens - and each composes its predecessors' maps in order (X <- X M_j + A_j, float32), which
 gives its incoming state X (``_cp_exchange``: an all-gather, or a log-depth scan of point-to-point
 messages beyond 8 ranks); its outputs are then o_t + X Q~_t and its final states A + X M. Dense batches:
@@ -46,7 +48,7 @@ activations twice. ``chunk_sp`` picks it when the heads divide over the ranks, e
 from __future__ import annotations
 
 from . import _cp_exchange, _cp_segments, ops
-from ._cp_summary import DIAGONAL as _DIAGONAL, diagonal_summary as _diagonal_summary, precise_maps
+from ._cp_summary import DIAGONAL as _DIAGONAL, diagonal_end_state as _diagonal_end_state, precise_maps
 from ._front import LazyFunction, _needs_grad, chunk
 from ._lib import CulaError
 
@@ -466,12 +468,14 @@ def _cp_pieces(family, q, k, v, g, beta, decay, dist, group, rank, pieces, packe
     B, T, H, K = (int(s) for s in q.shape)
     HV, V = int(v.shape[2]), int(v.shape[3])
     dev = q.device
-    # One pass. Delta rule: values extended by K zero columns, the crossing-in pieces' initial state by
-    # the identity (the extension carries M and Q~). Without it the transition is diagonal: both come
-    # from the gates (_diagonal_summary), and the pass runs the V columns alone.
     crossing_in = any(p[3] for p in pieces)
     diagonal = family in _DIAGONAL
-    extended = crossing_in and not diagonal
+    if crossing_in and diagonal:
+        return _cp_pieces_diagonal(family, q, k, v, g, decay, dist, group, rank, pieces, packed, initial_state,
+                                   opts, exchange, for_backward)
+    # One pass. Delta rule: values extended by K zero columns, the crossing-in pieces' initial state by
+    # the identity (the extension carries M and Q~), and a correction of o by Q~ and the incoming state.
+    extended = crossing_in
     W = V + K if extended else V
     init = torch.zeros(len(pieces), HV, W, K, dtype=torch.float32, device=dev)
     for i, (n, _, _, cin, _) in enumerate(pieces):
@@ -492,23 +496,13 @@ def _cp_pieces(family, q, k, v, g, beta, decay, dist, group, rank, pieces, packe
         ow, fw = ops.chunk_fwd(family, q, k, vw, g, beta, decay, initial_state=init, output_final_state=True,
                                cu_seqlens=local_cu, state_layout="k_last", state_dtype="float32", out=out, **opts)
     A, M = fw[:, :, :V, :], (fw[:, :, V:, :] if extended else None)
-    carried_of = {}  # crossing-in piece -> Q~ [L, HV, K] (float32)
-    if crossing_in and diagonal:
-        M = torch.zeros(len(pieces), HV, K, K, dtype=torch.float32, device=dev)
-        for i, (n, lo, hi, cin, _) in enumerate(pieces):
-            if cin:
-                b = 0 if packed else n
-                carried_of[i], M[i] = _diagonal_summary(family, q[b, lo:hi], None if g is None else g[b, lo:hi],
-                                                        decay, HV, opts)
-
     X = _incoming_states(dist, group, rank, pieces, 1 if packed else B, A, M, exchange)
 
     o = ow[..., :V].contiguous() if extended else ow
     for i, (n, lo, hi, _, _) in ((i, p) for i, p in enumerate(pieces) if p[3]):
         b, x = (0, X[0]) if packed else (n, X[n])  # x: [HV, V, K]
         # Q~: q^ through this piece's transitions [L, HV, K]
-        carried = carried_of[i] if diagonal else ow[b, lo:hi, :, V:].float()
-        o[b, lo:hi] += torch.einsum("lhk,hvk->lhv", carried, x)
+        o[b, lo:hi] += torch.einsum("lhk,hvk->lhv", ow[b, lo:hi, :, V:].float(), x)
     o = o.to(v.dtype)
     final = {}
     for i, (n, _, _, cin, cout) in enumerate(pieces):
@@ -519,6 +513,50 @@ def _cp_pieces(family, q, k, v, g, beta, decay, dist, group, rank, pieces, packe
     # for the backward: the pieces' own initial states (where they start a sequence) and the local
     # offsets; it folds the incoming states again from float32 maps
     return o, final, dict(init=init[:, :, :V, :].clone(), local_cu=local_cu)
+
+
+def _cp_pieces_diagonal(family, q, k, v, g, decay, dist, group, rank, pieces, packed, initial_state, opts, exchange,
+                        for_backward):
+    """_cp_pieces for the families without the delta rule, where a piece's map (A, M) comes from its
+    keys, values and gates alone (diagonal_end_state: one product per head, no pass over q and no
+    outputs): the maps of the pieces that leave the rank first, the exchange, then one engine pass
+    from the right initial states (the incoming ones where a piece crosses in), which gives o
+    rounded once and the final states, with no correction."""
+    import torch
+
+    B, T, H, K = (int(s) for s in q.shape)
+    HV, V = int(v.shape[2]), int(v.shape[3])
+    dev = q.device
+    init = torch.zeros(len(pieces), HV, V, K, dtype=torch.float32, device=dev)
+    for i, (n, _, _, cin, _) in enumerate(pieces):
+        if initial_state is not None and not cin:
+            init[i] = initial_state[n].to(device=dev, dtype=torch.float32)
+    A = torch.zeros(len(pieces), HV, V, K, dtype=torch.float32, device=dev)
+    M = torch.zeros(len(pieces), HV, K, K, dtype=torch.float32, device=dev)
+    for i, (n, lo, hi, cin, cout) in enumerate(pieces):
+        if cout:  # (only the maps of pieces that leave the rank travel)
+            b = 0 if packed else n
+            A[i], m = _diagonal_end_state(family, k[b, lo:hi], v[b, lo:hi], None if g is None else g[b, lo:hi],
+                                          decay, HV, opts, None if cin else init[i])
+            if cin:
+                M[i] = m
+    X = _incoming_states(dist, group, rank, pieces, 1 if packed else B, A, M, exchange)
+    start = init.clone()
+    for i, (n, _, _, cin, _) in enumerate(pieces):
+        if cin:
+            start[i] = X[0] if packed else X[n]
+    local_cu = None
+    if packed and pieces:
+        local_cu = torch.tensor([pieces[0][1]] + [p[2] for p in pieces], dtype=torch.int32, device=dev)
+    if packed and not pieces:  # no tokens and no sequence here
+        o, fw = v.new_empty(B, T, HV, V), start
+    else:
+        o, fw = ops.chunk_fwd(family, q, k, v, g, None, decay, initial_state=start, output_final_state=True,
+                              cu_seqlens=local_cu, state_layout="k_last", state_dtype="float32", **opts)
+    final = {n: fw[i] for i, (n, _, _, _, cout) in enumerate(pieces) if not cout}
+    if not for_backward:
+        return o, final, None
+    return o, final, dict(init=init, local_cu=local_cu)
 
 
 def chunk_fla_cp(family, q, k, v, g=None, beta=None, decay=None, *, cp_context, initial_state=None,
