@@ -70,6 +70,19 @@ Refusal cuda_kda_gate_declines(const KdaGateShape&, const cula_kda_gate_args& a)
 void run_cuda_kda_gate(const KdaGateShape& s, const cula_kda_gate_args& a) { cuda_kda_gate(a, s.HV, s.K); }
 void run_cpu_kda_gate(const KdaGateShape& s, const cula_kda_gate_args& a) { cpu_kda_gate(a, *a.g, s.HV, s.K); }
 
+// The host decoders update a pool in place; with final_state_out they run on it, after the pool's
+// first N rows (sequence n reads row n: no state_indices) are copied there, so the pool stays as it was.
+template <void (*kDecoder)(const Recurrence&, const cula_decode_args&)>
+void host_decode(const Recurrence& r, const cula_decode_args& a) {
+  if (!a.final_state_out) return kDecoder(r, a);
+  const size_t row = dtype_size(a.state_pool->dtype) * static_cast<size_t>(numel(*a.state_pool) / a.state_pool->shape[0]);
+  std::memmove(a.final_state_out->data, a.state_pool->data, row * static_cast<size_t>(r.N));
+  cula_decode_args b = a;
+  b.state_pool = a.final_state_out;
+  b.final_state_out = nullptr;
+  kDecoder(r, b);
+}
+
 // Tables are ordered best first; AUTO takes the first row for the tensors' device.
 const Kernel<cula_chunk_fwd_args> kChunkFwd[] = {
     {CULA_BACKEND_CUDA, CULA_CUDA, "cuda_fused", cuda_chunk_fwd_fused, cannot<cula_chunk_fwd_args, chunk_fwd_fused_declines>},
@@ -80,8 +93,8 @@ const Kernel<cula_chunk_fwd_args> kChunkFwd[] = {
 };
 const Kernel<cula_decode_args> kDecode[] = {
     {CULA_BACKEND_CUDA, CULA_CUDA, "cuda", cuda_decode, cuda_decode_declines},
-    {CULA_BACKEND_CPU, CULA_CPU, "cpu", cpu_decode, float64_inputs},
-    {CULA_BACKEND_ORACLE, CULA_CPU, "reference", reference_decode},
+    {CULA_BACKEND_CPU, CULA_CPU, "cpu", host_decode<cpu_decode>, float64_inputs},
+    {CULA_BACKEND_ORACLE, CULA_CPU, "reference", host_decode<reference_decode>},
 };
 const Kernel<cula_chunk_bwd_args> kChunkBwd[] = {
     {CULA_BACKEND_CUDA, CULA_CUDA, "cuda_chunk", cuda_chunk_bwd, cuda_chunk_bwd_declines},

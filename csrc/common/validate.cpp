@@ -424,9 +424,6 @@ Recurrence validate_decode(const cula_decode_args& a) {
   c.contiguous_output(a.out, "out");
   if (a.final_state_out) {
     c.basic(a.final_state_out, "final_state_out");
-    if (c.device_type != CULA_CUDA)
-      c.fail("final_state_out", "None on the host backends (a separate final-state buffer is CUDA's)",
-             describe(a.final_state_out));
     if (a.state_indices)
       c.fail("final_state_out", "None with state_indices (out is indexed by sequence, the pool by slot)",
              describe(a.final_state_out));

@@ -168,7 +168,7 @@ typedef struct cula_decode_args {
   cula_tensor* out;
   /* Optional [N, HV, V, K] (K-first: [N, HV, K, V]) buffer of the pool's dtype: the final states
    * are written here (row n) and the pool is only read (FLA's fused_recurrent without in-place
-   * update). CUDA only; not with state_indices. Appended: callers built before it pass the
+   * update). Not with state_indices (row n is read). Appended: callers built before it pass the
    * shorter struct (struct_size) and get the in-place update. */
   cula_tensor* final_state_out;
 } cula_decode_args;

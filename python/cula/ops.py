@@ -190,7 +190,7 @@ def decode(q, k, v, state_pool, *, mode="kda", g=None, beta=None, decay=None, st
     untouched); [N, T] int32 gives one slot per draft token for speculative decoding, with
     ``num_accepted_tokens`` [N] choosing the slot to start from (FLA fused_recurrent_kda).
     Returns ``(o, state_pool)``. Options as for chunk_fwd. ``final_state_out`` ([N] states of the
-    pool's dtype and layout, CUDA): the final states are written there and the pool is only read
+    pool's dtype and layout; no state_indices): the final states are written there and the pool is only read
     (FLA's fused_recurrent without in-place update); returns ``(o, final_state_out)`` then.
     """
     opts = _options("decode", options, option_kw)

@@ -334,20 +334,25 @@ def test_validate_entries_check_the_arguments_and_run_nothing(rng):
     assert np.array_equal(pool, before)
 
 
-def test_decode_final_state_out_is_cuda_only_and_checked(rng):
-    """final_state_out (a separate buffer for the final states) is the CUDA kernel's: the host
-    backends refuse it by name, before anything runs (with state_indices too; the CUDA test checks
-    that refusal on the device)."""
-    N, H, K = 2, 2, 32
-    q, k, v = (rng.standard_normal((N, 1, H, K)).astype(np.float32) for _ in range(3))
-    g = -rng.uniform(0.01, 0.3, (N, 1, H, K)).astype(np.float32)
-    beta = rng.uniform(0.1, 0.9, (N, 1, H)).astype(np.float32)
-    pool = rng.standard_normal((N, H, K, K)).astype(np.float32)
-    before = pool.copy()
-    out = np.full_like(pool, np.nan)
-    with pytest.raises(cula.CulaError, match="argument 'final_state_out': expected None on the host backends"):
-        cula.decode(q, k, v, pool, mode="kda", g=g, beta=beta, final_state_out=out)
-    with pytest.raises(cula.CulaError, match="argument 'final_state_out': expected None on the host backends"):
-        cula.decode(q, k, v, pool, mode="kda", g=g, beta=beta, final_state_out=out,
-                    state_indices=np.arange(N, dtype=np.int32))
-    assert np.array_equal(pool, before) and np.isnan(out).all()
+def test_decode_final_state_out_on_the_host_matches_in_place(rng):
+    """final_state_out on the host backends (cpu and the float64 reference): the final states equal
+    the in-place update's bit for bit, the pool is left as it was, o is the same; with state_indices
+    it is refused by name before anything runs."""
+    N, H, K = 3, 2, 32
+    q, k, v = (rng.standard_normal((N, 2, H, K)).astype(np.float32) for _ in range(3))
+    g = -rng.uniform(0.01, 0.3, (N, 2, H, K)).astype(np.float32)
+    beta = rng.uniform(0.1, 0.9, (N, 2, H)).astype(np.float32)
+    for backend, dt in (("cpu", np.float32), ("reference", np.float64)):
+        x = [a.astype(dt) for a in (q, k, v, g, beta)]
+        pool = rng.standard_normal((N + 1, H, K, K)).astype(np.float32)
+        before = pool.copy()
+        in_place = pool.copy()
+        o_in, _ = cula.decode(*x[:3], in_place, mode="kda", g=x[3], beta=x[4], backend=backend)
+        out = np.full((N, H, K, K), np.nan, np.float32)
+        o, final = cula.decode(*x[:3], pool, mode="kda", g=x[3], beta=x[4], final_state_out=out, backend=backend)
+        assert final is out and np.array_equal(pool, before), backend
+        assert np.array_equal(out, in_place[:N]) and np.array_equal(o, o_in), backend
+        with pytest.raises(cula.CulaError, match="argument 'final_state_out': expected None with state_indices"):
+            cula.decode(*x[:3], pool, mode="kda", g=x[3], beta=x[4], final_state_out=out,
+                        state_indices=np.arange(N, dtype=np.int32), backend=backend)
+        assert np.array_equal(pool, before)
