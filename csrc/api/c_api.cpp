@@ -204,16 +204,24 @@ const Args* current_args(const Args* args, size_t older_size, Args& full) {
   return args;
 }
 
-const cula_chunk_fwd_args* current_fwd_args(const cula_chunk_fwd_args* args, cula_chunk_fwd_args& full) {
-  return current_args(args, offsetof(cula_chunk_fwd_args, cu_seqlens_host), full);  // before cu_seqlens_host
+// The C entries of the ops whose argument structs grew: the struct of an older caller completed
+// (current_args), then enter().
+cula_status fwd_entry(const cula_chunk_fwd_args* args, Entry what) {
+  cula_chunk_fwd_args full;
+  return enter(kChunkFwd, "chunk_fwd", "cula_chunk_fwd_args",
+               current_args(args, offsetof(cula_chunk_fwd_args, cu_seqlens_host), full), validate_chunk_fwd, what);
 }
 
-const cula_decode_args* current_decode_args(const cula_decode_args* args, cula_decode_args& full) {
-  return current_args(args, offsetof(cula_decode_args, final_state_out), full);  // before final_state_out
+cula_status decode_entry(const cula_decode_args* args, Entry what) {
+  cula_decode_args full;
+  return enter(kDecode, "decode", "cula_decode_args",
+               current_args(args, offsetof(cula_decode_args, final_state_out), full), validate_decode, what);
 }
 
-const cula_chunk_bwd_args* current_bwd_args(const cula_chunk_bwd_args* args, cula_chunk_bwd_args& full) {
-  return current_args(args, offsetof(cula_chunk_bwd_args, decay), full);  // before decay
+cula_status bwd_entry(const cula_chunk_bwd_args* args, Entry what) {
+  cula_chunk_bwd_args full;
+  return enter(kChunkBwd, "chunk_bwd", "cula_chunk_bwd_args",
+               current_args(args, offsetof(cula_chunk_bwd_args, decay), full), validate_chunk_bwd, what);
 }
 
 }  // namespace
@@ -223,50 +231,24 @@ using namespace cula;
 
 extern "C" {
 
-cula_status cula_chunk_fwd(const cula_chunk_fwd_args* args) {
-  cula_chunk_fwd_args full;
-  return enter(kChunkFwd, "chunk_fwd", "cula_chunk_fwd_args", current_fwd_args(args, full), validate_chunk_fwd, Entry::Run);
-}
+cula_status cula_chunk_fwd(const cula_chunk_fwd_args* args) { return fwd_entry(args, Entry::Run); }
 
-cula_status cula_decode(const cula_decode_args* args) {
-  cula_decode_args full;
-  return enter(kDecode, "decode", "cula_decode_args", current_decode_args(args, full), validate_decode, Entry::Run);
-}
+cula_status cula_decode(const cula_decode_args* args) { return decode_entry(args, Entry::Run); }
 
-cula_status cula_chunk_fwd_explain(const cula_chunk_fwd_args* args) {
-  cula_chunk_fwd_args full;
-  return enter(kChunkFwd, "chunk_fwd", "cula_chunk_fwd_args", current_fwd_args(args, full), validate_chunk_fwd,
-               Entry::Explain);
-}
+cula_status cula_chunk_fwd_explain(const cula_chunk_fwd_args* args) { return fwd_entry(args, Entry::Explain); }
 
-cula_status cula_decode_explain(const cula_decode_args* args) {
-  cula_decode_args full;
-  return enter(kDecode, "decode", "cula_decode_args", current_decode_args(args, full), validate_decode, Entry::Explain);
-}
+cula_status cula_decode_explain(const cula_decode_args* args) { return decode_entry(args, Entry::Explain); }
 
-cula_status cula_chunk_fwd_validate(const cula_chunk_fwd_args* args) {
-  cula_chunk_fwd_args full;
-  return enter(kChunkFwd, "chunk_fwd", "cula_chunk_fwd_args", current_fwd_args(args, full), validate_chunk_fwd,
-               Entry::Validate);
-}
+cula_status cula_chunk_fwd_validate(const cula_chunk_fwd_args* args) { return fwd_entry(args, Entry::Validate); }
 
-cula_status cula_decode_validate(const cula_decode_args* args) {
-  cula_decode_args full;
-  return enter(kDecode, "decode", "cula_decode_args", current_decode_args(args, full), validate_decode, Entry::Validate);
-}
+cula_status cula_decode_validate(const cula_decode_args* args) { return decode_entry(args, Entry::Validate); }
 
 const char* cula_explained_kernel(void) { return g_explained_kernel.c_str(); }
 const char* cula_explained_declines(void) { return g_explained_declines.c_str(); }
 
-cula_status cula_chunk_bwd(const cula_chunk_bwd_args* args) {
-  cula_chunk_bwd_args full;
-  return enter(kChunkBwd, "chunk_bwd", "cula_chunk_bwd_args", current_bwd_args(args, full), validate_chunk_bwd, Entry::Run);
-}
+cula_status cula_chunk_bwd(const cula_chunk_bwd_args* args) { return bwd_entry(args, Entry::Run); }
 
-cula_status cula_chunk_bwd_explain(const cula_chunk_bwd_args* args) {
-  cula_chunk_bwd_args full;
-  return enter(kChunkBwd, "chunk_bwd", "cula_chunk_bwd_args", current_bwd_args(args, full), validate_chunk_bwd, Entry::Explain);
-}
+cula_status cula_chunk_bwd_explain(const cula_chunk_bwd_args* args) { return bwd_entry(args, Entry::Explain); }
 
 cula_status cula_kda_gate(const cula_kda_gate_args* args) {
   return enter(kKdaGate, "kda_gate", "cula_kda_gate_args", args, validate_kda_gate, Entry::Run);

@@ -40,50 +40,52 @@ def _split_options(a: dict) -> Options:
 
 
 # (the family argument is not called "mode": torch's functionalization wrapper owns that name)
-def _decode(*args):
+def _decode_call(args, final_state_out=None):
     a = _named(_DECODE_ARGS, args)
     opts = _split_options(a)
-    o, _ = ops.decode(a.pop("q"), a.pop("k"), a.pop("v"), a.pop("state_pool"), mode=a.pop("family"), options=opts, **a)
-    return o
+    return ops.decode(a.pop("q"), a.pop("k"), a.pop("v"), a.pop("state_pool"), mode=a.pop("family"), options=opts,
+                      final_state_out=final_state_out, **a)
 
 
-_decode = torch.library.custom_op(
-    "cula::decode", _decode, mutates_args=("state_pool",),
-    schema="(Tensor q, Tensor k, Tensor v, Tensor(a0!) state_pool, Tensor? g, Tensor? beta, Tensor? decay, "
-           "Tensor? state_indices, Tensor? num_accepted_tokens, Tensor? A_log, Tensor? dt_bias, str family, "
-           f"{_OPTS}) -> Tensor")
+def _decode(*args):
+    return _decode_call(args)[0]
 
 
-@_decode.register_fake
-def _decode_fake(*args):
+def _decode_schema(pool, returns):
+    return (f"(Tensor q, Tensor k, Tensor v, {pool} state_pool, Tensor? g, Tensor? beta, Tensor? decay, "
+            "Tensor? state_indices, Tensor? num_accepted_tokens, Tensor? A_log, Tensor? dt_bias, str family, "
+            f"{_OPTS}) -> {returns}")
+
+
+def _decode_out_fake(args):
     a = _named(_DECODE_ARGS, args)
     q, v = a["q"], a["v"]
     return q.new_empty((q.shape[0], q.shape[1], v.shape[2], v.shape[3]))
 
 
+_decode = torch.library.custom_op("cula::decode", _decode, mutates_args=("state_pool",),
+                                  schema=_decode_schema("Tensor(a0!)", "Tensor"))
+
+
+@_decode.register_fake
+def _decode_fake(*args):
+    return _decode_out_fake(args)
+
+
 def _decode_to(*args):
-    a = _named(_DECODE_ARGS, args)
-    opts = _split_options(a)
-    pool = a.pop("state_pool")
-    final = pool.new_empty((a["q"].shape[0], *pool.shape[1:]))
-    o, _ = ops.decode(a.pop("q"), a.pop("k"), a.pop("v"), pool, mode=a.pop("family"), options=opts,
-                      final_state_out=final, **a)
-    return o, final
+    q, pool = args[_DECODE_ARGS.index("q")], args[_DECODE_ARGS.index("state_pool")]
+    return _decode_call(args, pool.new_empty((q.shape[0], *pool.shape[1:])))
 
 
 # decode that leaves the pool as it is and returns the final states (FLA's fused_recurrent semantics)
-_decode_to = torch.library.custom_op(
-    "cula::decode_to", _decode_to, mutates_args=(),
-    schema="(Tensor q, Tensor k, Tensor v, Tensor state_pool, Tensor? g, Tensor? beta, Tensor? decay, "
-           "Tensor? state_indices, Tensor? num_accepted_tokens, Tensor? A_log, Tensor? dt_bias, str family, "
-           f"{_OPTS}) -> (Tensor, Tensor)")
+_decode_to = torch.library.custom_op("cula::decode_to", _decode_to, mutates_args=(),
+                                     schema=_decode_schema("Tensor", "(Tensor, Tensor)"))
 
 
 @_decode_to.register_fake
 def _decode_to_fake(*args):
-    a = _named(_DECODE_ARGS, args)
-    q, v, pool = a["q"], a["v"], a["state_pool"]
-    return q.new_empty((q.shape[0], q.shape[1], v.shape[2], v.shape[3])), pool.new_empty((q.shape[0], *pool.shape[1:]))
+    q, pool = args[_DECODE_ARGS.index("q")], args[_DECODE_ARGS.index("state_pool")]
+    return _decode_out_fake(args), pool.new_empty((q.shape[0], *pool.shape[1:]))
 
 
 def _chunk_fwd(*args):

@@ -95,6 +95,28 @@ def test_varlen_drop_in_compiles(rng, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_one_token_fused_recurrent_compiles_and_leaves_the_state(rng, device):
+    """fused_recurrent_kda at T = 1 with initial_state and no in-place update (on CUDA the decode
+    kernel through cula::decode_to): fullgraph, the same as eager, initial_state unchanged."""
+    N = 3
+    d = _inputs(device, B=N, T=1)
+    h0 = torch.randn(N, H, K, K, device=device)
+    keep = h0.clone()
+
+    def step(q, k, v, g, b, h0):
+        return fused_recurrent_kda(q, k, v, g, b, initial_state=h0, output_final_state=True)
+
+    with torch.no_grad():
+        o, ht = step(d["q"], d["k"], d["v"], d["g_kda"], d["beta"], h0)
+        torch._dynamo.reset()
+        oc, htc = torch.compile(step, fullgraph=True, backend="aot_eager")(d["q"], d["k"], d["v"], d["g_kda"],
+                                                                           d["beta"], h0)
+    _same(o, oc)
+    _same(ht, htc)
+    assert torch.equal(h0, keep)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_serving_decode_compiles_and_updates_the_pool(rng, device):
     """fused_recurrent_kda's serving form: one token per sequence, a state pool updated in place."""
     N, P = 3, 5

@@ -340,6 +340,25 @@ def test_fused_recurrent_inplace_decode_checks_host_offsets(rng):
     assert rel(o.reshape(N, t, H, V), ref) == 0 and rel(got_pool, ref_pool) == 0
 
 
+def test_decode_to_op_passes_opcheck_and_leaves_the_pool(rng):
+    """torch.ops.cula.decode_to (the fused_recurrent drop-ins' decode without in-place update): the
+    op checks pass, the pool is untouched, o and the final states are the in-place op's."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    import cula.torch_ops
+
+    N, H, K = 3, 2, 16
+    q, k, v = (torch.from_numpy(rng.standard_normal((N, 2, H, K)).astype(np.float32)) for _ in range(3))
+    g = -torch.from_numpy(rng.uniform(0.01, 0.3, (N, 2, H, K)).astype(np.float32))
+    beta = torch.from_numpy(rng.uniform(0.1, 0.9, (N, 2, H)).astype(np.float32))
+    pool = torch.from_numpy(rng.standard_normal((N, H, K, K)).astype(np.float32))
+    args = (q, k, v, pool, g, beta, None, None, None, None, None, "kda", *cula.Options().values())
+    torch.library.opcheck(torch.ops.cula.decode_to.default, args)
+    keep, in_place = pool.clone(), pool.clone()
+    o, final = cula.torch_ops.decode_to(q, k, v, pool, mode="kda", g=g, beta=beta)
+    o2, _ = cula.torch_ops.decode(q, k, v, in_place, mode="kda", g=g, beta=beta)
+    assert torch.equal(pool, keep) and torch.equal(final, in_place) and torch.equal(o, o2)
+
+
 def test_chunk_op_passes_opcheck_on_host_tensors(rng):
     torch = pytest.importorskip("torch", reason="torch is not installed")
     import cula.torch_ops
