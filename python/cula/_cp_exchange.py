@@ -39,12 +39,19 @@ def incoming(dist, group, rank, size, P, Q, how, reverse=False):
     return _by_scan(dist, group, rank, size, P, Q, reverse)
 
 
+def all_gather(dist, group, x):
+    """[every rank's x] (x of the same shape on every rank)."""
+    import torch
+
+    out = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, x.contiguous(), group=group)
+    return out
+
+
 def _by_all_gather(dist, group, rank, size, P, Q, reverse):
     import torch
 
-    all_P, all_Q = ([torch.empty_like(x) for _ in range(size)] for x in (P, Q))
-    dist.all_gather(all_P, P.contiguous(), group=group)
-    dist.all_gather(all_Q, Q.contiguous(), group=group)
+    all_P, all_Q = all_gather(dist, group, P), all_gather(dist, group, Q)
     order = range(size - 1, rank, -1) if reverse else range(rank)
     Z = torch.zeros_like(Q)
     for j in order:

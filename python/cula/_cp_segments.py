@@ -26,6 +26,7 @@ engine's own carry at every segment boundary)."""
 from __future__ import annotations
 
 from . import ops
+from ._cp_exchange import all_gather
 from ._cp_summary import DIAGONAL, diagonal_summary, precise_maps
 from ._lib import CulaError
 
@@ -73,13 +74,11 @@ def _gather_rows(dist, group, rows, count_per_rank, shape, dev):
     count; returns every rank's rows in rank order."""
     import torch
 
-    from .dist import _all_gather  # (dist imports this module: imported when first called)
-
     most = max(count_per_rank) if count_per_rank else 0
     send = torch.zeros(most, *shape, dtype=torch.float32, device=dev)
     if rows is not None and len(rows):
         send[:len(rows)] = rows
-    return [x[:c] for x, c in zip(_all_gather(dist, group, send), count_per_rank)]
+    return [x[:c] for x, c in zip(all_gather(dist, group, send), count_per_rank)]
 
 
 class Plan:

@@ -1,8 +1,9 @@
 """The affine summaries of slices of tokens, shared by context parallelism (cula.dist), its
 deterministic mode (_cp_segments) and the parallel segments of one device (_segments):
-diagonal_summary and diagonal_end_state, for the families without the delta rule, whose transitions
-are diagonal (the carried queries, the transition and a piece's own end state come from its gates,
-keys and values without an engine pass); precise_maps, the maps in float32 that the backwards fold their entering states from."""
+diagonal_summary, diagonal_transition and diagonal_end_state, for the families without the delta
+rule, whose transitions are diagonal (the carried queries, the transition and a piece's own end
+state come from its gates, keys and values without an engine pass); precise_maps, the maps in
+float32 that the backwards fold their entering states from; cut, the pieces of packed sequences."""
 
 from __future__ import annotations
 
@@ -23,17 +24,61 @@ def diagonal_summary(family, q, g, decay, HV, opts):
 
     L, H, K = (int(s) for s in q.shape)
     group = HV // H
-    a = _log_decays(family, g, decay, L, HV, q.device)
-    # the running sum along the last dimension of a [HV, K or 1, L] copy: torch scans an outer
-    # dimension one column per thread, 16 columns of 65536 tokens in sequence (~15 ms on a GPU)
-    cum = torch.exp(torch.cumsum(a.permute(1, 2, 0).contiguous(), dim=-1)).permute(2, 0, 1).float()  # [L, HV, K or 1]
-    qh = q.float()
-    if opts.get("use_qk_l2norm_in_kernel"):
-        qh = qh / torch.sqrt((qh * qh).sum(-1, keepdim=True) + L2_EPS)
+    G = _cumulative(_log_decays(family, g, decay, L, HV, q.device))
+    cum = torch.exp(G).permute(2, 0, 1).float()  # [L, HV, K or 1]
+    qh = _as_read(q, opts)
     scale = opts.get("scale")
     qh = qh.repeat_interleave(group, dim=1) * (K ** -0.5 if scale is None else float(scale))
     end = cum[-1].expand(HV, K) if L else torch.ones(HV, K, dtype=torch.float32, device=q.device)
     return qh * cum, torch.diag_embed(end)
+
+
+def _cumulative(a):
+    """The running sums of log-decays a [L, HV, K or 1] over the tokens, as [HV, K or 1, L]: summed
+    along the last dimension of a copy, since torch scans an outer dimension one column per thread
+    (16 columns of 65536 tokens in sequence: ~15 ms on a GPU)."""
+    import torch
+
+    return torch.cumsum(a.permute(1, 2, 0).contiguous(), dim=-1)
+
+
+def _as_read(x, opts):
+    """q or k in float32 as the kernels read them: L2-normalised when use_qk_l2norm_in_kernel."""
+    import torch
+
+    x = x.float()
+    if opts.get("use_qk_l2norm_in_kernel"):
+        x = x / torch.sqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
+    return x
+
+
+def diagonal_transition(family, g, decay, L, HV, K, device):
+    """M = diag(D_L) [HV, K, K] of a piece of L tokens of a family without the delta rule: the
+    product of its decays per key channel (diagonal_summary's transition, without its carried
+    queries)."""
+    import torch
+
+    if not L:
+        return torch.diag_embed(torch.ones(HV, K, dtype=torch.float32, device=device))
+    total = _cumulative(_log_decays(family, g, decay, L, HV, device))[..., -1]  # [HV, K or 1]
+    return torch.diag_embed(torch.exp(total).float().expand(HV, K))
+
+
+def cut(offsets, seg_len):
+    """[(sequence n, start, end, first)] over packed tokens (sequence n at [offsets[n], offsets[n+1])):
+    each sequence cut every seg_len tokens from its start (an empty sequence: one empty piece, so
+    that its final state is its initial one)."""
+    out = []
+    for n in range(len(offsets) - 1):
+        bos, eos = offsets[n], offsets[n + 1]
+        s = bos
+        while True:
+            e = min(s + seg_len, eos)
+            out.append((n, s, e, s == bos))
+            if e >= eos:
+                break
+            s = e
+    return out
 
 
 def _log_decays(family, g, decay, L, HV, device):
@@ -60,14 +105,10 @@ def diagonal_end_state(family, k, v, g, decay, HV, opts, s0=None):
     L, H, K = (int(s) for s in k.shape)
     dev = k.device
     a = _log_decays(family, g, decay, L, HV, dev)
-    # (the running sum along the last dimension: see diagonal_summary)
-    G = torch.cumsum(a.permute(1, 2, 0).contiguous(), dim=-1)  # [HV, K or 1, L]
+    G = _cumulative(a)  # [HV, K or 1, L]
     end = G[..., -1:] if L else torch.zeros(HV, a.shape[-1], 1, dtype=torch.float64, device=dev)
     tail = torch.exp(end - G).permute(2, 0, 1).float()  # D_L / D_t [L, HV, K or 1]
-    kh = k.float()
-    if opts.get("use_qk_l2norm_in_kernel"):
-        kh = kh / torch.sqrt((kh * kh).sum(-1, keepdim=True) + L2_EPS)
-    kh = kh.repeat_interleave(HV // H, dim=1) * tail  # [L, HV, K]
+    kh = _as_read(k, opts).repeat_interleave(HV // H, dim=1) * tail  # [L, HV, K]
     A = torch.einsum("lhv,lhk->hvk", v.float(), kh)
     d_end = torch.exp(end[..., 0]).float().expand(HV, K)  # D_L [HV, K]
     if s0 is not None:
@@ -89,7 +130,7 @@ def precise_maps(family, q, k, v, g, beta, decay, spans, opts, h0=None):
     end from h0 or zero, M [S, HV, K, K]: its transition, X -> X M + A). Each span is walked in
     pieces of SUB_SEGMENT tokens that run as the sequences of one call (float32 q, k, v: the
     recurrent kernels, no bf16 intermediates), whose maps then compose in order; without the delta
-    rule M is the diagonal of the decays (diagonal_summary)."""
+    rule M is the diagonal of the decays (diagonal_transition)."""
     import torch
 
     B, T, H, K = (int(s) for s in q.shape)
@@ -97,13 +138,9 @@ def precise_maps(family, q, k, v, g, beta, decay, spans, opts, h0=None):
     dev = q.device
     diagonal = family in DIAGONAL
     W = V if diagonal else V + K
-    subs = []  # (span, begin, end) in the flattened [B * T] tokens
-    for i, (b, lo, hi) in enumerate(spans):
-        s = lo
-        while s < hi:
-            e = min(s + SUB_SEGMENT, hi)
-            subs.append((i, b * T + s, b * T + e))
-            s = e
+    # (span, begin, end) in the flattened [B * T] tokens
+    subs = [(i, s, e) for i, (b, lo, hi) in enumerate(spans)
+            for _, s, e, _ in cut([b * T + lo, b * T + hi], SUB_SEGMENT) if e > s]
     A = torch.zeros(len(spans), HV, V, K, dtype=torch.float32, device=dev)
     M = torch.eye(K, dtype=torch.float32, device=dev).repeat(len(spans), HV, 1, 1)
     if subs:
@@ -123,8 +160,8 @@ def precise_maps(family, q, k, v, g, beta, decay, spans, opts, h0=None):
         for j, (i, s, e) in enumerate(subs):
             a_j = fw[j, :, :V, :]
             if diagonal:
-                m_j = diagonal_summary(family, qs[0, at:at + e - s], None if gs is None else gs[0, at:at + e - s],
-                                       decay, HV, opts)[1]
+                m_j = diagonal_transition(family, None if gs is None else gs[0, at:at + e - s], decay, e - s, HV, K,
+                                          dev)
             else:
                 m_j = fw[j, :, V:, :]
             A[i] = torch.matmul(A[i], m_j) + a_j

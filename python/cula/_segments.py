@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 
 from . import ops
-from ._cp_summary import DIAGONAL, diagonal_summary
+from ._cp_summary import DIAGONAL, cut, diagonal_summary
 from ._lib import CulaError
 
 SEGMENT_TOKENS = "CULA_SEGMENT_TOKENS"
@@ -44,22 +44,6 @@ def segment_tokens():
     return n
 
 
-def plan(offsets, seg_len):
-    """[(sequence n, start, end, first)] over the packed tokens: each sequence cut every seg_len tokens
-    from its start (an empty sequence: one empty segment, so that its final state is its initial one)."""
-    out = []
-    for n in range(len(offsets) - 1):
-        bos, eos = offsets[n], offsets[n + 1]
-        s = bos
-        while True:
-            e = min(s + seg_len, eos)
-            out.append((n, s, e, s == bos))
-            if e >= eos:
-                break
-            s = e
-    return out
-
-
 def forward(family, q, k, v, g, beta, decay, *, seg_len, initial_state=None, output_final_state=False,
             cu_seqlens=None, state_layout="k_last", state_dtype=None, A_log=None, dt_bias=None, **opts):
     """(o, final state or None), as ops.chunk_fwd returns them for the same call."""
@@ -75,7 +59,7 @@ def forward(family, q, k, v, g, beta, decay, *, seg_len, initial_state=None, out
     N = len(offsets) - 1
     flat = lambda x: None if x is None else x.reshape(1, B * T, *x.shape[2:])  # noqa: E731
     qf, kf, vf, gf, bf = flat(q), flat(k), flat(v), flat(g), flat(beta)
-    segs = plan(offsets, seg_len)
+    segs = cut(offsets, seg_len)
     if not segs:  # no sequence at all: the direct call says what it returns
         return ops.chunk_fwd(family, q, k, v, g, beta, decay, initial_state=initial_state,
                              output_final_state=output_final_state, cu_seqlens=cu_seqlens, state_layout=state_layout,

@@ -78,21 +78,12 @@ def _group_info(group, size, rank, size_name, rank_name):
     return dist, real_size, real_rank
 
 
-def _all_gather(dist, group, x):
-    """[every rank's x] (x of the same shape on every rank)."""
-    import torch
-
-    out = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, x.contiguous(), group=group)
-    return out
-
-
 def _same_on_every_rank(dist, group, values, names, device):
     """Checks that the integers ``values`` agree across the group; raises naming the first that does not."""
     import torch
 
     mine = torch.tensor(values, dtype=torch.int64, device=device)
-    for j, row in enumerate(zip(*(t.tolist() for t in _all_gather(dist, group, mine)))):
+    for j, row in enumerate(zip(*(t.tolist() for t in _cp_exchange.all_gather(dist, group, mine)))):
         if len(set(row)) != 1:
             raise CulaError(f"argument '{names[j]}': expected the same value on every rank, got {list(row)} by rank")
 
@@ -172,10 +163,11 @@ def _token_split(dist, group, q, v, cu_seqlens):
     _same_on_every_rank(dist, group, [B, H, int(v.shape[2]), K, int(v.shape[3]), ncu],
                         ["q (batch size)", "q (heads)", "v (value heads)", "q (key head size)", "v (value head size)",
                          "cu_seqlens (length)"], q.device)
-    lengths = [int(t.item()) for t in _all_gather(dist, group, torch.tensor([T], dtype=torch.int64, device=q.device))]
+    mine = torch.tensor([T], dtype=torch.int64, device=q.device)
+    lengths = [int(t.item()) for t in _cp_exchange.all_gather(dist, group, mine)]
     if cu_seqlens is not None:
         cu_dev = cu_seqlens.to(device=q.device, dtype=torch.int64)
-        if any(not torch.equal(x, cu_dev) for x in _all_gather(dist, group, cu_dev)):
+        if any(not torch.equal(x, cu_dev) for x in _cp_exchange.all_gather(dist, group, cu_dev)):
             raise CulaError("argument 'cu_seqlens': expected the same global offsets on every rank")
     return lengths
 
@@ -469,24 +461,20 @@ def _cp_pieces(family, q, k, v, g, beta, decay, dist, group, rank, pieces, packe
     HV, V = int(v.shape[2]), int(v.shape[3])
     dev = q.device
     crossing_in = any(p[3] for p in pieces)
-    diagonal = family in _DIAGONAL
-    if crossing_in and diagonal:
+    if crossing_in and family in _DIAGONAL:
         return _cp_pieces_diagonal(family, q, k, v, g, decay, dist, group, rank, pieces, packed, initial_state,
                                    opts, exchange, for_backward)
     # One pass. Delta rule: values extended by K zero columns, the crossing-in pieces' initial state by
     # the identity (the extension carries M and Q~), and a correction of o by Q~ and the incoming state.
-    extended = crossing_in
-    W = V + K if extended else V
+    W = V + K if crossing_in else V
+    own = _own_initial_states(pieces, initial_state, HV, V, K, dev)
     init = torch.zeros(len(pieces), HV, W, K, dtype=torch.float32, device=dev)
-    for i, (n, _, _, cin, _) in enumerate(pieces):
-        if cin and extended:
+    init[:, :, :V, :] = own
+    for i, p in enumerate(pieces):
+        if p[3]:
             init[i, :, V:, :] = torch.eye(K, dtype=torch.float32, device=dev)
-        elif initial_state is not None and not cin:
-            init[i, :, :V, :] = initial_state[n].to(device=dev, dtype=torch.float32)
-    vw = torch.cat([v, v.new_zeros(B, T, HV, K)], dim=-1) if extended else v
-    local_cu = None
-    if packed and pieces:
-        local_cu = torch.tensor([pieces[0][1]] + [p[2] for p in pieces], dtype=torch.int32, device=dev)
+    vw = torch.cat([v, v.new_zeros(B, T, HV, K)], dim=-1) if crossing_in else v
+    local_cu = _local_offsets(pieces, packed, dev)
     # Where a correction is added, the pass writes float32 (the engines' accumulators unrounded, Q~
     # included) and o is rounded once, after the correction.
     out = torch.empty(B, T, HV, W, dtype=torch.float32, device=dev) if crossing_in else None
@@ -495,10 +483,10 @@ def _cp_pieces(family, q, k, v, g, beta, decay, dist, group, rank, pieces, packe
     else:
         ow, fw = ops.chunk_fwd(family, q, k, vw, g, beta, decay, initial_state=init, output_final_state=True,
                                cu_seqlens=local_cu, state_layout="k_last", state_dtype="float32", out=out, **opts)
-    A, M = fw[:, :, :V, :], (fw[:, :, V:, :] if extended else None)
+    A, M = fw[:, :, :V, :], (fw[:, :, V:, :] if crossing_in else None)
     X = _incoming_states(dist, group, rank, pieces, 1 if packed else B, A, M, exchange)
 
-    o = ow[..., :V].contiguous() if extended else ow
+    o = ow[..., :V].contiguous() if crossing_in else ow
     for i, (n, lo, hi, _, _) in ((i, p) for i, p in enumerate(pieces) if p[3]):
         b, x = (0, X[0]) if packed else (n, X[n])  # x: [HV, V, K]
         # Q~: q^ through this piece's transitions [L, HV, K]
@@ -512,7 +500,28 @@ def _cp_pieces(family, q, k, v, g, beta, decay, dist, group, rank, pieces, packe
         return o, final, None
     # for the backward: the pieces' own initial states (where they start a sequence) and the local
     # offsets; it folds the incoming states again from float32 maps
-    return o, final, dict(init=init[:, :, :V, :].clone(), local_cu=local_cu)
+    return o, final, dict(init=own, local_cu=local_cu)
+
+
+def _own_initial_states(pieces, initial_state, HV, V, K, dev):
+    """Each piece's own initial state [pieces, HV, V, K] in float32: its sequence's initial state
+    where the piece starts the sequence, zero where it crosses in."""
+    import torch
+
+    init = torch.zeros(len(pieces), HV, V, K, dtype=torch.float32, device=dev)
+    for i, (n, _, _, cin, _) in enumerate(pieces):
+        if initial_state is not None and not cin:
+            init[i] = initial_state[n].to(device=dev, dtype=torch.float32)
+    return init
+
+
+def _local_offsets(pieces, packed, dev):
+    """The local cu_seqlens of a packed row's pieces (None for a dense batch or no piece)."""
+    import torch
+
+    if not (packed and pieces):
+        return None
+    return torch.tensor([pieces[0][1]] + [p[2] for p in pieces], dtype=torch.int32, device=dev)
 
 
 def _cp_pieces_diagonal(family, q, k, v, g, decay, dist, group, rank, pieces, packed, initial_state, opts, exchange,
@@ -527,10 +536,7 @@ def _cp_pieces_diagonal(family, q, k, v, g, decay, dist, group, rank, pieces, pa
     B, T, H, K = (int(s) for s in q.shape)
     HV, V = int(v.shape[2]), int(v.shape[3])
     dev = q.device
-    init = torch.zeros(len(pieces), HV, V, K, dtype=torch.float32, device=dev)
-    for i, (n, _, _, cin, _) in enumerate(pieces):
-        if initial_state is not None and not cin:
-            init[i] = initial_state[n].to(device=dev, dtype=torch.float32)
+    init = _own_initial_states(pieces, initial_state, HV, V, K, dev)
     A = torch.zeros(len(pieces), HV, V, K, dtype=torch.float32, device=dev)
     M = torch.zeros(len(pieces), HV, K, K, dtype=torch.float32, device=dev)
     for i, (n, lo, hi, cin, cout) in enumerate(pieces):
@@ -545,9 +551,7 @@ def _cp_pieces_diagonal(family, q, k, v, g, decay, dist, group, rank, pieces, pa
     for i, (n, _, _, cin, _) in enumerate(pieces):
         if cin:
             start[i] = X[0] if packed else X[n]
-    local_cu = None
-    if packed and pieces:
-        local_cu = torch.tensor([pieces[0][1]] + [p[2] for p in pieces], dtype=torch.int32, device=dev)
+    local_cu = _local_offsets(pieces, packed, dev)
     if packed and not pieces:  # no tokens and no sequence here
         o, fw = v.new_empty(B, T, HV, V), start
     else:

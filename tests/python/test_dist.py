@@ -613,6 +613,9 @@ class _ThreadDist:
         self.barrier, self.board = threading.Barrier(world), {}
         self.isend, self.irecv = "isend", "irecv"
 
+    def get_world_size(self, group=None):
+        return self.world
+
     def P2POp(self, op, tensor, peer, group=None):  # noqa: N802 (torch's name)
         return (op, tensor, peer)
 

@@ -571,10 +571,10 @@ def test_parallel_segments_compute_the_same_function(rng, monkeypatch, family, g
 
 
 def test_segment_plan_cuts_each_sequence_from_its_start():
-    from cula import _segments
+    from cula import _cp_summary
 
-    assert _segments.plan([0, 130, 130, 131], 64) == [(0, 0, 64, True), (0, 64, 128, False), (0, 128, 130, False),
-                                                      (1, 130, 130, True), (2, 130, 131, True)]
+    assert _cp_summary.cut([0, 130, 130, 131], 64) == [(0, 0, 64, True), (0, 64, 128, False), (0, 128, 130, False),
+                                                       (1, 130, 130, True), (2, 130, 131, True)]
 
 
 def test_parallel_segments_take_empty_calls(monkeypatch):
