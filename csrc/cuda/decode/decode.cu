@@ -132,7 +132,7 @@ __device__ __forceinline__ int read_slot(const DecodeParams& p, int n) {
   return p.pool_idx[static_cast<int64_t>(n) * p.T + a - 1];
 }
 
-// Shared memory: the CTA's state tile (K-last [R][K]; K-first [K][R + 4]) padded to 16 bytes,
+// Shared memory: the CTA's state tile (K-last [R][K]; K-first [K][kfirst_pitch(R)]) padded to 16 bytes,
 // then per token the preprocessed q, k and exp(a) (K each), beta, the tile's R values of v and
 // its R outputs.
 template <typename S>
@@ -274,7 +274,8 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
   }
 
   S* tile = reinterpret_cast<S*>(smem);
-  const int TP = kfirst_pitch<S>(R);  // K-first tile pitch
+  const int TP = kfirst_pitch<S>(R);                          // K-first tile pitch
+  constexpr int kPer = 16 / static_cast<int>(sizeof(S));       // K-first: values per 16-byte piece
   // K-first 16-byte pieces: V rows of whole pieces (the pool's alignment is checked at launch; R is
   // a multiple of 16, so rows is whole pieces when V is)
   const bool kfirst_vec = !KLAST && (p.V * static_cast<int>(sizeof(S))) % 16 == 0;
@@ -308,7 +309,6 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
     }
   } else if (kfirst_vec) {
     // K-first: the K rows' R values (16-byte pieces) by cp.async, waited for before the barrier
-    constexpr int kPer = 16 / static_cast<int>(sizeof(S));
     const int pieces = rows / kPer;
     for (int i = tid; i < K * pieces; i += blockDim.x) {
       const int kk = i / pieces, j = (i % pieces) * kPer;
@@ -436,19 +436,17 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
     for (int t = 0; t < p.T; ++t) sto(v_index(t), tok_o[t * R + tid]);
   if constexpr (!KLAST) {  // the K-first tile's updated columns, coalesced
     if (!p.per_token_slots) {
-      S* const dst = final_dst;
       if (kfirst_vec) {
-        constexpr int kPer = 16 / static_cast<int>(sizeof(S));
         const int pieces = rows / kPer;
         for (int i = tid; i < K * pieces; i += blockDim.x) {
           const int kk = i / pieces, j = (i % pieces) * kPer;
-          *reinterpret_cast<uint4*>(dst + static_cast<int64_t>(kk) * p.V + j0 + j) =
+          *reinterpret_cast<uint4*>(final_dst + static_cast<int64_t>(kk) * p.V + j0 + j) =
               *reinterpret_cast<const uint4*>(tile + kk * TP + j);
         }
       } else {
         for (int i = tid; i < K * rows; i += blockDim.x) {
           const int kk = i / rows, j = i % rows;
-          dst[static_cast<int64_t>(kk) * p.V + j0 + j] = tile[kk * TP + j];
+          final_dst[static_cast<int64_t>(kk) * p.V + j0 + j] = tile[kk * TP + j];
         }
       }
     }
