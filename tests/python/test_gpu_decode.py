@@ -44,6 +44,12 @@ CASES = [
     ("gdn", 2, 128, 128, True, True, torch.bfloat16, "k_last"),
     ("lightning", 1, 128, 128, False, False, torch.float32, "k_last"),
     ("lightning", 2, 64, 128, True, False, torch.bfloat16, "k_last"),
+    # K-first shares of the channels per column: 2 (K = 64, R = 64), 4 (K = 256, R = 32); no delta
+    # rule (one block sum per token); V not whole 16-byte pieces (the scalar tile copy)
+    ("kda", 1, 64, 64, False, True, torch.float32, "k_first"),
+    ("gdn", 3, 256, 128, True, True, torch.float32, "k_first"),
+    ("lightning", 2, 128, 96, False, False, torch.float32, "k_first"),
+    ("gdn", 2, 128, 60, False, True, torch.bfloat16, "k_first"),
 ]
 
 

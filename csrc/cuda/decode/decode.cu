@@ -36,10 +36,12 @@
 //    host without a synchronisation): outputs are zeros, the pool is not touched.
 // With ~16 KB of shared memory and few registers per CTA, about a dozen CTAs share an SM.
 //  - K-first pools ([K][V] per head, FLA's layout): the tile [K][R] lands by cp.async in 16-byte
-//    pieces of its V rows (pitch R + 16 bytes), the warps read their rows' columns from it and
-//    write the updated columns back into it, and after the block barrier of phase 4 the tile
-//    leaves in 16-byte coalesced stores (a lane's strided stores to K rows wrote one 32-byte
-//    sector per 4 bytes). Speculative decoding's per-token slots keep the strided stores.
+//    pieces of its V rows (pitch R + 16 bytes) and stays there: thread (part, c) updates column c
+//    over a 1/parts share of the channels in place (a warp reads one channel row's consecutive
+//    columns: no bank conflict), the channel sums of the parts meet in shared memory (two block
+//    barriers per token), and after the block barrier of phase 4 the tile leaves in 16-byte
+//    coalesced stores (a lane's strided stores to K rows wrote one 32-byte sector per 4 bytes).
+//    Speculative decoding's per-token slots: each thread stores its own elements after each token.
 //  - final_state_out: the states are read from the pool and written to out[n] instead (FLA's
 //    fused_recurrent without in-place update), the pool untouched.
 #include <cuda_bf16.h>
@@ -256,10 +258,10 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
   // stages v[.., j0 + j] of the tokens that do not come by shuffle)
   const bool has_v = tid < rows;
   auto v_index = [&](int t) { return ((static_cast<int64_t>(n) * p.T + t) * p.HV + hv) * p.V + j0 + tid; };
-  // K <= 128: v of the first token for this warp's rows (w, w + 4, ...): lane m holds that of row
+  // K-last, K <= 128: v of the first token for this warp's rows (w, w + 4, ...): lane m holds that of row
   // w + 4m and the rows take it by a shuffle, so the block barrier does not wait for v. (K = 256
   // stages it in shared memory with the later tokens': the extra register spills there.)
-  constexpr bool kVInRegs = EPL <= 4;
+  constexpr bool kVInRegs = KLAST && EPL <= 4;
   const int my_vrow = kVInRegs ? warp + kWarps * lane : tid;
   const float rv = my_vrow < rows ? ldx(p.v, p.v_dt, v_index(0) - tid + my_vrow) : 0.0f;
   if constexpr (kSlotPerCta) {
@@ -370,9 +372,73 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
   // where the final state goes: the slot read, or row n of final_state_out
   S* const final_dst = (p.pool_out ? static_cast<S*>(p.pool_out) + static_cast<int64_t>(n) * slot_elems
                                    : pool + static_cast<int64_t>(rs) * slot_elems) + head_off;
-  // 3. Rows: warp w takes rows w, w + 4, ..., kBatch of them at a time so that their warp
+  // 3, K-first. Thread (part, c) = (tid / R, tid % R) owns column c of the tile over the channels
+  //    [part * KW, (part + 1) * KW): a warp reads consecutive columns of one channel row (no bank
+  //    conflict; lanes holding a column's channels read one word in 4 and wait on 16-way bank
+  //    conflicts), the state stays in the tile, and the parts' sums meet in shared memory. The
+  //    columns go back into the tile, which leaves coalesced after phase 4's barrier. A bf16
+  //    tile rounds between the tokens of one call (the K-last rows keep fp32 through them).
+  if constexpr (!KLAST) {
+    __shared__ float part_sums[2][kWarps * 32];
+    int parts = 1;  // a power of two: KW a multiple of 8, the token's values read as float4
+    while (2 * parts * R <= kWarps * 32) parts *= 2;  // R <= the CTA's threads (launch_tile)
+    const int part = tid / R, c = tid % R;
+    const int KW = K / parts;
+    const int kb = part * KW, ke = part < parts ? kb + KW : kb;  // idle threads: an empty range
+    const bool col = c < rows;
+    auto column_sum = [&](float x, int buf) {  // every thread calls it: a block barrier
+      part_sums[buf][tid] = x;
+      __syncthreads();
+      float sum = 0;
+      for (int i = 0; i < parts; ++i) sum += part_sums[buf][i * R + c];
+      return sum;
+    };
+    // A warp's lanes share kk: the token's q, k, exp(a) are broadcast reads, 4 channels per read.
+    auto four = [](const float* x) { return *reinterpret_cast<const float4*>(x); };
+    for (int t = 0; t < p.T; ++t) {
+      const float* tq = tok + static_cast<size_t>(t) * 3 * K;
+      float u = col ? tok_v[t * R + c] : 0.0f;
+      if (delta) {
+        float dot = 0;
+        if (col) {
+          for (int kk = kb; kk < ke; kk += 4) {
+            const float4 k4 = four(tq + K + kk), a4 = four(tq + 2 * K + kk);
+            const S* x = tile + kk * TP + c;
+            dot += static_cast<float>(x[0]) * a4.x * k4.x + static_cast<float>(x[TP]) * a4.y * k4.y +
+                   static_cast<float>(x[2 * TP]) * a4.z * k4.z + static_cast<float>(x[3 * TP]) * a4.w * k4.w;
+          }
+        }
+        u = (u - column_sum(dot, 0)) * tok_beta[t];
+      }
+      float o = 0;
+      if (col) {
+        for (int kk = kb; kk < ke; kk += 4) {
+          const float4 q4 = four(tq + kk), k4 = four(tq + K + kk), a4 = four(tq + 2 * K + kk);
+          const float qe[4] = {q4.x, q4.y, q4.z, q4.w}, ke4[4] = {k4.x, k4.y, k4.z, k4.w}, ae[4] = {a4.x, a4.y, a4.z, a4.w};
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            S* x = tile + (kk + e) * TP + c;
+            const float y = static_cast<float>(*x) * ae[e] + ke4[e] * u;
+            *x = static_cast<S>(y);
+            o += y * qe[e];
+          }
+        }
+      }
+      // delta: the two sums of a token alternate buffers; without it consecutive tokens do
+      o = column_sum(o, delta ? 1 : t & 1);
+      if (part == 0 && col) tok_o[t * R + c] = o;
+      if (p.per_token_slots) {  // after token t the column also goes to slot idx[n, t]: this thread's own elements
+        const int ws = p.pool_idx[static_cast<int64_t>(n) * p.T + t];
+        if (ws >= 0 && ws < p.P && col) {
+          S* dst = pool + static_cast<int64_t>(ws) * slot_elems + head_off + j0 + c;
+          for (int kk = kb; kk < ke; ++kk) dst[static_cast<int64_t>(kk) * p.V] = tile[kk * TP + c];
+        }
+      }
+    }
+  }
+  // 3, K-last. Rows: warp w takes rows w, w + 4, ..., kBatch of them at a time so that their warp
   //    reductions interleave instead of running back to back.
-  for (int step = 0; step < my_steps; ++step) {
+  for (int step = 0; KLAST && step < my_steps; ++step) {
     const int r0 = step * kRowsPerStep + warp;
     if constexpr (KLAST) {
       mma::cp_async_wait_pending(my_steps - 1 - step);  // this warp's batches up to this one have landed
@@ -382,27 +448,13 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       const int r = r0 + b * kWarps < rows ? r0 + b * kWarps : r0;  // past the tile: computed, never stored
-      if constexpr (KLAST) {
-        load_row<EPL, S>(tile + r * K + k0, s[b]);
-      } else {
-#pragma unroll
-        for (int e = 0; e < EPL; ++e) s[b][e] = static_cast<float>(tile[(k0 + e) * TP + r]);
-      }
+      load_row<EPL, S>(tile + r * K + k0, s[b]);
     }
     auto store_to = [&](S* dst) {  // the head's state in a slot (or in final_state_out)
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
         const int r = r0 + b * kWarps;
-        if (r >= rows) continue;
-        if constexpr (KLAST) {
-          store_row<EPL, S>(dst + static_cast<int64_t>(j0 + r) * K + k0, s[b]);
-        } else if (!p.per_token_slots) {  // back into the tile, which leaves coalesced after phase 4's barrier
-#pragma unroll
-          for (int e = 0; e < EPL; ++e) tile[(k0 + e) * TP + r] = static_cast<S>(s[b][e]);
-        } else {
-#pragma unroll
-          for (int e = 0; e < EPL; ++e) dst[static_cast<int64_t>(k0 + e) * p.V + j0 + r] = static_cast<S>(s[b][e]);
-        }
+        if (r < rows) store_row<EPL, S>(dst + static_cast<int64_t>(j0 + r) * K + k0, s[b]);
       }
     };
     for (int t = 0; t < p.T; ++t) {
@@ -462,6 +514,7 @@ template <int EPL, typename S, bool KLAST, bool kServing, bool kKdaServing = fal
 void launch_tile(DecodeParams p, bool pdl, int sms, cudaStream_t stream) {
   constexpr int K = EPL * 32;
   int R = static_cast<int>(16384 / (K * sizeof(S)));
+  if (!KLAST) R = std::max(R, 32);  // K-first: a warp's lanes on 32 columns of one channel row
   R = std::max(4, std::min(R, p.V));
   auto blocks_of = [&](int rows) { return static_cast<int64_t>(p.N) * p.HV * ((p.V + rows - 1) / rows); };
   while (R > 16 && blocks_of(R) < 2 * int64_t{sms}) R /= 2;
