@@ -52,6 +52,36 @@ def _as_read(x, opts):
     return x
 
 
+def _bf16_parts(x):
+    """x as bfloat16 parts whose sum is x: itself when bfloat16, else hi + lo (x - hi rounded),
+    about 17 of float32's 24 bits."""
+    import torch
+
+    hi = x.to(torch.bfloat16)
+    return [hi] if x.dtype == torch.bfloat16 else [hi, (x - hi.float()).to(torch.bfloat16)]
+
+
+def bmm_f32(a, b):
+    """a [n, m, k] @ b [n, k, p] in float32 precision (either operand float32 or bfloat16). On CUDA
+    on the tensor cores: each float32 operand in two bfloat16 parts (_bf16_parts), the products
+    hi.hi + hi.lo + lo.hi accumulated in float32 (lo.lo, 2^-18 of the product, dropped); elsewhere
+    a float32 bmm. For products that reduce over the tokens into a small output (the diagonal maps:
+    a float32 SIMT product over 64k tokens took about 1 ms); where the output is as large as the
+    inputs, the extra passes over it cost more than the tensor cores save."""
+    import torch
+
+    if a.device.type != "cuda":
+        return torch.bmm(a.float(), b.float())
+    out = None
+    for i, x in enumerate(_bf16_parts(a)):
+        for j, y in enumerate(_bf16_parts(b)):
+            if i + j > 1:
+                continue
+            out = torch.bmm(x, y, out_dtype=torch.float32) if out is None else \
+                torch.baddbmm(out, x, y, out_dtype=torch.float32)
+    return out
+
+
 def diagonal_transition(family, g, decay, L, HV, K, device):
     """M = diag(D_L) [HV, K, K] of a piece of L tokens of a family without the delta rule: the
     product of its decays per key channel (diagonal_summary's transition, without its carried
@@ -109,7 +139,7 @@ def diagonal_end_state(family, k, v, g, decay, HV, opts, s0=None):
     end = G[..., -1:] if L else torch.zeros(HV, a.shape[-1], 1, dtype=torch.float64, device=dev)
     tail = torch.exp(end - G).permute(2, 0, 1).float()  # D_L / D_t [L, HV, K or 1]
     kh = _as_read(k, opts).repeat_interleave(HV // H, dim=1) * tail  # [L, HV, K]
-    A = torch.einsum("lhv,lhk->hvk", v.float(), kh)
+    A = bmm_f32(v.permute(1, 2, 0), kh.transpose(0, 1))  # per head [V, L] @ [L, K]
     d_end = torch.exp(end[..., 0]).float().expand(HV, K)  # D_L [HV, K]
     if s0 is not None:
         A = A + s0.to(device=dev, dtype=torch.float32) * d_end.unsqueeze(1)

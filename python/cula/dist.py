@@ -80,12 +80,32 @@ def _group_info(group, size, rank, size_name, rank_name):
 
 def _same_on_every_rank(dist, group, values, names, device):
     """Checks that the integers ``values`` agree across the group; raises naming the first that does not."""
+    _check_same(names, _gathered_rows(dist, group, values, device))
+
+
+def _gathered_rows(dist, group, values, device):
+    """Every rank's integers ``values`` (one collective), as one tuple per rank."""
     import torch
 
     mine = torch.tensor(values, dtype=torch.int64, device=device)
-    for j, row in enumerate(zip(*(t.tolist() for t in _cp_exchange.all_gather(dist, group, mine)))):
-        if len(set(row)) != 1:
-            raise CulaError(f"argument '{names[j]}': expected the same value on every rank, got {list(row)} by rank")
+    return [tuple(t.tolist()) for t in _cp_exchange.all_gather(dist, group, mine)]
+
+
+def _check_same(names, rows):
+    for j, column in enumerate(zip(*rows)):
+        if len(set(column)) != 1:
+            raise CulaError(f"argument '{names[j]}': expected the same value on every rank, got {list(column)} by rank")
+
+
+_OFFSETS_HASH = (1_000_003, (1 << 61) - 1)  # a polynomial hash of the global offsets (multiplier, modulus)
+
+
+def _offsets_hash(cu):
+    mult, mod = _OFFSETS_HASH
+    h = 0
+    for x in cu:
+        h = (h * mult + x + 1) % mod
+    return h
 
 
 def _slice_param(x, per_head_total, per_head_local, rank, name):
@@ -154,22 +174,20 @@ def _pieces(cu, start, end, rank, size):
 
 
 def _token_split(dist, group, q, v, cu_seqlens):
-    """Every rank's number of tokens, in rank order, after checking that the ranks agree on the rest
-    of the shapes and on the global offsets."""
-    import torch
-
+    """(every rank's number of tokens in rank order, the global offsets as a list or None), after
+    checking that the ranks agree on the rest of the shapes and on the global offsets: one
+    collective for all of it (the offsets by a 61-bit polynomial hash), which a context-parallel
+    call pays before its first kernel."""
     B, T, H, K = (int(s) for s in q.shape)
-    ncu = 0 if cu_seqlens is None else int(cu_seqlens.numel())
-    _same_on_every_rank(dist, group, [B, H, int(v.shape[2]), K, int(v.shape[3]), ncu],
-                        ["q (batch size)", "q (heads)", "v (value heads)", "q (key head size)", "v (value head size)",
-                         "cu_seqlens (length)"], q.device)
-    mine = torch.tensor([T], dtype=torch.int64, device=q.device)
-    lengths = [int(t.item()) for t in _cp_exchange.all_gather(dist, group, mine)]
-    if cu_seqlens is not None:
-        cu_dev = cu_seqlens.to(device=q.device, dtype=torch.int64)
-        if any(not torch.equal(x, cu_dev) for x in _cp_exchange.all_gather(dist, group, cu_dev)):
-            raise CulaError("argument 'cu_seqlens': expected the same global offsets on every rank")
-    return lengths
+    cu = None if cu_seqlens is None else [int(x) for x in cu_seqlens.tolist()]
+    ncu = 0 if cu is None else len(cu)
+    rows = _gathered_rows(dist, group, [B, H, int(v.shape[2]), K, int(v.shape[3]), ncu,
+                                        0 if cu is None else _offsets_hash(cu), T], q.device)
+    _check_same(["q (batch size)", "q (heads)", "v (value heads)", "q (key head size)", "v (value head size)",
+                 "cu_seqlens (length)"], [r[:6] for r in rows])
+    if len({r[6] for r in rows}) != 1:
+        raise CulaError("argument 'cu_seqlens': expected the same global offsets on every rank")
+    return [r[7] for r in rows], cu
 
 
 def _refuse_cp_options(opts, q, k, v, g, beta, initial_state):
@@ -202,14 +220,13 @@ def chunk_cp(family, q, k, v, g=None, beta=None, decay=None, *, sp_group=None, s
     B, T, H, K = (int(s) for s in q.shape)
     HV, V = int(v.shape[2]), int(v.shape[3])
     dev = q.device
-    lengths = _token_split(dist, sp_group, q, v, cu_seqlens)
+    lengths, cu = _token_split(dist, sp_group, q, v, cu_seqlens)
     start = sum(lengths[:rank])
     end, total = start + T, sum(lengths)
     if cu_seqlens is not None:
         if B != 1:
             raise CulaError(f"argument 'q': expected batch size 1 when cu_seqlens is given (sequences packed along T), "
                             f"got batch size {B}")
-        cu = [int(x) for x in cu_seqlens.tolist()]
         if cu[0] != 0 or cu[-1] != total or any(b < a for a, b in zip(cu, cu[1:])):
             raise CulaError(f"argument 'cu_seqlens': expected non-decreasing global offsets from 0 to the total "
                             f"number of tokens over the ranks ({total}), got {cu}")
@@ -486,11 +503,13 @@ def _cp_pieces(family, q, k, v, g, beta, decay, dist, group, rank, pieces, packe
     A, M = fw[:, :, :V, :], (fw[:, :, V:, :] if crossing_in else None)
     X = _incoming_states(dist, group, rank, pieces, 1 if packed else B, A, M, exchange)
 
-    o = ow[..., :V].contiguous() if crossing_in else ow
+    o = ow[..., :V] if crossing_in else ow  # (a view: the correction adds in place, the rounding copies once)
     for i, (n, lo, hi, _, _) in ((i, p) for i, p in enumerate(pieces) if p[3]):
         b, x = (0, X[0]) if packed else (n, X[n])  # x: [HV, V, K]
-        # Q~: q^ through this piece's transitions [L, HV, K]
-        o[b, lo:hi] += torch.einsum("lhk,hvk->lhv", ow[b, lo:hi, :, V:].float(), x)
+        # Q~: q^ through this piece's transitions [L, HV, K]; per head Q~ x^T [L, V], one float32 product
+        # on strided views (no copies). Not bmm_f32: its output is as large as o, and the bf16 split's
+        # three passes over it took longer than the float32 product (0.45 ms at 32k tokens, H16).
+        o[b, lo:hi] += torch.bmm(ow[b, lo:hi, :, V:].transpose(0, 1), x.transpose(1, 2)).transpose(0, 1)
     o = o.to(v.dtype)
     final = {}
     for i, (n, _, _, cin, cout) in enumerate(pieces):
@@ -644,7 +663,7 @@ def chunk_heads(family, q, k, v, g=None, beta=None, decay=None, *, sp_group=None
     if H % size or HV % size:
         raise CulaError(f"argument 'q': head parallelism needs H = {H} and HV = {HV} divisible by the group size "
                         f"{size}; use chunk_cp")
-    lengths = _token_split(dist, sp_group, q, v, cu_seqlens)
+    lengths, _ = _token_split(dist, sp_group, q, v, cu_seqlens)
     hv_per = HV // size
     mine = [_heads_to_tokens(x, sp_group, lengths, rank, size) for x in (q, k, v)]
     gates = []

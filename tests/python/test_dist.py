@@ -219,7 +219,7 @@ def _cp_errors(rank, world, device, rng):
         with pytest.raises(cula.CulaError, match="argument 'sp_size'"):
             dist.chunk_cp("gdn", local["q"], local["k"], local["v"], local["g"], local["beta"], sp_size=world + 1)
         cu = torch.tensor([0, 10 + rank, 40], dtype=torch.int32, device=device)  # differs between ranks
-        with pytest.raises(cula.CulaError, match="argument 'cu_seqlens'"):
+        with pytest.raises(cula.CulaError, match="argument 'cu_seqlens': expected the same global offsets"):
             dist.chunk_cp("gdn", local["q"], local["k"], local["v"], local["g"], local["beta"], cu_seqlens=cu)
     T = local["q"].shape[1]
     ctx = SimpleNamespace(group=None, cu_seqlens=torch.tensor([0, T], dtype=torch.int32, device=device),
@@ -676,3 +676,24 @@ def test_exchange_scan_and_all_gather_compose_the_maps_in_order(world, reverse):
         assert not errors, errors
         for r in range(world):
             assert torch.allclose(got[r], want[r], rtol=1e-12, atol=1e-12), (how, reverse, world, r)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the tensor-core path of bmm_f32 needs a CUDA device")
+def test_bmm_f32_on_cuda_keeps_float32_precision(rng):
+    """The summaries' products (the carried-state correction, the diagonal maps) on bf16 tensor cores
+    in two parts per float32 operand: within 1e-5 of float64 where one bf16 product is ~1e-3 off,
+    for float32 x float32, bfloat16 x float32 and strided views like the callers'."""
+    from cula._cp_summary import bmm_f32
+
+    def rel(x, ref):
+        return float((x.double() - ref).norm() / ref.norm())
+
+    a = torch.from_numpy(rng.standard_normal((300, 6, 128)).astype(np.float32)).cuda()  # [L, HV, K] as Q~
+    b = torch.from_numpy(rng.standard_normal((6, 96, 128)).astype(np.float32)).cuda()   # [HV, V, K]
+    a_t, b_t = a.transpose(0, 1), b.transpose(1, 2)
+    ref = torch.bmm(a_t.double(), b_t.double())
+    assert rel(bmm_f32(a_t, b_t), ref) < 1e-5
+    one_part = torch.bmm(a_t.bfloat16(), b_t.bfloat16(), out_dtype=torch.float32)
+    assert rel(one_part, ref) > 1e-4, "the check cannot tell one bf16 product from the split"
+    v = a_t.bfloat16()  # a bf16 operand is exact in one part
+    assert rel(bmm_f32(v, b_t), torch.bmm(v.double(), b_t.double())) < 1e-5
