@@ -25,6 +25,12 @@ messages beyond 8 ranks); its outputs are then o_t + X Q~_t and its final states
 every sequence spans every rank. Packed varlen batches (B = 1): ``cu_seqlens`` holds the *global*
 offsets (the same tensor on every rank), and sequences may cross rank boundaries; the local slice
 is the rank's tokens in rank order (``split_tokens_for_sp`` / ``split_cu_seqlens_for_sp``).
+Sequence-complete partitioning is the other mode (``split_sequences_for_sp``: runs of whole
+sequences per rank, the boundaries at the sequence boundaries nearest the even token split): given
+the same global ``cu_seqlens``, chunk_cp sees that no sequence crosses a rank and runs Level 1 on
+each rank's sequences, with no summary and no exchange (the backward is Level 1's); only the final
+states meet, in one sum over the ranks. Global offsets are what chunk_cp takes in both modes; the
+local ones (the split helpers' first result) are for the caller's own indexing.
 Initial states are global ``[N, HV, V, K]`` (read by the rank where a sequence starts); the final
 states of all sequences are returned on every rank. The backward mirrors it (``_cp_backward``):
 a local backward with no gradient leaving the slice gives, per sequence entering it, the gradient
@@ -57,6 +63,7 @@ __all__ = [
     "cula_kda_tp", "cula_kda_cp", "cula_kda_tp_cp", "cula_gdn_tp", "cula_gdn_cp", "cula_gdn_tp_cp",
     "cula_lightning_tp", "cula_lightning_cp",
     "alloc_state_buffer", "alloc_decode_state_pool", "shard_heads", "split_tokens_for_sp", "split_cu_seqlens_for_sp",
+    "split_sequences_for_sp",
 ]
 
 
@@ -246,6 +253,11 @@ def chunk_cp(family, q, k, v, g=None, beta=None, decay=None, *, sp_group=None, s
         raise CulaError(f"argument 'exchange': expected 'auto' or 'all_gather' with deterministic=True (the segments "
                         f"fold in order), got {exchange!r}")
     _LAST_EXCHANGE.clear()
+    if packed and not deterministic and _sequences_whole(cu, lengths):
+        _LAST_EXCHANGE.update(exchange="none", reason="every sequence whole on one rank (a split on sequence "
+                                                     "boundaries): Level 1 per rank, no summary")
+        return _cp_whole_sequences(family, q, k, v, g, beta, decay, dist, sp_group, pieces, N, initial_state,
+                                   output_final_state, dict(opts, A_log=A_log, dt_bias=dt_bias))
     _LAST_EXCHANGE.update(exchange=how, reason=why)
     if deterministic:
         plan = _cp_segments.Plan(cu if packed else None, B, lengths, rank, segment_len)
@@ -268,6 +280,73 @@ def chunk_cp(family, q, k, v, g=None, beta=None, decay=None, *, sp_group=None, s
 
 
 _LAST_EXCHANGE = {}
+
+
+def _sequences_whole(cu, lengths):
+    """Whether no sequence of the global offsets cu crosses a rank boundary (every rank computes the
+    same answer from the same global values, so all of them take the same path)."""
+    bounds, at = set(cu), 0
+    for n in lengths[:-1]:
+        at += n
+        if at not in bounds:
+            return False
+    return True
+
+
+def _cp_whole_sequences(family, q, k, v, g, beta, decay, dist, group, pieces, N, initial_state, output_final_state,
+                        opts):
+    """chunk_cp where every sequence lies whole on one rank (split_sequences_for_sp): Level 1 on this
+    rank's sequences, its autograd the backward, no summary and no exchange; the final states meet
+    in one sum over the ranks (each sequence's from its own rank, differentiable)."""
+    import torch
+
+    HV, V, K = int(v.shape[2]), int(v.shape[3]), int(q.shape[3])
+    dev = q.device
+    mine = [p[0] for p in pieces]  # this rank's sequences, consecutive global indices
+    if not mine:  # no sequence here (then no token): a call on one empty sequence keeps the inputs in the
+        # graph, so that the parameters get (zero) gradients here too and the backward reaches the collective
+        o, _ = chunk(family, q, k, v, g, beta, decay, cu_seqlens=torch.zeros(2, dtype=torch.int32, device=dev),
+                     state_layout="k_last", state_dtype="float32", **opts)
+        fin = q.new_zeros(0, HV, V, K, dtype=torch.float32)
+    else:
+        h0 = None if initial_state is None else initial_state[mine[0]:mine[-1] + 1]
+        o, fin = chunk(family, q, k, v, g, beta, decay, initial_state=h0, output_final_state=output_final_state,
+                       cu_seqlens=_local_offsets(pieces, True, dev), state_layout="k_last", state_dtype="float32",
+                       **opts)
+    if not output_final_state:
+        return o, None
+    return _SumOverRanks.apply(o, fin, mine[0] if mine else 0, N, dist, group)
+
+
+def _make_sum_over_ranks():
+    import torch
+
+    class SumOverRanks(torch.autograd.Function):
+        """(o passed through, the [N, ...] final states): rows [n0, n0 + len) from this rank, zeros
+        elsewhere, summed over the group, so every rank ends with all N. Backward: the states'
+        gradient summed over the group too (each rank returns them), each rank keeping its rows. o
+        rides along so that every rank's backward reaches the collective, also where its final
+        states are not in the loss (their gradient is then zero)."""
+
+        @staticmethod
+        def forward(ctx, o, local, n0, N, dist, group):
+            out = local.new_zeros(N, *local.shape[1:])
+            out[n0:n0 + local.shape[0]] = local
+            dist.all_reduce(out, group=group)
+            ctx.meta = (n0, int(local.shape[0]), dist, group)
+            return o.view_as(o), out
+
+        @staticmethod
+        def backward(ctx, d_o, d_out):
+            n0, n, dist, group = ctx.meta
+            d = d_out.contiguous().clone()  # (zeros where the states were unused: gradients materialise)
+            dist.all_reduce(d, group=group)
+            return d_o, d[n0:n0 + n], None, None, None, None
+
+    return SumOverRanks
+
+
+_SumOverRanks = LazyFunction(_make_sum_over_ranks)
 
 
 def last_exchange():
@@ -830,6 +909,33 @@ def split_tokens_for_sp(x, sp_size, sp_rank, dim=1):
     get one token more."""
     start, end = _token_range(int(x.shape[dim]), sp_size, sp_rank)
     return x.narrow(dim, start, end - start)
+
+
+def split_sequences_for_sp(cu_seqlens, sp_size, sp_rank):
+    """Sequence-complete partitioning of a packed batch, the other mode beside the token split: each
+    rank takes a run of whole sequences, the rank boundaries put at the sequence boundaries nearest
+    to the even token split (ranks may end up empty when sequences are few or long). Returns (the
+    rank's local offsets [sequences + 1] int32, its global token range [start, end] int64): slice
+    the rank's tensors as x[:, start:end] and pass chunk_cp the *global* cu_seqlens, which then runs
+    Level 1 on each rank with no state exchange (``last_exchange()`` says "none")."""
+    import torch
+
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    if len(cu) < 2 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+        raise CulaError(f"argument 'cu_seqlens': expected non-decreasing offsets from 0, got {cu}")
+    if not 0 <= sp_rank < sp_size:
+        raise CulaError(f"argument 'sp_rank': expected a rank in [0, {sp_size}), got {sp_rank}")
+    total, bounds = cu[-1], [0]
+    for r in range(1, sp_size):
+        target = r * total / sp_size
+        best = min((x for x in cu if x >= bounds[-1]), key=lambda x: (abs(x - target), x))
+        bounds.append(best)
+    bounds.append(total)
+    start, end = bounds[sp_rank], bounds[sp_rank + 1]
+    pieces = _pieces(cu, start, end, sp_rank, sp_size)
+    local = [0] + [p[2] for p in pieces]
+    return (torch.tensor(local, dtype=torch.int32, device=cu_seqlens.device),
+            torch.tensor([start, end], dtype=torch.int64, device=cu_seqlens.device))
 
 
 def split_cu_seqlens_for_sp(cu_seqlens, sp_rank, sp_size, max_seqlen=None):

@@ -281,6 +281,53 @@ def _cp_grad(rank, world, device, rng, family, varlen, exchange="auto"):
         assert _rel(got, leaves[n].grad) < _grad_tol(device, n), (rank, family, varlen, n, _rel(got, leaves[n].grad))
 
 
+def _cp_whole_sequences(rank, world, device, rng, family, seqlens=(5, 0, 70, 3, 90, 0, 12)):
+    """A packed batch split on sequence boundaries (split_sequences_for_sp): chunk_cp runs Level 1 per
+    rank with no exchange; outputs, final states and every gradient as the one-process run (bitwise
+    on the host), the initial states' and parameters' gradients summed over the ranks."""
+    seqlens = list(seqlens)
+    cu, d, kw, h0, params, w_o, w_s = _grad_problem(rng, family, device, seqlens, None)
+    leaves = {n: x.detach().clone().requires_grad_() for n, x in {**d, **params, "h0": h0}.items()}
+    o_ref, s_ref = _reference(family, {n: leaves[n] for n in d}, {**kw, **{n: leaves[n] for n in params}},
+                              leaves["h0"], cu)
+    ((o_ref.float() * w_o).sum() + (s_ref * w_s).sum()).backward()
+
+    local_cu, span = dist.split_sequences_for_sp(cu, world, rank)
+    start, end = int(span[0]), int(span[1])
+    bounds = [int(x) for x in cu.tolist()]
+    assert start in bounds and end in bounds and int(local_cu[-1]) == end - start, (rank, start, end)
+    mine = {n: x.detach()[:, start:end].clone().requires_grad_() for n, x in d.items()}
+    whole = {n: x.detach().clone().requires_grad_() for n, x in {**params, "h0": h0}.items()}
+    decay = kw.pop("decay", None)
+    o, s = dist.chunk_cp(family, mine["q"], mine["k"], mine["v"], mine.get("g"), mine.get("beta"), decay,
+                         initial_state=whole["h0"], cu_seqlens=cu, **kw, **{n: whole[n] for n in params})
+    assert dist.last_exchange()["exchange"] == "none", dist.last_exchange()
+    same = (lambda a, b: torch.equal(a, b)) if device == "cpu" else (lambda a, b: _rel(a, b) < TOL_CUDA)
+    assert same(o, o_ref[:, start:end]), (rank, family)
+    assert same(s, s_ref), (rank, family)
+    loss = (o.float() * w_o[:, start:end]).sum()
+    if rank == 0:
+        loss = loss + (s * w_s).sum()
+    loss.backward()
+    for n, x in mine.items():
+        want = leaves[n].grad[:, start:end]
+        assert _rel(x.grad, want) < _grad_tol(device, n), (rank, family, n, _rel(x.grad, want))
+    for n, x in whole.items():  # (a rank holding no sequence reads no initial state)
+        got = x.grad.clone() if x.grad is not None or n != "h0" else torch.zeros_like(x)
+        torch_dist.all_reduce(got)
+        assert _rel(got, leaves[n].grad) < _grad_tol(device, n), (rank, family, n, _rel(got, leaves[n].grad))
+    with torch.no_grad():  # without final states: no collective after the validation
+        o2, s2 = dist.chunk_cp(family, mine["q"], mine["k"], mine["v"], mine.get("g"), mine.get("beta"), decay,
+                               initial_state=h0, cu_seqlens=cu, output_final_state=False, **kw, **params)
+    assert s2 is None and same(o2, o.detach())
+
+
+def _cp_whole_sequences_all(rank, world, device, rng):
+    _each(_cp_whole_sequences, ("kda", "gdn", "simple_gla", "lightning"))(rank, world, device, rng)
+    for family in ("kda", "simple_gla"):  # a long sequence and a short one: ranks left empty at 4
+        _cp_whole_sequences(rank, world, device, rng, family, seqlens=(150, 2))
+
+
 def _fla_cp_grad(rank, world, device, rng, family):
     """FLA's cp_context through the drop-in (chunk_kda / chunk_gated_delta_rule) under autograd: each
     rank's offsets and chain flags, no states; every input's gradient against autograd through the
@@ -481,6 +528,26 @@ def test_context_parallel_dense_matches_one_process(rng, backend, world):
 def test_context_parallel_varlen_with_sequences_across_ranks(rng, backend, world):
     """Packed sequences (empty ones too) cut by the rank boundaries, one across three ranks."""
     _spawn(_cp_varlen_all, _world(backend, world), backend, int(rng.integers(1 << 31)))
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_on_whole_sequences_runs_level1_without_exchange(rng, backend, world):
+    _spawn(_cp_whole_sequences_all, _world(backend, world), backend, int(rng.integers(1 << 31)))
+
+
+def test_split_sequences_for_sp_cuts_at_the_sequence_boundaries_nearest_the_even_split():
+    cu = torch.tensor([0, 5, 5, 75, 78, 168, 168, 180], dtype=torch.int32)
+    spans = [[int(x) for x in dist.split_sequences_for_sp(cu, 4, r)[1]] for r in range(4)]
+    assert spans == [[0, 75], [75, 78], [78, 168], [168, 180]]
+    local, span = dist.split_sequences_for_sp(cu, 2, 1)
+    assert span.tolist() == [78, 180] and local.tolist() == [0, 90, 90, 102] and local.dtype == torch.int32
+    local, span = dist.split_sequences_for_sp(torch.tensor([0, 100], dtype=torch.int32), 3, 2)  # one sequence
+    assert span.tolist() == [100, 100] and local.tolist() == [0]
+    with pytest.raises(cula.CulaError, match="argument 'cu_seqlens'"):
+        dist.split_sequences_for_sp(torch.tensor([0, 9, 4]), 2, 0)
+    with pytest.raises(cula.CulaError, match="argument 'sp_rank'"):
+        dist.split_sequences_for_sp(cu, 2, 2)
 
 
 @pytest.mark.parametrize("backend", _backends())
