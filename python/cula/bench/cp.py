@@ -198,35 +198,55 @@ def _time(torch, td, impls, grad, cuda):
     return {name: statistics.median(v) for name, v in steps.items()}
 
 
+def exchange_bytes(config):
+    """Bytes one rank contributes to the summary exchange of a layer: the map of the piece leaving
+    it, A [HV, V, K] and M [HV, K, K] in float32 per packed row (one here), whatever the tokens."""
+    HV, K, V = config["HV"], config["K"], config["V"]
+    return 4 * HV * K * (V + K)
+
+
+def table(records, world, method, gpu):
+    """The markdown of `cula bench cp`'s records: per configuration and step the implementations'
+    times, the ratios, the scaling efficiency one_gpu / (world x cula_cp) and the bytes exchanged."""
+    rows, configs = {}, {}
+    for r in records:
+        key = (r["config"]["name"], r["step"])
+        rows.setdefault(key, {})[r["impl"]] = r["median_ms"]
+        configs[key] = r["config"]
+    lines = [f"# Context parallelism on {world} x {gpu}", "", f"{method}. Times in ms; scaling efficiency: one_gpu / "
+             f"({world} x cula_cp) (1.0 = linear); exchanged: the summary each rank contributes per layer (float32 "
+             "A [HV, V, K] and M [HV, K, K]), independent of the tokens; an all-gather delivers the other ranks' to each.",
+             "",
+             "| config | step | cula_cp | cula_cp scan exchange | cula_cp deterministic | fla_kcp | one_gpu | fla_kcp/cula_cp "
+             "| one_gpu/cula_cp | scaling efficiency | exchanged per rank |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (name, step), t in rows.items():
+        c = t.get("cula_cp")
+        f = lambda x: f"{x:.3f}" if x is not None else "-"  # noqa: E731
+        ratio = lambda x: f"{x / c:.2f}x" if x is not None and c else "-"  # noqa: E731
+        one = t.get("one_gpu")
+        eff = f"{one / (world * c):.2f}" if one is not None and c else "-"
+        mib = f"{exchange_bytes(configs[(name, step)]) / 2**20:.2f} MiB"
+        lines.append(f"| {name} | {step} | {f(c)} | {f(t.get('cula_cp_scan'))} | {f(t.get('cula_cp_det'))} | "
+                     f"{f(t.get('fla_kcp'))} | {f(one)} | {ratio(t.get('fla_kcp'))} | {ratio(one)} | {eff} | {mib} |")
+    return "\n".join(lines) + "\n"
+
+
 def _write(torch, out_dir, world, records, cuda, show=True):
     gpu = torch.cuda.get_device_name(0) if cuda else "host (gloo), harness check"
     meta = dict(gpu=gpu, world=world, torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
                 method=f"median over {REPS} steps after {WARMUP} warm-up steps of the slowest rank's time per step "
                        "(CUDA events between barriers, all-reduced max); the implementations take turns step by step; "
                        "one_gpu: the whole sequence on one GPU")
-    rows = {}
-    for r in records:
-        rows.setdefault((r["config"]["name"], r["step"]), {})[r["impl"]] = r["median_ms"]
-    lines = [f"# Context parallelism on {world} x {gpu}", "", f"{meta['method']}. Times in ms.", "",
-             "| config | step | cula_cp | cula_cp scan exchange | cula_cp deterministic | fla_kcp | one_gpu | fla_kcp/cula_cp "
-             "| one_gpu/cula_cp |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for (name, step), t in rows.items():
-        c = t.get("cula_cp")
-        f = lambda x: f"{x:.3f}" if x is not None else "-"  # noqa: E731
-        ratio = lambda x: f"{x / c:.2f}x" if x is not None and c else "-"  # noqa: E731
-        lines.append(f"| {name} | {step} | {f(c)} | {f(t.get('cula_cp_scan'))} | {f(t.get('cula_cp_det'))} | "
-                     f"{f(t.get('fla_kcp'))} | "
-                     f"{f(t.get('one_gpu'))} | "
-                     f"{ratio(t.get('fla_kcp'))} | {ratio(t.get('one_gpu'))} |")
+    text = table(records, world, meta["method"], gpu)
     os.makedirs(out_dir, exist_ok=True)
     stem = os.path.join(out_dir, f"cp_x{world}")
     with open(stem + ".json", "w") as fh:
         json.dump(dict(meta=meta, records=records), fh, indent=1)
     with open(stem + ".md", "w") as fh:
-        fh.write("\n".join(lines) + "\n")
+        fh.write(text)
     if show:
-        print("\n".join(lines))
+        print(text)
 
 
 def bench_cp(out_dir: str, world: int | None = None, device: str = "cuda", families=("kda", "gdn", "simple_gla"),
