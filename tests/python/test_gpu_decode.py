@@ -50,6 +50,7 @@ CASES = [
     ("gdn", 3, 256, 128, True, True, torch.float32, "k_first"),
     ("lightning", 2, 128, 96, False, False, torch.float32, "k_first"),
     ("gdn", 2, 128, 60, False, True, torch.bfloat16, "k_first"),
+    ("kda", 1, 64, 4, False, True, torch.float32, "k_first"),  # 4 columns: the shares stop at 8 channels
 ]
 
 

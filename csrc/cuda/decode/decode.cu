@@ -380,7 +380,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
   //    tile rounds between the tokens of one call (the K-last rows keep fp32 through them).
   if constexpr (!KLAST) {
     __shared__ float part_sums[2][kWarps * 32];
-    int parts = 1;  // a power of two: KW a multiple of 8, the token's values read as float4
+    int parts = 1;  // a power of two: KW a multiple of 4 (R >= 8, launch_tile), the token's values read as float4
     while (2 * parts * R <= kWarps * 32) parts *= 2;  // R <= the CTA's threads (launch_tile)
     const int part = tid / R, c = tid % R;
     const int KW = K / parts;
@@ -515,7 +515,8 @@ void launch_tile(DecodeParams p, bool pdl, int sms, cudaStream_t stream) {
   constexpr int K = EPL * 32;
   int R = static_cast<int>(16384 / (K * sizeof(S)));
   if (!KLAST) R = std::max(R, 32);  // K-first: a warp's lanes on 32 columns of one channel row
-  R = std::max(4, std::min(R, p.V));
+  // (K-first at least 8 columns, past V if need be: at most 16 shares of the channels, 4 or more each)
+  R = std::max(KLAST ? 4 : 8, std::min(R, p.V));
   auto blocks_of = [&](int rows) { return static_cast<int64_t>(p.N) * p.HV * ((p.V + rows - 1) / rows); };
   while (R > 16 && blocks_of(R) < 2 * int64_t{sms}) R /= 2;
   R = std::min(R, kWarps * 32);  // one thread per tile row stages v
