@@ -28,6 +28,10 @@ CONFIGS = [
     ("gdn 1x32768 H64", "gdn", 32768, 64, 64),
     ("gdn 1x131072 H16 HV32", "gdn", 131072, 16, 32),
     ("simple_gla 1x131072 H16", "simple_gla", 131072, 16, 16),  # no delta rule: the diagonal path
+    # the long contexts (4 GPUs: 3.3x one GPU asked at 256k, H16)
+    ("kda 1x262144 H16", "kda", 262144, 16, 16),
+    ("gdn 1x262144 H16", "gdn", 262144, 16, 16),
+    ("kda 1x1048576 H16", "kda", 1048576, 16, 16),
 ]
 SMOKE_CONFIGS = [("kda 1x192 H2", "kda", 192, 2, 2), ("gdn 1x160 H2 HV4", "gdn", 160, 2, 4),
                  ("simple_gla 1x160 H2", "simple_gla", 160, 2, 2)]
