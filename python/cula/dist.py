@@ -778,10 +778,12 @@ _LAST_PLAN = {}
 
 
 def chunk_sp(family, q, k, v, g=None, beta=None, decay=None, *, sp_group=None, mode="auto", **kwargs):
-    """Sequence parallelism with the mode chosen: "heads" (chunk_heads: exact, differentiable, moves
-    the activations) when the heads divide over the group, else "cp" (chunk_cp: a constant-size state
-    exchange, differentiable); or the mode named. last_plan() says which ran. With
-    ``deterministic=True`` it is context parallelism on chunk_cp's segment grid."""
+    """Sequence parallelism with the mode chosen: "cp" when a packed batch is split on sequence
+    boundaries (split_sequences_for_sp: chunk_cp then runs Level 1 per rank, nothing exchanged), else
+    "heads" (chunk_heads: exact, differentiable, moves the activations) when the heads divide over
+    the group, else "cp" (chunk_cp: a constant-size state exchange, differentiable); or the mode
+    named. last_plan() says which ran. With ``deterministic=True`` it is context parallelism on
+    chunk_cp's segment grid."""
     dist = _dist()
     size = dist.get_world_size(sp_group)
     if mode not in ("auto", "heads", "cp"):
@@ -793,6 +795,8 @@ def chunk_sp(family, q, k, v, g=None, beta=None, decay=None, *, sp_group=None, m
                         "differ with the number of heads per rank); use mode='cp' or 'auto'")
     if mode == "auto" and deterministic:
         mode, why = "cp", "deterministic=True: chunk_cp's segment grid"
+    elif mode == "auto" and _split_on_sequences(dist, sp_group, q, kwargs.get("cu_seqlens")):
+        mode, why = "cp", "every sequence whole on one rank: chunk_cp runs Level 1 per rank with no exchange"
     elif mode == "auto":
         mode = "heads" if H % size == 0 and HV % size == 0 else "cp"
         why = (f"H = {H} and HV = {HV} divide over {size} ranks" if mode == "heads" else
@@ -803,6 +807,15 @@ def chunk_sp(family, q, k, v, g=None, beta=None, decay=None, *, sp_group=None, m
     _LAST_PLAN.update(mode=mode, reason=why)
     fn = chunk_heads if mode == "heads" else chunk_cp
     return fn(family, q, k, v, g, beta, decay, sp_group=sp_group, **kwargs)
+
+
+def _split_on_sequences(dist, group, q, cu_seqlens):
+    """Whether the ranks' token slices of a packed batch put every sequence whole on one rank (one
+    collective of the token counts)."""
+    if cu_seqlens is None:
+        return False
+    lengths = [r[0] for r in _gathered_rows(dist, group, [int(q.shape[1])], q.device)]
+    return _sequences_whole([int(x) for x in cu_seqlens.tolist()], lengths)
 
 
 def last_plan():
