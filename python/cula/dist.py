@@ -931,8 +931,6 @@ def split_sequences_for_sp(cu_seqlens, sp_size, sp_rank):
     rank's local offsets [sequences + 1] int32, its global token range [start, end] int64): slice
     the rank's tensors as x[:, start:end] and pass chunk_cp the *global* cu_seqlens, which then runs
     Level 1 on each rank with no state exchange (``last_exchange()`` says "none")."""
-    import torch
-
     cu = [int(x) for x in cu_seqlens.tolist()]
     if len(cu) < 2 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
         raise CulaError(f"argument 'cu_seqlens': expected non-decreasing offsets from 0, got {cu}")
@@ -944,11 +942,7 @@ def split_sequences_for_sp(cu_seqlens, sp_size, sp_rank):
         best = min((x for x in cu if x >= bounds[-1]), key=lambda x: (abs(x - target), x))
         bounds.append(best)
     bounds.append(total)
-    start, end = bounds[sp_rank], bounds[sp_rank + 1]
-    pieces = _pieces(cu, start, end, sp_rank, sp_size)
-    local = [0] + [p[2] for p in pieces]
-    return (torch.tensor(local, dtype=torch.int32, device=cu_seqlens.device),
-            torch.tensor([start, end], dtype=torch.int64, device=cu_seqlens.device))
+    return _rank_offsets(cu, bounds[sp_rank], bounds[sp_rank + 1], sp_rank, sp_size, cu_seqlens.device)
 
 
 def split_cu_seqlens_for_sp(cu_seqlens, sp_rank, sp_size, max_seqlen=None):
@@ -956,12 +950,17 @@ def split_cu_seqlens_for_sp(cu_seqlens, sp_rank, sp_size, max_seqlen=None):
     the sequences on this rank [pieces + 1] int32, the rank's global token range [start, end] int64).
     chunk_cp takes the global cu_seqlens; this is for callers that index their own tensors.
     max_seqlen is accepted for the RFC's signature and not needed."""
-    import torch
-
     del max_seqlen
     cu = [int(x) for x in cu_seqlens.tolist()]
-    start, end = _token_range(cu[-1], sp_size, sp_rank)
-    pieces = _pieces(cu, start, end, sp_rank, sp_size)
+    return _rank_offsets(cu, *_token_range(cu[-1], sp_size, sp_rank), sp_rank, sp_size, cu_seqlens.device)
+
+
+def _rank_offsets(cu, start, end, rank, size, device):
+    """What the split helpers return for the rank holding global tokens [start, end) of the packed
+    offsets cu: (the local offsets of its pieces [pieces + 1] int32, [start, end] int64)."""
+    import torch
+
+    pieces = _pieces(cu, start, end, rank, size)
     local = [pieces[0][1] if pieces else 0] + [p[2] for p in pieces]
-    return (torch.tensor(local, dtype=torch.int32, device=cu_seqlens.device),
-            torch.tensor([start, end], dtype=torch.int64, device=cu_seqlens.device))
+    return (torch.tensor(local, dtype=torch.int32, device=device),
+            torch.tensor([start, end], dtype=torch.int64, device=device))

@@ -72,9 +72,14 @@ def _decode_fake(*args):
     return _decode_out_fake(args)
 
 
-def _decode_to(*args):
+def _final_states(args):
+    """A fresh buffer for decode_to's final states: one per sequence, as the pool's slots."""
     q, pool = args[_DECODE_ARGS.index("q")], args[_DECODE_ARGS.index("state_pool")]
-    return _decode_call(args, pool.new_empty((q.shape[0], *pool.shape[1:])))
+    return pool.new_empty((q.shape[0], *pool.shape[1:]))
+
+
+def _decode_to(*args):
+    return _decode_call(args, _final_states(args))
 
 
 # decode that leaves the pool as it is and returns the final states (FLA's fused_recurrent semantics)
@@ -84,8 +89,7 @@ _decode_to = torch.library.custom_op("cula::decode_to", _decode_to, mutates_args
 
 @_decode_to.register_fake
 def _decode_to_fake(*args):
-    q, pool = args[_DECODE_ARGS.index("q")], args[_DECODE_ARGS.index("state_pool")]
-    return _decode_out_fake(args), pool.new_empty((q.shape[0], *pool.shape[1:]))
+    return _decode_out_fake(args), _final_states(args)
 
 
 def _chunk_fwd(*args):

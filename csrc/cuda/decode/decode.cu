@@ -279,7 +279,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
   const int TP = kfirst_pitch<S>(R);                          // K-first tile pitch
   constexpr int kPer = 16 / static_cast<int>(sizeof(S));       // K-first: values per 16-byte piece
   // K-first 16-byte pieces: V rows of whole pieces (the pool's alignment is checked at launch; R is
-  // a multiple of 16, so rows is whole pieces when V is)
+  // a power of two of at least 8 values or V itself, so rows is whole pieces when V is)
   const bool kfirst_vec = !KLAST && (p.V * static_cast<int>(sizeof(S))) % 16 == 0;
   float* tok = reinterpret_cast<float*>(smem + tile_bytes<S>(R, K, KLAST));  // [T][3][K], then [T] beta
   float* tok_beta = tok + static_cast<size_t>(p.T) * 3 * K;
@@ -440,10 +440,8 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
   //    reductions interleave instead of running back to back.
   for (int step = 0; KLAST && step < my_steps; ++step) {
     const int r0 = step * kRowsPerStep + warp;
-    if constexpr (KLAST) {
-      mma::cp_async_wait_pending(my_steps - 1 - step);  // this warp's batches up to this one have landed
-      __syncwarp();
-    }
+    mma::cp_async_wait_pending(my_steps - 1 - step);  // this warp's batches up to this one have landed
+    __syncwarp();
     float s[kBatch][EPL];
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
