@@ -34,13 +34,14 @@ def main(argv=None) -> int:
     demo.add_argument("--quick", action="store_true", help="smaller sizes (for tests)")
     bench = sub.add_parser("bench", help="benchmarks")
     bench.add_argument("suite", choices=["cpu", "decode", "kda", "gdn", "gla", "simple_gla", "lightning", "coverage",
-                                          "train", "cp", "replot"],
+                                          "train", "cp", "segments", "replot"],
                        help="cpu: fast CPU path vs the float64 reference; decode: CUDA decode vs FLA; kda: KDA chunked "
                        "forward vs FLA, FlashKDA and SDPA; gdn, gla, simple_gla, lightning: that family's chunked "
                        "forward vs FLA and SDPA; coverage: the configurations real models run (Kimi-Linear, Qwen3-Next, "
                        "FLA's default layers, fp16) vs FLA; train: KDA, GDN, GLA, simple GLA and Lightning forward + backward vs FLA and SDPA (GPU suites need "
                        "torch + a GPU); cp: context parallelism over the machine's GPUs vs FLA's KCP and one GPU (--world ranks; "
-                       "--device cpu: a check of the harness on gloo host ranks); replot: re-draw the PNG beside "
+                       "--device cpu: a check of the harness on gloo host ranks); segments: few heads, long sequences, uncut vs "
+                       "parallel segments vs FLA (the plan's table); replot: re-draw the PNG beside "
                        "every results JSON in --out (needs matplotlib)")
     bench.add_argument("--only", default=None, help="chunked-forward suites: comma-separated config names to run "
                        "(default: all)")
@@ -95,6 +96,11 @@ def main(argv=None) -> int:
             return bench_cp(args.out or "bench/results/gpu", world=args.world, device=args.device,
                             configs=[c for c in pool if not only or c[0] in only] or None,
                             steps=("forward",) if args.forward_only else ("forward", "forward + backward"))
+        if args.suite == "segments":
+            from ..bench.segments import CONFIGS, bench_segments, config_name
+
+            return bench_segments(args.out or "bench/results/gpu",
+                                  configs=[c for c in CONFIGS if not only or config_name(*c) in only])
         if args.suite in ("gdn", "gla", "simple_gla", "lightning"):
             from ..bench.fwd import CONFIGS, bench_fwd
 

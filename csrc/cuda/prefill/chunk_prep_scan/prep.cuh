@@ -639,17 +639,31 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
       rf[kBT + row] = beta_s[row];
       rf[2 * kBT + row] = -beta_s[row] * ksc_s[row] * dev::exp_ftz(grow_s[row]);
     }
+    // fp16 inputs: F from the fp16 k (re-read, the tile holds it as bf16) as two bf16 planes, the
+    // rounded remainder (lo) transposed into the workspace's Kt slot, where kt_product reads it
+    // before writing Kt over it: k's bf16 rounding in Kt was the rest of the fp16 error
+    // (tools/analysis/gdn_fp16_rounding.py)
+    bf16* kd_lo = reinterpret_cast<bf16*>(blk + Wk::oKt);
     for (int idx = lane; idx < 16 * (K / 8); idx += 32) {
       const int row = bI + idx / (K / 8), c8 = (idx % (K / 8)) * 8;
       const float fw = ksc_s[row] * dev::exp_ftz(glast - grow_s[row]);
-      const uint4 kv = *reinterpret_cast<const uint4*>(k_s + row * LDK + c8);
+      const bool exact16 = half_in && row < Lc;
+      const uint4 kv = exact16 ? *reinterpret_cast<const uint4*>(static_cast<const bf16*>(p.k) + b_row * p.k_s[0] +
+                                                                 (t0 + row) * p.k_s[1] + h * p.k_s[2] + c8)
+                               : *reinterpret_cast<const uint4*>(k_s + row * LDK + c8);
       uint4 ow;
       const uint32_t* kw = reinterpret_cast<const uint32_t*>(&kv);
       uint32_t* oww = reinterpret_cast<uint32_t*>(&ow);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const float2 y = unpack(kw[j]);
+        const float2 y = exact16 ? chunk::unpack16<true>(kw[j]) : unpack(kw[j]);
         oww[j] = pack(y.x * fw, y.y * fw);
+        if (half_in) {
+          const float2 hi = unpack(oww[j]);
+          const uint32_t lo = exact16 ? pack(y.x * fw - hi.x, y.y * fw - hi.y) : 0u;
+          kd_lo[(c8 + 2 * j) * kBT + row] = reinterpret_cast<const bf16*>(&lo)[0];
+          kd_lo[(c8 + 2 * j + 1) * kBT + row] = reinterpret_cast<const bf16*>(&lo)[1];
+        }
       }
       *reinterpret_cast<uint4*>(ck_s + row * LDK + c8) = ow;
     }
@@ -761,7 +775,7 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
       if (kh == 1) w_kd_pass();
   }
   // Off-diagonal blocks of Minv by halves (prep_minv.cuh)
-  invert_off_diagonal<Ly, NT, overlap_w_kd>(m_s, t_s, I, kh, lane, g, t);
+  invert_off_diagonal<Ly, NT, overlap_w_kd>(m_s, t_s, half_in, I, kh, lane, g, t);
   __syncthreads();  // B_g: Minv complete (KDA: W', Kd written, Kr no longer read)
   if constexpr (!F::kScalarGate) {  // KDA: tril(A_qk) in fp32 into the Kr buffer
     each_pair([&](int q, int nt, int hh, int gi, int gj) {
@@ -776,7 +790,9 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
   // Kt = Minv^T Kd, written transposed (prep_kt_am.cuh). KDA: before B_h, since it reads neither
   // tril(A_qk) nor anything written after B_g (-1..-1.5%); GDN measured 2% slower in that order,
   // so it stays after AM.
-  auto kt_pass = [&] { kt_product<K, NW, Ly>(t_s, ck_s, reinterpret_cast<bf16*>(blk + Wk::oKt), warp, lane, g, t); };
+  auto kt_pass = [&] {
+    kt_product<K, NW, Ly>(t_s, ck_s, reinterpret_cast<bf16*>(blk + Wk::oKt), F::kScalarGate && half_in, warp, lane, g, t);
+  };
   if constexpr (!F::kScalarGate) kt_pass();
   __syncthreads();  // B_h: tril(A_qk) visible
 

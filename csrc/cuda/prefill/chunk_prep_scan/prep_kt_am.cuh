@@ -17,8 +17,10 @@ namespace chunk_prep_scan {
 // token block Jb of Kt^T = sum_{Ib >= Jb} (Kd_Ib)^T Minv_{Ib,Jb}, Kd^T as A fragments (ldmatrix
 // .trans of the k tile), the ten Minv blocks as B fragments loaded once.
 // t_s: Minv (bf16, row stride Ly::LDT); ck_s: Kd (row stride Ly::LDK); kto: the workspace's Kt.
+// kd_lo (GDN with fp16 inputs): kto holds Kd's second bf16 plane, transposed as Kt^T is; each warp
+// reads the planes of its channel tiles into A fragments before it writes their Kt over them.
 template <int K, int NW, class Ly>
-__device__ __forceinline__ void kt_product(const bf16* t_s, const bf16* ck_s, bf16* kto, int warp, int lane, int g, int t) {
+__device__ __forceinline__ void kt_product(const bf16* t_s, const bf16* ck_s, bf16* kto, bool kd_lo, int warp, int lane, int g, int t) {
   constexpr int LDK = Ly::LDK, LDT = Ly::LDT;
   if (16 * NW <= K || 16 * warp < K) {  // (8 warps at K = 64: four idle)
     constexpr int KT = cmax(1, K / (16 * NW));  // 16-channel tiles per warp
@@ -40,7 +42,20 @@ __device__ __forceinline__ void kt_product(const bf16* t_s, const bf16* ck_s, bf
           mma::mma16816(acc[Jb][0], a, mb[Ib][Jb][0], mb[Ib][Jb][1]);
           mma::mma16816(acc[Jb][1], a, mb[Ib][Jb][2], mb[Ib][Jb][3]);
         }
+        if (kd_lo) {  // A [channel][token] from the transposed plane, as the fragment lays it out
+          const bf16* lo = kto + (c0 + g) * kBT + 16 * Ib + 2 * t;
+          a[0] = __ldcg(reinterpret_cast<const unsigned*>(lo));
+          a[1] = __ldcg(reinterpret_cast<const unsigned*>(lo + 8 * kBT));
+          a[2] = __ldcg(reinterpret_cast<const unsigned*>(lo + 8));
+          a[3] = __ldcg(reinterpret_cast<const unsigned*>(lo + 8 * kBT + 8));
+#pragma unroll
+          for (int Jb = 0; Jb <= Ib; ++Jb) {
+            mma::mma16816(acc[Jb][0], a, mb[Ib][Jb][0], mb[Ib][Jb][1]);
+            mma::mma16816(acc[Jb][1], a, mb[Ib][Jb][2], mb[Ib][Jb][3]);
+          }
+        }
       }
+      if (kd_lo) __syncwarp();  // every lane's planes read before Kt goes over them
 #pragma unroll
       for (int Jb = 0; Jb < 4; ++Jb)
 #pragma unroll

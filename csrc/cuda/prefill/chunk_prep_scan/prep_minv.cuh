@@ -42,13 +42,23 @@ __device__ __forceinline__ void invert_diagonal_block(const float* m_s, bf16* t_
 // Run by every warp of the CTA after B_f: the first four (kh = 0) compute, the others take part
 // in B_f2 only where they are not busy elsewhere (kOverlap false: the block-barriers-only mode).
 template <class Ly, int NT, bool kOverlap>
-__device__ __forceinline__ void invert_off_diagonal(const float* m_s, bf16* t_s, int I, int kh, int lane, int g, int t) {
+__device__ __forceinline__ void invert_off_diagonal(const float* m_s, bf16* t_s, bool m_lo, int I, int kh, int lane, int g,
+                                                    int t) {
   constexpr int MS = Ly::MS, LDT = Ly::LDT;
-  auto m_frag_b = [&](int Lb, int Pb, uint32_t (&b)[4]) {  // M block (Lb, Pb) as the B operand [k][n], bf16
+  // M block (Lb, Pb) as the B operand [k][n] in bf16; with m_lo (fp16 inputs) also its rounded
+  // remainder, a second plane whose products go into the same accumulators: M's rounding to one
+  // plane was the largest error of fp16 GDN's state (1024 tokens without decay: 7.2e-3 -> 5.7e-3
+  // in tools/analysis/gdn_fp16_rounding.py's model; with v and Kt's k exact, 3.5e-3, measured 3.4e-3)
+  auto m_frag_b = [&](int Lb, int Pb, uint32_t (&b)[4], uint32_t (&bl)[4]) {
 #pragma unroll
     for (int r = 0; r < 4; ++r) {  // n-tile r / 2, k rows 2t (+ 8 for odd r)
       const float* col = m_s + (16 * Lb + 2 * t + 8 * (r & 1)) * MS + 16 * Pb + 8 * (r >> 1) + g;
-      b[r] = pack(col[0], col[MS]);
+      const float x0 = col[0], x1 = col[MS];
+      b[r] = pack(x0, x1);
+      if (m_lo) {
+        const float2 h = unpack(b[r]);
+        bl[r] = pack(x0 - h.x, x1 - h.y);
+      }
     }
   };
   auto t_frag_a = [&](int Ib, int Lb, uint32_t (&a)[4]) {
@@ -73,13 +83,14 @@ __device__ __forceinline__ void invert_off_diagonal(const float* m_s, bf16* t_s,
         u32at(t_s + (16 * Ib + g + 8 * hh) * LDT + 16 * Jb + nt * 8 + 2 * t) = pack(-x[nt][2 * hh], -x[nt][2 * hh + 1]);
   };
   if (kh == 0) {
-    uint32_t a[4], b[4];
+    uint32_t a[4], b[4], bl[4];
     if (I < 2) {  // the halves: (1,0) by warp 0, (3,2) by warp 1
       const int Ib = 2 * I + 1, Jb = 2 * I;
       float z[2][4] = {}, x[2][4] = {};
       t_frag_a(Ib, Ib, a);
-      m_frag_b(Ib, Jb, b);
+      m_frag_b(Ib, Jb, b, bl);
       mma2(z, a, b);
+      if (m_lo) mma2(z, a, bl);
       as_a(z, a);
       t_frag_b(Jb, Jb, b);
       mma2(x, a, b);
@@ -92,8 +103,9 @@ __device__ __forceinline__ void invert_off_diagonal(const float* m_s, bf16* t_s,
 #pragma unroll
     for (int P = 0; P < 2; ++P)  // Z_rP = Minv_rr M_rP (+ Minv_32 M_2P after the barrier, r = 3)
       if (P >= c) {
-        m_frag_b(r, P, b);
+        m_frag_b(r, P, b, bl);
         mma2(z[P], a, b);
+        if (m_lo) mma2(z[P], a, bl);
       }
     // B_f2: (1,0) and (3,2) visible to the first four warps (all warps take part in the
     // block-barriers-only mode, where warps 4-7 are not busy elsewhere)
@@ -103,8 +115,9 @@ __device__ __forceinline__ void invert_off_diagonal(const float* m_s, bf16* t_s,
 #pragma unroll
       for (int P = 0; P < 2; ++P)
         if (P >= c) {
-          m_frag_b(2, P, b);
+          m_frag_b(2, P, b, bl);
           mma2(z[P], a, b);
+          if (m_lo) mma2(z[P], a, bl);
         }
     }
     float x[2][4] = {};

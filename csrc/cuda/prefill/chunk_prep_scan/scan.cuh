@@ -155,9 +155,12 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
     if (p.inter) S.store(p, p.inter, p.inter_dt, cbase + c, hv);
     mma::cp_async_wait_pending(kStages - 1);
     if (half_in) {  // fp16 inputs: this thread's own copies of the stage to bf16 in place
+      // (GDN reads v once, as fp16, into Y's fp32 sum: its bf16 rounding was most of the fp16
+      // error, tools/analysis/gdn_fp16_rounding.py)
+      if constexpr (!F::kRawQK)
 #pragma unroll
-      for (int j = 0; j < CopyV::J; ++j)
-        if (cv.row(j) < Lc) half8_to_bf16_at(vin_s + cv.row(j) * LDV + cv.c8);
+        for (int j = 0; j < CopyV::J; ++j)
+          if (cv.row(j) < Lc) half8_to_bf16_at(vin_s + cv.row(j) * LDV + cv.c8);
       if constexpr (F::kRawQK) {
 #pragma unroll
         for (int j = 0; j < CopyK::J; ++j)
@@ -246,7 +249,7 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
 #pragma unroll
         for (int nt = 0; nt < NTH; ++nt) {
           o[nt][2 * hh] *= fq, o[nt][2 * hh + 1] *= fq;
-          const float2 v2 = bf2(vin_s + row * LDV + hc0 + nt * 8 + 2 * t);
+          const float2 v2 = ld2(vin_s + row * LDV + hc0 + nt * 8 + 2 * t, half_in);
           vn[nt][2 * hh] = fv * v2.x + fx * vn[nt][2 * hh];
           vn[nt][2 * hh + 1] = fv * v2.y + fx * vn[nt][2 * hh + 1];
         }
