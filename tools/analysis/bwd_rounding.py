@@ -1,0 +1,147 @@
+"""Which products of the chunked backward tolerate bf16 operands: a float64 model of its roundings
+for KDA with Kimi-Linear's gate (softplus, no bound), one head, K = V = 128.
+
+The CUDA backward (csrc/cuda/backward/) runs every product on 3xTF32 (about float32) and is ~2.4x
+slower than FLA's bf16 Triton backward; a 1xTF32 A/B measured 10-15% faster and put dA_log (FLA's
+tolerance 3e-3) at 1.05x its tolerance on 16k tokens with the per-chunk kernels on 1xTF32, 1.30x
+with the scans too (csrc/cuda/backward/DESIGN.md). dA_log = sum over tokens and channels of
+da * a (a the log-decay) sums terms that cancel, so it is the gradient that limits the precision.
+
+The model is the chunk algebra of tests/python/chunked_bwd_numpy.py with every product's operands
+rounded: the per-chunk products (the factor, value, key and pair kernels: P, KEK, T, W, the dq/dk/
+dG terms) by `op`, the factor block as stored (T, Kg, Qg, Kr, P) by `fac`, and the chunk-start
+states S0 and state gradients dS where the per-chunk products read them by `state` (the scans
+themselves accumulate in float64 here). Errors are FLA's ratio (rms of the difference over rms of
+the float64 values).
+
+Run: python3 tools/analysis/bwd_rounding.py [T ...] (default 4096 16384). Read it for which
+roundings matter and how they grow with T, calibrated against the 1xTF32 measurement above.
+"""
+
+import sys
+
+import numpy as np
+from rounding import bf16, exact, f32, tf32
+
+K = V = 128
+C = 64
+
+
+def problem(T, seed):
+    """Kimi-Linear's KDA as the backward sees it: q, k L2-normalised (bf16 inputs), v bf16, beta after
+    its sigmoid, a = -exp(A_log) softplus(raw + dt_bias)."""
+    rng = np.random.default_rng(seed)
+    norm = lambda x: x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)  # noqa: E731
+    q, k = norm(bf16(rng.standard_normal((T, K)))), norm(bf16(rng.standard_normal((T, K))))
+    v = bf16(rng.standard_normal((T, V)))
+    beta = 1 / (1 + np.exp(-rng.standard_normal(T)))
+    raw, dt_bias, A_log = rng.standard_normal((T, K)), 0.5 * rng.standard_normal(K), 0.5 * rng.standard_normal()
+    a = -np.exp(A_log) * np.logaddexp(0.0, raw + dt_bias)
+    dO, dST = bf16(rng.standard_normal((T, V))), rng.standard_normal((K, V))
+    return q * K ** -0.5, k, v, beta, a, dO, dST
+
+
+def states(q, k, v, beta, a):
+    """Chunk-start states of the forward (float64 token recurrence)."""
+    starts, S = [], np.zeros((K, V))
+    for t in range(q.shape[0]):
+        if t % C == 0:
+            starts.append(S.copy())
+        S = np.exp(a[t])[:, None] * S
+        S = S + np.outer(k[t], beta[t] * (v[t] - S.T @ k[t]))
+    return starts
+
+
+def chunk_backward(q, k, v, beta, a, S0, dO, dSC, op, fac, state):
+    """chunked_bwd_numpy.chunk_backward (delta rule) with its products' operands rounded."""
+    n = q.shape[0]
+    S0r, dSr = state(S0), state(dSC)
+    G = np.cumsum(a, axis=0)
+    E = np.exp(G[:, None, :] - G[None, :, :])
+    low, tri = np.tril(np.ones((n, n)), -1), np.tril(np.ones((n, n)))
+    kek = np.einsum("tc,tsc,sc->ts", op(k), E, op(k))
+    A = beta[:, None] * kek * low
+    Tm = fac(np.linalg.inv(np.eye(n) + f32(A)))
+    Kg, Qg, Kr = fac(np.exp(G) * k), fac(np.exp(G) * q), fac(np.exp(G[-1] - G) * k)
+    B = beta[:, None] * (v - op(Kg) @ S0r)
+    Delta = op(Tm) @ op(B)
+    P = fac(np.einsum("tc,tsc,sc->ts", op(q), E, op(k)) * tri)
+    dq, dk, dG = np.zeros_like(q), np.zeros_like(k), np.zeros((n, K))
+    dDelta = op(P).T @ op(dO) + op(Kr) @ dSr
+    dQg = op(dO) @ S0r.T
+    dq += np.exp(G) * dQg
+    dG += Qg * dQg
+    dP = (op(dO) @ op(Delta).T) * tri
+    dq += np.einsum("ts,tsc,sc->tc", op(dP), E, op(k))
+    dk += np.einsum("ts,tsc,tc->sc", op(dP), E, op(q))
+    pe = np.einsum("ts,tc,tsc,sc->tsc", op(dP), op(q), E, op(k))
+    dG += pe.sum(axis=1) - pe.sum(axis=0)
+    dG[-1] += np.exp(G[-1]) * np.einsum("cv,cv->c", S0r, dSr)
+    dKr = op(Delta) @ dSr.T
+    dk += np.exp(G[-1] - G) * dKr
+    kr = Kr * dKr
+    dG[-1] += kr.sum(axis=0)
+    dG -= kr
+    dB = op(Tm).T @ op(dDelta)
+    dA = -(op(Tm).T @ op(dDelta) @ op(B).T @ op(Tm).T) * low
+    dv = beta[:, None] * dB
+    dbeta = np.einsum("tv,tv->t", dB, v - op(Kg) @ S0r)
+    dKg = -op(beta[:, None] * dB) @ S0r.T
+    dk += np.exp(G) * dKg
+    dG += Kg * dKg
+    dbeta += (dA * kek).sum(axis=1)
+    w = dA * beta[:, None]
+    dk += np.einsum("ts,tsc,sc->tc", op(w), E, op(k)) + np.einsum("ts,tsc,tc->sc", op(w), E, op(k))
+    ae = np.einsum("ts,tc,tsc,sc->tsc", op(w), op(k), E, op(k))
+    dG += ae.sum(axis=1) - ae.sum(axis=0)
+    da = np.cumsum(dG[::-1], axis=0)[::-1]
+    # dS0 for the scan, in float64 from exact factors (the scans are modelled exact)
+    W = np.linalg.inv(np.eye(n) + A) @ (beta[:, None] * np.exp(G) * k)
+    dS0 = (np.exp(G) * q).T @ dO + np.exp(G[-1])[:, None] * dSC - W.T @ (
+        np.einsum("tc,tsc,sc->ts", q, E, k).T * tri.T @ dO + (np.exp(G[-1] - G) * k) @ dSC)
+    return dict(dq=dq, dk=dk, dv=dv, dbeta=dbeta, da=da), dS0
+
+
+def backward(q, k, v, beta, a, dO, dST, starts, op=exact, fac=exact, state=exact):
+    T = q.shape[0]
+    out = {n: np.zeros_like(x) for n, x in (("dq", q), ("dk", k), ("dv", v), ("dbeta", beta), ("da", a))}
+    dS = dST.copy()
+    for c in reversed(range(len(starts))):
+        sl = slice(c * C, min(T, (c + 1) * C))
+        g, dS = chunk_backward(q[sl], k[sl], v[sl], beta[sl], a[sl], starts[c], dO[sl], dS, op, fac, state)
+        for n in out:
+            out[n][sl] = g[n]
+    out["dA_log"] = np.array([(out["da"] * a).sum()])  # a = -exp(A_log) softplus(.): da/dA_log = a
+    return out
+
+
+VARIANTS = [
+    ("float32 operands (the 3xTF32 kernels)", dict(op=f32, fac=f32, state=f32)),
+    ("1xTF32 per-chunk products, float32 states", dict(op=tf32, fac=f32, state=f32)),
+    ("1xTF32 everywhere (states as TF32 operands)", dict(op=tf32, fac=f32, state=tf32)),
+    ("bf16 operands, float32 factor block and states", dict(op=bf16, fac=f32, state=f32)),
+    ("bf16 operands and factor block, float32 states", dict(op=bf16, fac=bf16, state=f32)),
+    ("bf16 everywhere, states bf16 (FLA's layout)", dict(op=bf16, fac=bf16, state=bf16)),
+    ("float32 operands, states bf16 only", dict(op=f32, fac=f32, state=bf16)),
+]
+TOL = dict(dq=8e-3, dk=8e-3, dv=8e-3, dbeta=2e-2, da=2e-2, dA_log=3e-3)
+
+
+def main():
+    lengths = [int(x) for x in sys.argv[1:]] or [4096, 16384]
+    for T in lengths:
+        q, k, v, beta, a, dO, dST = problem(T, seed=T)
+        starts = states(q, k, v, beta, a)
+        ref = backward(q, k, v, beta, a, dO, dST, starts)
+        print(f"T = {T}: error / FLA's tolerance (dq dk dv dbeta da dA_log)")
+        for name, kw in VARIANTS:
+            got = backward(q, k, v, beta, a, dO, dST, starts, **kw)
+            ratios = []
+            for n, tol in TOL.items():
+                err = np.sqrt(((got[n] - ref[n]) ** 2).mean() / (ref[n] ** 2).mean())
+                ratios.append(err / tol)
+            print(f"  {name:48s} " + " ".join(f"{r:6.3f}" for r in ratios), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""Roundings of float64 values to the formats the kernels keep them in (round to nearest even), for
+the precision models beside this file. Each returns float64 arrays."""
+
+import numpy as np
+
+
+def _drop_bits(x, bits):
+    """float32 x with its last `bits` mantissa bits rounded away."""
+    b = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    half = (1 << (bits - 1)) - 1
+    b = ((b + half + ((b >> bits) & 1)) >> bits) << bits
+    return b.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def bf16(x):
+    return _drop_bits(x, 16)
+
+
+def tf32(x):
+    """TF32, the tensor cores' 10-bit mantissa (one product of the 3xTF32 scheme)."""
+    return _drop_bits(x, 13)
+
+
+def f16(x):
+    return np.asarray(x, dtype=np.float16).astype(np.float64)
+
+
+def f32(x):
+    return np.asarray(x, dtype=np.float32).astype(np.float64)
+
+
+def exact(x):
+    return np.asarray(x, dtype=np.float64)
