@@ -62,7 +62,7 @@ def chunk(family: str, q, k, v, g=None, beta=None, decay=None, *, A_log=None, dt
     Torch tensors go through the registered op cula::chunk_fwd, whose autograd formula calls
     cula::chunk_bwd (traceable by torch.compile, forward and backward)."""
     initial_state = _widen_half_state(initial_state)
-    if _fit_needed(q, v, opts):
+    if _fit_needed(family, q, v, opts):
         return _fit_head_size(family, q, k, v, g, beta, decay, A_log, dt_bias, initial_state, opts)
     seg_len = _segment_len(q, k, v, g, beta, A_log, dt_bias, initial_state, opts)
     if seg_len:
@@ -110,13 +110,18 @@ def _segment_len(q, k, v, g, beta, A_log, dt_bias, initial_state, opts):
 # gate (a zero log-gate, or a raw gate of zero activated with zero dt_bias: finite either way, and
 # the chunked kernels floor the log-decay, so no zero is scaled by an overflowing exponential). For the
 # families without the delta rule, whose state rows are independent, a K over 256 runs as slices
-# of at most 256 whose outputs add. Value columns are independent in every family: 16-bit calls
+# of at most 256 whose outputs add (_key_slice: 128 for the fused engine's families). Value columns are independent in every family: 16-bit calls
 # whose V is not a multiple of 64 (which the tensor-core engines' column slices need) run with V
 # zero-padded to one, instead of on the recurrent kernel.
 _CUDA_HEAD_SIZES = (64, 128, 256)
 _V_MULTIPLE = 64
 _KEY_GATED = ("kda", "gla")  # the families whose gate has a K axis
 _DELTA_RULE = ("kda", "gdn")
+# The fused engine of simple GLA and Lightning takes bf16 with K up to 128; a wider K runs there as
+# slices of 128 whose outputs add (exact: no delta rule, the state rows are independent) instead of
+# on the recurrent kernel.
+_FUSED = ("simple_gla", "lightning")
+_FUSED_MAX_K = 128
 _CALLER_BUFFERS = ("state_pool", "out", "final_state_out", "intermediate_states_out")
 
 
@@ -127,14 +132,25 @@ def _padded_v(q, V: int) -> int:
     return V
 
 
-def _fit_needed(q, v, opts) -> bool:
-    """A CUDA call with a K the kernels are not built for, or a 16-bit call whose V the tensor-core
-    engines do not take, and no caller buffer (those are written in place, at the caller's sizes:
-    the op's error names the head sizes then)."""
+def _fit_needed(family, q, v, opts) -> bool:
+    """A CUDA call with a K the kernels are not built for (for simple GLA and Lightning in bf16: over
+    the fused engine's 128), or a 16-bit call whose V the tensor-core engines do not take, and no
+    caller buffer (those are written in place, at the caller's sizes: the op's error names the head
+    sizes then)."""
     if not (is_torch(q) and q.is_cuda and len(q.shape) == 4 and len(v.shape) == 4 and q.shape[-1] > 0
             and all(opts.get(n) is None for n in _CALLER_BUFFERS)):
         return False
-    return q.shape[-1] not in _CUDA_HEAD_SIZES or _padded_v(q, v.shape[-1]) != v.shape[-1]
+    K = q.shape[-1]
+    return (K not in _CUDA_HEAD_SIZES or _key_slice(family, q) < K
+            or _padded_v(q, v.shape[-1]) != v.shape[-1])
+
+
+def _key_slice(family, q) -> int:
+    """The widest K slice a call runs in: the fused engine's for simple GLA and Lightning in bf16,
+    else the largest head size the CUDA kernels take."""
+    if family in _FUSED and str(q.dtype) == "torch.bfloat16":
+        return _FUSED_MAX_K
+    return _CUDA_HEAD_SIZES[-1]
 
 
 def _pad_to(x, axis, width):
@@ -166,7 +182,7 @@ def _fit_head_size(family, q, k, v, g, beta, decay, A_log, dt_bias, initial_stat
     k_axis, v_axis = (-1, -2) if k_last else (-2, -1)
     Vp = _padded_v(q, V)
     v, initial_state = _pad_to(v, -1, Vp), _pad_to(initial_state, v_axis, Vp)
-    step = _CUDA_HEAD_SIZES[-1]
+    step = _key_slice(family, q)
     spans = [(lo, min(step, K - lo)) for lo in range(0, K, step)]  # (first key, keys) of each slice
     keyed = family in _KEY_GATED
     pieces = []

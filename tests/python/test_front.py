@@ -438,6 +438,35 @@ def test_head_size_fit_is_exact_on_the_reference(rng, family, K, gate, opts):
         assert rel(a.numpy(), b.numpy()) < 1e-10
 
 
+@pytest.mark.parametrize("family,K,layout", [("simple_gla", 256, "k_last"), ("lightning", 256, "k_first"),
+                                               ("simple_gla", 192, "k_first")])
+def test_fused_families_run_wide_keys_as_slices_of_128(rng, monkeypatch, family, K, layout):
+    """Simple GLA and Lightning in bf16 on CUDA take K over 128 as slices of 128 (the fused engine's
+    widest) instead of the recurrent kernel: the sliced run computes the same function, forward and
+    gradients (forced here on float64 host tensors, with the bf16 slice width)."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from cula import _front
+
+    assert _front._key_slice(family, torch.zeros(1, dtype=torch.bfloat16)) == 128
+    assert _front._key_slice(family, torch.zeros(1, dtype=torch.float16)) == 256  # (fp16: the recurrent kernel)
+    assert _front._key_slice("gla", torch.zeros(1, dtype=torch.bfloat16)) == 256
+    monkeypatch.setattr(_front, "_key_slice", lambda fam, q: 128)
+    x = _fit_inputs(torch, rng, family, K, "head" if family == "simple_gla" else None)
+    h0 = torch.from_numpy(rng.standard_normal((2, 2, K, 12) if layout == "k_first" else (2, 2, 12, K)))
+    h0.requires_grad_()
+    kw = dict(output_final_state=True, state_layout=layout)
+    direct = _front.chunk(family, x["q"], x["k"], x["v"], x["g"], x["beta"], x["decay"], initial_state=h0, **kw)
+    fitted = _front._fit_head_size(family, x["q"], x["k"], x["v"], x["g"], x["beta"], x["decay"], None, None, h0, kw)
+    for a, b in zip(fitted, direct):
+        assert a.shape == b.shape and rel(a.detach().numpy(), b.detach().numpy()) < 1e-12
+    leaves = [t for t in (x["q"], x["k"], x["v"], x["g"], h0) if t is not None]
+    do, ds = torch.randn_like(direct[0]), torch.randn_like(direct[1])
+    g_direct = torch.autograd.grad((direct[0] * do).sum() + (direct[1] * ds).sum(), leaves)
+    g_fitted = torch.autograd.grad((fitted[0] * do).sum() + (fitted[1] * ds).sum(), leaves)
+    for a, b in zip(g_fitted, g_direct):
+        assert rel(a.numpy(), b.numpy()) < 1e-10
+
+
 def test_head_size_fit_refuses_delta_rule_over_256(rng):
     torch = pytest.importorskip("torch", reason="torch is not installed")
     from cula import _front

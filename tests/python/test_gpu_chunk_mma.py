@@ -120,6 +120,26 @@ def test_mma_forward_fp16_gdn_within_fla_tolerance(rng, decay):
     assert worst(errs) < 5e-3, errs
 
 
+@pytest.mark.parametrize("family", ["simple_gla", "lightning"])
+def test_fused_families_at_k256_run_as_two_fused_slices(rng, family):
+    """Simple GLA and Lightning with K = 256 in bf16 through the front (FLA's drop-ins, Level 1): two
+    slices of 128 on the fused engine, not the recurrent kernel, within SPEC's tolerance of the
+    float64 reference (varlen, an initial state, K-first states)."""
+    from cula import _front
+
+    c = dict(family=family, gin=False, K=256, V=128, H=2, group=1, seqlens=[300, 0, 65], B=1, T=0, layout="k_first",
+             sdt=torch.float32, gdt=torch.float32, l2=False, bsig=False, lb=-5.0, h0=True, inter=False)
+    d, cu, kw = chunk_inputs(rng, c)
+    kw.pop("return_intermediate_states")
+    ref = cula.chunk_fwd(family, **{n: (x.float() if n in "qkv" else x) for n, x in d.items()}, cu_seqlens=cu,
+                         backend="reference", **kw)
+    o, final = _front.chunk(family, **{n: x.cuda() for n, x in d.items()}, cu_seqlens=cu.cuda(), **kw)
+    torch.cuda.synchronize()
+    assert cula.last_kernel() == "cuda_fused", f"dispatch chose {cula.last_kernel()!r}"
+    errs = [rel(o.float().cpu().numpy(), ref[0].numpy()), rel(final.float().cpu().numpy(), ref[1].numpy())]
+    assert worst(errs) < TOL, errs
+
+
 @pytest.mark.parametrize("family", ["kda", "gdn", "gla"])
 def test_parallel_segments_match_reference(rng, monkeypatch, family):
     """A long sequence cut into parallel segments (CULA_SEGMENT_TOKENS, _segments: a summary pass, the
