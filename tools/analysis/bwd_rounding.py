@@ -53,46 +53,50 @@ def states(q, k, v, beta, a):
 
 
 def chunk_backward(q, k, v, beta, a, S0, dO, dSC, op, fac, state):
-    """chunked_bwd_numpy.chunk_backward (delta rule) with its products' operands rounded."""
+    """chunked_bwd_numpy.chunk_backward (delta rule) with its products' operands rounded. op: one
+    rounding for every product, or a dict by the kernel that runs the product (factors: P and KEK;
+    value: B, Delta, dB, dA; key: dQg, dKr, dKg; pair: the dP terms and the dA terms of dk, dG)."""
+    ops = op if isinstance(op, dict) else dict.fromkeys(("factors", "value", "key", "pair"), op)
+    opf, opv, opk, opp = ops["factors"], ops["value"], ops["key"], ops["pair"]
     n = q.shape[0]
     S0r, dSr = state(S0), state(dSC)
     G = np.cumsum(a, axis=0)
     E = np.exp(G[:, None, :] - G[None, :, :])
     low, tri = np.tril(np.ones((n, n)), -1), np.tril(np.ones((n, n)))
-    kek = np.einsum("tc,tsc,sc->ts", op(k), E, op(k))
+    kek = np.einsum("tc,tsc,sc->ts", opf(k), E, opf(k))
     A = beta[:, None] * kek * low
     Tm = fac(np.linalg.inv(np.eye(n) + f32(A)))
     Kg, Qg, Kr = fac(np.exp(G) * k), fac(np.exp(G) * q), fac(np.exp(G[-1] - G) * k)
-    B = beta[:, None] * (v - op(Kg) @ S0r)
-    Delta = op(Tm) @ op(B)
-    P = fac(np.einsum("tc,tsc,sc->ts", op(q), E, op(k)) * tri)
+    B = beta[:, None] * (v - opv(Kg) @ S0r)
+    Delta = opv(Tm) @ opv(B)
+    P = fac(np.einsum("tc,tsc,sc->ts", opf(q), E, opf(k)) * tri)
     dq, dk, dG = np.zeros_like(q), np.zeros_like(k), np.zeros((n, K))
-    dDelta = op(P).T @ op(dO) + op(Kr) @ dSr
-    dQg = op(dO) @ S0r.T
+    dDelta = opv(P).T @ opv(dO) + opv(Kr) @ dSr
+    dQg = opk(dO) @ S0r.T
     dq += np.exp(G) * dQg
     dG += Qg * dQg
-    dP = (op(dO) @ op(Delta).T) * tri
-    dq += np.einsum("ts,tsc,sc->tc", op(dP), E, op(k))
-    dk += np.einsum("ts,tsc,tc->sc", op(dP), E, op(q))
-    pe = np.einsum("ts,tc,tsc,sc->tsc", op(dP), op(q), E, op(k))
+    dP = (opp(dO) @ opp(Delta).T) * tri
+    dq += np.einsum("ts,tsc,sc->tc", opp(dP), E, opp(k))
+    dk += np.einsum("ts,tsc,tc->sc", opp(dP), E, opp(q))
+    pe = np.einsum("ts,tc,tsc,sc->tsc", opp(dP), opp(q), E, opp(k))
     dG += pe.sum(axis=1) - pe.sum(axis=0)
     dG[-1] += np.exp(G[-1]) * np.einsum("cv,cv->c", S0r, dSr)
-    dKr = op(Delta) @ dSr.T
+    dKr = opk(Delta) @ dSr.T
     dk += np.exp(G[-1] - G) * dKr
     kr = Kr * dKr
     dG[-1] += kr.sum(axis=0)
     dG -= kr
-    dB = op(Tm).T @ op(dDelta)
-    dA = -(op(Tm).T @ op(dDelta) @ op(B).T @ op(Tm).T) * low
+    dB = opv(Tm).T @ opv(dDelta)
+    dA = -(opv(Tm).T @ opv(dDelta) @ opv(B).T @ opv(Tm).T) * low
     dv = beta[:, None] * dB
-    dbeta = np.einsum("tv,tv->t", dB, v - op(Kg) @ S0r)
-    dKg = -op(beta[:, None] * dB) @ S0r.T
+    dbeta = np.einsum("tv,tv->t", dB, v - opv(Kg) @ S0r)
+    dKg = -opk(beta[:, None] * dB) @ S0r.T
     dk += np.exp(G) * dKg
     dG += Kg * dKg
     dbeta += (dA * kek).sum(axis=1)
     w = dA * beta[:, None]
-    dk += np.einsum("ts,tsc,sc->tc", op(w), E, op(k)) + np.einsum("ts,tsc,tc->sc", op(w), E, op(k))
-    ae = np.einsum("ts,tc,tsc,sc->tsc", op(w), op(k), E, op(k))
+    dk += np.einsum("ts,tsc,sc->tc", opp(w), E, opp(k)) + np.einsum("ts,tsc,tc->sc", opp(w), E, opp(k))
+    ae = np.einsum("ts,tc,tsc,sc->tsc", opp(w), opp(k), E, opp(k))
     dG += ae.sum(axis=1) - ae.sum(axis=0)
     da = np.cumsum(dG[::-1], axis=0)[::-1]
     # dS0 for the scan, in float64 from exact factors (the scans are modelled exact)
@@ -115,6 +119,7 @@ def backward(q, k, v, beta, a, dO, dST, starts, op=exact, fac=exact, state=exact
     return out
 
 
+_F32 = dict(factors=f32, value=f32, key=f32, pair=f32)
 VARIANTS = [
     ("float32 operands (the 3xTF32 kernels)", dict(op=f32, fac=f32, state=f32)),
     ("1xTF32 per-chunk products, float32 states", dict(op=tf32, fac=f32, state=f32)),
@@ -123,6 +128,10 @@ VARIANTS = [
     ("bf16 operands and factor block, float32 states", dict(op=bf16, fac=bf16, state=f32)),
     ("bf16 everywhere, states bf16 (FLA's layout)", dict(op=bf16, fac=bf16, state=bf16)),
     ("float32 operands, states bf16 only", dict(op=f32, fac=f32, state=bf16)),
+    ("bf16 in the factor kernel's products only", dict(op=dict(_F32, factors=bf16), fac=f32, state=f32)),
+    ("bf16 in the value kernel's products only", dict(op=dict(_F32, value=bf16), fac=f32, state=f32)),
+    ("bf16 in the key kernel's products only", dict(op=dict(_F32, key=bf16), fac=f32, state=f32)),
+    ("bf16 in the pair kernel's products only", dict(op=dict(_F32, pair=bf16), fac=f32, state=f32)),
 ]
 TOL = dict(dq=8e-3, dk=8e-3, dv=8e-3, dbeta=2e-2, da=2e-2, dA_log=3e-3)
 
