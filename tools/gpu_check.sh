@@ -4,7 +4,8 @@
 # suite (GPU tests and the FLA convention checks included) and compute-sanitizer memcheck and
 # racecheck on small shapes of the CUDA kernels; with a second argument "bench", the GPU
 # benchmarks as well ("bench-kda": the KDA chunked forward benchmark only; "bench-coverage": the
-# model configurations against FLA only; "bench-train": the KDA and GDN training steps only; "bench-fwd": the GDN,
+# model configurations against FLA only; "bench-train": the KDA and GDN training steps only; "bench-segments":
+# few heads and long sequences, uncut and in parallel segments; "bench-fwd": the GDN,
 # GLA, simple GLA and Lightning chunked forward benchmarks only). Logs and results go to the
 # directory given (default: logs/).
 set -uo pipefail
@@ -65,6 +66,9 @@ if [ "${2:-}" = "bench" ] || [ "${2:-}" = "bench-fwd" ]; then
 fi
 if [ "${2:-}" = "bench" ] || [ "${2:-}" = "bench-coverage" ]; then
   python3 -m cula bench coverage --out "$LOG/results" 2>&1 | tee "$LOG/bench_coverage.txt" | tail -40 || status=1
+fi
+if [ "${2:-}" = "bench" ] || [ "${2:-}" = "bench-segments" ]; then
+  python3 -m cula bench segments --out "$LOG/results" 2>&1 | tee "$LOG/bench_segments.txt" | tail -30 || status=1
 fi
 if [ "${2:-}" = "bench" ] || [ "${2:-}" = "bench-train" ]; then
   python3 -m cula bench train --out "$LOG/results" 2>&1 | tee "$LOG/bench_train.txt" | tail -40 || status=1
