@@ -209,7 +209,7 @@ def _refuse_cp_options(opts, q, k, v, g, beta, initial_state):
 
 def chunk_cp(family, q, k, v, g=None, beta=None, decay=None, *, sp_group=None, sp_size=None, sp_rank=None,
              initial_state=None, output_final_state=True, cu_seqlens=None, deterministic=False, segment_len=4096,
-             exchange="auto", **opts):
+             exchange="auto", _split=None, **opts):
     """The chunked forward of this rank's tokens (q, k, v ... [B, T_rank, ...], rank order = token
     order) with the state carried over from the ranks before: see the module docstring. Returns
     (o of the local tokens, final states [N, HV, V, K] of every sequence on every rank, or None).
@@ -220,14 +220,15 @@ def chunk_cp(family, q, k, v, g=None, beta=None, decay=None, *, sp_group=None, s
 
     exchange: how the ranks' summaries meet (``_cp_exchange``): "all_gather", "scan" (log-depth,
     point to point) or "auto" (the planner: the all-gather up to 8 ranks); ``last_exchange()`` says
-    which ran. The deterministic mode folds its segments in order after an all-gather."""
+    which ran. The deterministic mode folds its segments in order after an all-gather. (_split:
+    _token_split's answer when the caller, chunk_sp, has already paid its collective.)"""
 
     dist, size, rank = _group_info(sp_group, sp_size, sp_rank, "sp_size", "sp_rank")
     _refuse_cp_options(opts, q, k, v, g, beta, initial_state)
     B, T, H, K = (int(s) for s in q.shape)
     HV, V = int(v.shape[2]), int(v.shape[3])
     dev = q.device
-    lengths, cu = _token_split(dist, sp_group, q, v, cu_seqlens)
+    lengths, cu = _split or _token_split(dist, sp_group, q, v, cu_seqlens)
     start = sum(lengths[:rank])
     end, total = start + T, sum(lengths)
     if cu_seqlens is not None:
@@ -793,9 +794,15 @@ def chunk_sp(family, q, k, v, g=None, beta=None, decay=None, *, sp_group=None, m
     if mode == "heads" and deterministic:
         raise CulaError("argument 'deterministic': head parallelism has no deterministic mode (the kernels may "
                         "differ with the number of heads per rank); use mode='cp' or 'auto'")
+    # a packed batch in auto mode: chunk_cp's own check of the ranks' shapes and offsets, once, tells
+    # whether every sequence lies whole on one rank (and chunk_cp takes its answer)
+    cu_seqlens = kwargs.get("cu_seqlens")
+    split = None
+    if mode == "auto" and not deterministic and cu_seqlens is not None:
+        split = _token_split(dist, sp_group, q, v, cu_seqlens)
     if mode == "auto" and deterministic:
         mode, why = "cp", "deterministic=True: chunk_cp's segment grid"
-    elif mode == "auto" and _split_on_sequences(dist, sp_group, q, kwargs.get("cu_seqlens")):
+    elif mode == "auto" and split is not None and _sequences_whole(split[1], split[0]):
         mode, why = "cp", "every sequence whole on one rank: chunk_cp runs Level 1 per rank with no exchange"
     elif mode == "auto":
         mode = "heads" if H % size == 0 and HV % size == 0 else "cp"
@@ -805,17 +812,9 @@ def chunk_sp(family, q, k, v, g=None, beta=None, decay=None, *, sp_group=None, m
         why = "named by the caller"
     _LAST_PLAN.clear()
     _LAST_PLAN.update(mode=mode, reason=why)
-    fn = chunk_heads if mode == "heads" else chunk_cp
-    return fn(family, q, k, v, g, beta, decay, sp_group=sp_group, **kwargs)
-
-
-def _split_on_sequences(dist, group, q, cu_seqlens):
-    """Whether the ranks' token slices of a packed batch put every sequence whole on one rank (one
-    collective of the token counts)."""
-    if cu_seqlens is None:
-        return False
-    lengths = [r[0] for r in _gathered_rows(dist, group, [int(q.shape[1])], q.device)]
-    return _sequences_whole([int(x) for x in cu_seqlens.tolist()], lengths)
+    if mode == "heads":
+        return chunk_heads(family, q, k, v, g, beta, decay, sp_group=sp_group, **kwargs)
+    return chunk_cp(family, q, k, v, g, beta, decay, sp_group=sp_group, _split=split, **kwargs)
 
 
 def last_plan():

@@ -320,10 +320,18 @@ def _cp_whole_sequences(rank, world, device, rng, family, seqlens=(5, 0, 70, 3, 
         o2, s2 = dist.chunk_cp(family, mine["q"], mine["k"], mine["v"], mine.get("g"), mine.get("beta"), decay,
                                initial_state=h0, cu_seqlens=cu, output_final_state=False, **kw, **params)
     assert s2 is None and same(o2, o.detach())
-    with torch.no_grad():  # chunk_sp sees the split on sequence boundaries and takes chunk_cp (no exchange)
-        o3, _ = dist.chunk_sp(family, mine["q"], mine["k"], mine["v"], mine.get("g"), mine.get("beta"), decay,
-                              initial_state=h0, cu_seqlens=cu, **kw, **params)
+    # chunk_sp sees the split on sequence boundaries and takes chunk_cp (no exchange), with one
+    # validation collective for both (chunk_cp takes chunk_sp's)
+    gathers, gathered_rows = [], dist._gathered_rows
+    dist._gathered_rows = lambda *a: gathers.append(1) or gathered_rows(*a)
+    try:
+        with torch.no_grad():
+            o3, _ = dist.chunk_sp(family, mine["q"], mine["k"], mine["v"], mine.get("g"), mine.get("beta"), decay,
+                                  initial_state=h0, cu_seqlens=cu, **kw, **params)
+    finally:
+        dist._gathered_rows = gathered_rows
     assert dist.last_plan()["mode"] == "cp" and dist.last_exchange()["exchange"] == "none", dist.last_plan()
+    assert len(gathers) == 1, gathers
     assert same(o3, o.detach())
 
 
