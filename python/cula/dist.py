@@ -729,12 +729,14 @@ def _tokens_to_heads(x, group, lengths, rank, size):
 
 
 def chunk_heads(family, q, k, v, g=None, beta=None, decay=None, *, sp_group=None, sp_size=None, sp_rank=None,
-                initial_state=None, output_final_state=True, cu_seqlens=None, A_log=None, dt_bias=None, **opts):
+                initial_state=None, output_final_state=True, cu_seqlens=None, A_log=None, dt_bias=None, _split=None,
+                **opts):
     """The same contract as chunk_cp (this rank's tokens in, this rank's outputs and every final state
     out) by head parallelism (Ulysses): an all-to-all gives each rank all the tokens of H / size of
     the heads, Level 1 runs whole sequences there, and an all-to-all brings the outputs back. Exact:
     each head is computed as on one GPU, for any number of ranks. Needs H and HV divisible by the
-    group size; moves the activations twice instead of folding state summaries. Differentiable."""
+    group size; moves the activations twice instead of folding state summaries. Differentiable.
+    (_split: as chunk_cp's.)"""
     import torch
 
     dist, size, rank = _group_info(sp_group, sp_size, sp_rank, "sp_size", "sp_rank")
@@ -743,7 +745,7 @@ def chunk_heads(family, q, k, v, g=None, beta=None, decay=None, *, sp_group=None
     if H % size or HV % size:
         raise CulaError(f"argument 'q': head parallelism needs H = {H} and HV = {HV} divisible by the group size "
                         f"{size}; use chunk_cp")
-    lengths, _ = _token_split(dist, sp_group, q, v, cu_seqlens)
+    lengths, _ = _split or _token_split(dist, sp_group, q, v, cu_seqlens)
     hv_per = HV // size
     mine = [_heads_to_tokens(x, sp_group, lengths, rank, size) for x in (q, k, v)]
     gates = []
@@ -794,8 +796,9 @@ def chunk_sp(family, q, k, v, g=None, beta=None, decay=None, *, sp_group=None, m
     if mode == "heads" and deterministic:
         raise CulaError("argument 'deterministic': head parallelism has no deterministic mode (the kernels may "
                         "differ with the number of heads per rank); use mode='cp' or 'auto'")
-    # a packed batch in auto mode: chunk_cp's own check of the ranks' shapes and offsets, once, tells
-    # whether every sequence lies whole on one rank (and chunk_cp takes its answer)
+    # a packed batch in auto mode: the check of the ranks' shapes and offsets that chunk_cp and
+    # chunk_heads make, once, tells whether every sequence lies whole on one rank (and the mode
+    # chosen takes its answer)
     cu_seqlens = kwargs.get("cu_seqlens")
     split = None
     if mode == "auto" and not deterministic and cu_seqlens is not None:
@@ -812,9 +815,8 @@ def chunk_sp(family, q, k, v, g=None, beta=None, decay=None, *, sp_group=None, m
         why = "named by the caller"
     _LAST_PLAN.clear()
     _LAST_PLAN.update(mode=mode, reason=why)
-    if mode == "heads":
-        return chunk_heads(family, q, k, v, g, beta, decay, sp_group=sp_group, **kwargs)
-    return chunk_cp(family, q, k, v, g, beta, decay, sp_group=sp_group, _split=split, **kwargs)
+    fn = chunk_heads if mode == "heads" else chunk_cp
+    return fn(family, q, k, v, g, beta, decay, sp_group=sp_group, _split=split, **kwargs)
 
 
 def last_plan():

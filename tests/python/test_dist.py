@@ -4,6 +4,7 @@ shard against the whole problem computed in one process: context parallelism wit
 tolerance (the ranks' states are folded in a different order of operations), tensor parallelism
 bit for bit. Wrong sizes and offsets that differ between ranks raise on every rank."""
 
+import contextlib
 import json
 import os
 import sys
@@ -169,6 +170,17 @@ def _cp_varlen(rank, world, device, rng, family, exchange="auto"):
         assert _rel(o_fla, dist.split_tokens_for_sp(o_ref0, world, rank)) < tol, rank
 
 
+@contextlib.contextmanager
+def _counted_gathers():
+    """The validation collectives (cula.dist._gathered_rows) made inside the block, one entry each."""
+    gathers, gathered_rows = [], dist._gathered_rows
+    dist._gathered_rows = lambda *a: gathers.append(1) or gathered_rows(*a)
+    try:
+        yield gathers
+    finally:
+        dist._gathered_rows = gathered_rows
+
+
 def _heads(rank, world, device, rng, family):
     """Head parallelism over a token split (and chunk_sp's choice): exact, with autograd."""
     seqlens = [5, 0, 70, 3, 90, 0, 12]
@@ -180,9 +192,10 @@ def _heads(rank, world, device, rng, family):
     grads_ref = torch.autograd.grad((o_ref.float() * w).sum(), list(leaves.values()))
     mine = {n: dist.split_tokens_for_sp(x, world, rank).detach().clone().requires_grad_() for n, x in d.items()}
     decay = kw.pop("decay", None)
-    o, s = dist.chunk_sp(family, mine["q"], mine["k"], mine["v"], mine.get("g"), mine.get("beta"), decay,
-                         initial_state=h0, cu_seqlens=cu, **kw)
-    assert dist.last_plan()["mode"] == "heads"
+    with _counted_gathers() as gathers:  # one validation collective for chunk_sp's choice and chunk_heads
+        o, s = dist.chunk_sp(family, mine["q"], mine["k"], mine["v"], mine.get("g"), mine.get("beta"), decay,
+                             initial_state=h0, cu_seqlens=cu, **kw)
+    assert dist.last_plan()["mode"] == "heads" and len(gathers) == 1, (dist.last_plan(), gathers)
     same = torch.equal if device == "cpu" else (lambda a, b: _rel(a, b) < TOL_CUDA)
     assert same(o, dist.split_tokens_for_sp(o_ref, world, rank)), rank
     assert same(s, s_ref), rank
@@ -322,14 +335,9 @@ def _cp_whole_sequences(rank, world, device, rng, family, seqlens=(5, 0, 70, 3, 
     assert s2 is None and same(o2, o.detach())
     # chunk_sp sees the split on sequence boundaries and takes chunk_cp (no exchange), with one
     # validation collective for both (chunk_cp takes chunk_sp's)
-    gathers, gathered_rows = [], dist._gathered_rows
-    dist._gathered_rows = lambda *a: gathers.append(1) or gathered_rows(*a)
-    try:
-        with torch.no_grad():
-            o3, _ = dist.chunk_sp(family, mine["q"], mine["k"], mine["v"], mine.get("g"), mine.get("beta"), decay,
-                                  initial_state=h0, cu_seqlens=cu, **kw, **params)
-    finally:
-        dist._gathered_rows = gathered_rows
+    with _counted_gathers() as gathers, torch.no_grad():
+        o3, _ = dist.chunk_sp(family, mine["q"], mine["k"], mine["v"], mine.get("g"), mine.get("beta"), decay,
+                              initial_state=h0, cu_seqlens=cu, **kw, **params)
     assert dist.last_plan()["mode"] == "cp" and dist.last_exchange()["exchange"] == "none", dist.last_plan()
     assert len(gathers) == 1, gathers
     assert same(o3, o.detach())
