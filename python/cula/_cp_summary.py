@@ -1,9 +1,10 @@
 """The affine summaries of slices of tokens, shared by context parallelism (cula.dist), its
 deterministic mode (_cp_segments) and the parallel segments of one device (_segments):
-diagonal_summary, diagonal_transition and diagonal_end_state, for the families without the delta
-rule, whose transitions are diagonal (the carried queries, the transition and a piece's own end
-state come from its gates, keys and values without an engine pass); precise_maps, the maps in
-float32 that the backwards fold their entering states from; cut, the pieces of packed sequences."""
+diagonal_summary, diagonal_transition (diagonal_decays: of many pieces at once) and
+diagonal_end_state, for the families without the delta rule, whose transitions are diagonal (the
+carried queries, the transition and a piece's own end state come from its gates, keys and values
+without an engine pass); precise_maps, the maps in float32 that the backwards fold their entering
+states from; cut, the pieces of packed sequences."""
 
 from __future__ import annotations
 
@@ -92,6 +93,18 @@ def diagonal_transition(family, g, decay, L, HV, K, device):
         return torch.diag_embed(torch.ones(HV, K, dtype=torch.float32, device=device))
     total = _cumulative(_log_decays(family, g, decay, L, HV, device))[..., -1]  # [HV, K or 1]
     return torch.diag_embed(torch.exp(total).float().expand(HV, K))
+
+
+def diagonal_decays(family, g, decay, L, HV, K, starts, ends, device):
+    """The diagonals of the transitions of many pieces of one row of L tokens at once: for piece i,
+    tokens [starts[i], ends[i]), the product of its decays per key channel, [pieces, HV, K] in
+    float64 (differences of float64 running sums over the row; an empty piece: ones)."""
+    import torch
+
+    G = _cumulative(_log_decays(family, g, decay, L, HV, device))
+    G = torch.cat([G.new_zeros(*G.shape[:2], 1), G], dim=-1)  # G[..., t]: the sum of the first t tokens
+    ends, starts = (torch.tensor(x, device=device) for x in (ends, starts))
+    return torch.exp(G[..., ends] - G[..., starts]).permute(2, 0, 1).expand(len(starts), HV, K)
 
 
 def cut(offsets, seg_len):

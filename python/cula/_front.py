@@ -110,9 +110,10 @@ def _segment_len(q, k, v, g, beta, A_log, dt_bias, initial_state, opts):
 # gate (a zero log-gate, or a raw gate of zero activated with zero dt_bias: finite either way, and
 # the chunked kernels floor the log-decay, so no zero is scaled by an overflowing exponential). For the
 # families without the delta rule, whose state rows are independent, a K over 256 runs as slices
-# of at most 256 whose outputs add (_key_slice: 128 for the fused engine's families). Value columns are independent in every family: 16-bit calls
-# whose V is not a multiple of 64 (which the tensor-core engines' column slices need) run with V
-# zero-padded to one, instead of on the recurrent kernel.
+# of at most 256 whose outputs add (_key_slice: 128 for the fused engine's families). Value columns
+# are independent in every family: 16-bit calls whose V is not a multiple of 64 (which the
+# tensor-core engines' column slices need) run with V zero-padded to one, instead of on the
+# recurrent kernel.
 _CUDA_HEAD_SIZES = (64, 128, 256)
 _V_MULTIPLE = 64
 _KEY_GATED = ("kda", "gla")  # the families whose gate has a K axis

@@ -38,7 +38,7 @@ from __future__ import annotations
 import os
 
 from . import ops
-from ._cp_summary import DIAGONAL, _cumulative, _log_decays, cut
+from ._cp_summary import DIAGONAL, cut, diagonal_decays
 from ._lib import CulaError
 
 SEGMENT_TOKENS = "CULA_SEGMENT_TOKENS"
@@ -111,12 +111,9 @@ def forward(family, q, k, v, g, beta, decay, *, seg_len, initial_state=None, out
                           cu_seqlens=cu, cu_seqlens_host=cu_host, state_layout="k_last", state_dtype=acc_name,
                           out=scratch, A_log=A_log, dt_bias=dt_bias, **opts)
     A = fw[:, :, :V, :]
-    if diagonal:  # the product of each segment's decays per key channel, from float64 running sums
-        G = _cumulative(_log_decays(family, gf[0] if gf is not None else None, decay, B * T, HV, dev))  # [HV, K|1, BT]
-        G = torch.cat([G.new_zeros(*G.shape[:2], 1), G], dim=-1)
-        ends = torch.tensor([s[2] for s in segs], device=dev)
-        starts = torch.tensor([s[1] for s in segs], device=dev)
-        d = torch.exp(G[..., ends] - G[..., starts]).permute(2, 0, 1).to(acc).expand(S, HV, K)  # [S, HV, K]
+    if diagonal:  # the product of each segment's decays per key channel [S, HV, K]
+        d = diagonal_decays(family, None if gf is None else gf[0], decay, B * T, HV, K, [s[1] for s in segs],
+                            [s[2] for s in segs], dev).to(acc)
     else:
         M = fw[:, :, V:, :]
 
@@ -125,20 +122,16 @@ def forward(family, q, k, v, g, beta, decay, *, seg_len, initial_state=None, out
     enter = torch.zeros(S, HV, V, K, dtype=acc, device=dev)
     if h0 is not None:
         enter[first_ids] = h0
-    position, by_position = [], []
+    position, by_position = [], []  # by_position[j - 1]: the segments at position j >= 1
     for i, (_, _, _, first) in enumerate(segs):
         position.append(0 if first else position[i - 1] + 1)
+        if position[i] > len(by_position):
+            by_position.append([])
         if position[i]:
-            if len(by_position) < position[i]:
-                by_position.append([])
             by_position[position[i] - 1].append(i)
     if by_position:
         ids = torch.tensor([i for group in by_position for i in group], device=dev)
-        bounds = [0]
-        for group in by_position:
-            bounds.append(bounds[-1] + len(group))
-        for j in range(len(by_position)):
-            cur = ids[bounds[j]:bounds[j + 1]]
+        for j, cur in enumerate(ids.split([len(group) for group in by_position])):
             prev = cur - 1
             if j == 0:
                 enter[cur] = A[prev]

@@ -83,19 +83,17 @@ def bench_segments(out_dir: str, gpu_name: str | None = None, configs=None) -> i
     for family, B, T, H, HV in configs:
         name = config_name(family, B, T, H, HV)
         sets = [_inputs(torch, family, B, T, H, HV, dev) for _ in range(2)]
-        fam_kw = {n: x for n, x in sets[0][1].items() if n not in ("A_log", "dt_bias")}
-        params = {n: sets[0][1][n] for n in ("A_log", "dt_bias") if n in sets[0][1]}
+        kw = sets[0][1]  # options, and A_log / dt_bias for KDA: the same keywords for cula and FLA
 
         def uncut(i, s=sets):
             x = s[i % 2][0]
-            return ops.chunk_fwd(family, x["q"], x["k"], x["v"], x["g"], x["beta"], output_final_state=True,
-                                 **params, **fam_kw)[0]
+            return ops.chunk_fwd(family, x["q"], x["k"], x["v"], x["g"], x["beta"], output_final_state=True, **kw)[0]
 
         def cut_at(L, sets=sets):
             def run(i, s=sets):
                 x = s[i % 2][0]
                 return _segments.forward(family, x["q"], x["k"], x["v"], x["g"], x["beta"], None, seg_len=L,
-                                         output_final_state=True, **params, **fam_kw)[0]
+                                         output_final_state=True, **kw)[0]
             return run
 
         impls = [("uncut", uncut)]
@@ -103,14 +101,11 @@ def bench_segments(out_dir: str, gpu_name: str | None = None, configs=None) -> i
         try:
             module, fname = _FLA[family]
             fla_fn = getattr(importlib.import_module(f"fla.ops.{module}"), fname)
-            fla_kw = dict(fam_kw)
-            if family == "kda":
-                fla_kw.update(A_log=params["A_log"], dt_bias=params["dt_bias"])
 
             def fla(i, s=sets):
                 x = s[i % 2][0]
                 args = (x["q"], x["k"], x["v"], x["g"]) + ((x["beta"],) if x["beta"] is not None else ())
-                return fla_fn(*args, output_final_state=True, **fla_kw)[0]
+                return fla_fn(*args, output_final_state=True, **kw)[0]
             impls.append(("fla_triton", fla))
         except Exception as e:  # noqa: BLE001 (a peer that cannot run is reported, not fatal)
             print(f"{name}: FLA not run ({e})")

@@ -41,7 +41,7 @@ def main(argv=None) -> int:
                        "FLA's default layers, fp16) vs FLA; train: KDA, GDN, GLA, simple GLA and Lightning forward + backward vs FLA and SDPA (GPU suites need "
                        "torch + a GPU); cp: context parallelism over the machine's GPUs vs FLA's KCP and one GPU (--world ranks; "
                        "--device cpu: a check of the harness on gloo host ranks); segments: few heads, long sequences, uncut vs "
-                       "parallel segments vs FLA (the plan's table); replot: re-draw the PNG beside "
+                       "parallel segments vs FLA; replot: re-draw the PNG beside "
                        "every results JSON in --out (needs matplotlib)")
     bench.add_argument("--only", default=None, help="chunked-forward suites: comma-separated config names to run "
                        "(default: all)")
