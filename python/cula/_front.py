@@ -184,6 +184,9 @@ def _fit_head_size(family, q, k, v, g, beta, decay, A_log, dt_bias, initial_stat
     Vp = _padded_v(q, V)
     v, initial_state = _pad_to(v, -1, Vp), _pad_to(initial_state, v_axis, Vp)
     step = _key_slice(family, q)
+    if (family in _FUSED and K > step and A_log is None and dt_bias is None
+            and not opts.get("return_intermediate_states")):
+        return _key_slices_as_heads(family, q, k, v, g, decay, initial_state, opts, step, Vp, k_axis)
     spans = [(lo, min(step, K - lo)) for lo in range(0, K, step)]  # (first key, keys) of each slice
     keyed = family in _KEY_GATED
     pieces = []
@@ -212,6 +215,64 @@ def _fit_head_size(family, q, k, v, g, beta, decay, A_log, dt_bias, initial_stat
         return (x.narrow(v_axis, 0, V) if Vp != V else x).contiguous()
 
     return (o, *(join(i) for i in range(1, len(pieces[0]))))
+
+
+def _key_slices_as_heads(family, q, k, v, g, decay, initial_state, opts, step, Vp, k_axis):
+    """A fused-engine family with K over the engine's widest slice (step): the S key slices as S
+    heads of one call, not S calls. q and k [B, T, H, S step] are [B, T, H S, step] as they lie
+    (K zero-padded to S step first); each value head, its gate and its decay repeat over the slices
+    (value head (h S + s) G + j of the call is the caller's h G + j, G = HV / H); the slices' outputs
+    add in float32 and their state rows join along K. One launch with S times the heads fills the
+    GPU where S calls of H heads each would run one after another; exact, as the slices are (the state
+    rows of a family without the delta rule are independent)."""
+    import torch
+
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[-1]
+    S, G = -(-K // step), HV // H
+    Kp = S * step
+    q, k = (_pad_to(x, -1, Kp).reshape(B, T, H * S, step) for x in (q, k))
+
+    def per_slice(x, heads_axis):  # [..., HV, ...] -> [..., HV S, ...] in the call's head order
+        if x is None or not is_torch(x) or x.dim() == 0:
+            return x
+        n = x.shape[heads_axis]
+        shape = list(x.shape)
+        grouped = shape[:heads_axis] + [n // G if n == HV else n, 1, G if n == HV else 1] + shape[heads_axis + 1:]
+        wide = shape[:heads_axis] + [grouped[heads_axis], S, grouped[heads_axis + 2]] + shape[heads_axis + 1:]
+        return x.reshape(grouped).expand(wide).reshape(shape[:heads_axis] + [n * S] + shape[heads_axis + 1:])
+
+    v = per_slice(v, 2)
+    if g is not None and is_torch(g) and g.dim() >= 3:
+        g = per_slice(g, 2)
+    if decay is not None and is_torch(decay) and decay.dim() == 1:
+        decay = per_slice(decay, 0)
+    k_first = k_axis == -2
+    if initial_state is not None:
+        x = _pad_to(initial_state, k_axis, Kp)
+        N = x.shape[0]
+        if k_first:  # [N, HV, S step, V] -> [N, H, G, S, step, V] -> [N, H, S, G, step, V]
+            x = x.reshape(N, H, G, S, step, Vp).permute(0, 1, 3, 2, 4, 5)
+        else:  # [N, HV, V, S step] -> [N, H, G, V, S, step] -> [N, H, S, G, V, step]
+            x = x.reshape(N, H, G, Vp, S, step).permute(0, 1, 4, 2, 3, 5)
+        initial_state = x.reshape(N, HV * S, *((step, Vp) if k_first else (Vp, step)))
+    o, *states = chunk(family, q, k, v, g, None, decay, initial_state=initial_state, **opts)
+    acc = torch.promote_types(o.dtype, torch.float32)
+    o = o.reshape(B, T, H, S, G, Vp).to(acc).sum(3).reshape(B, T, HV, Vp).to(o.dtype)
+    o = o.narrow(-1, 0, V).contiguous() if Vp != V else o
+
+    def join(x):  # [N, HV S, step, V] or [N, HV S, V, step] -> the caller's [N, HV, K, V] or [N, HV, V, K]
+        if x is None:
+            return None
+        N = x.shape[0]
+        if k_first:
+            x = x.reshape(N, H, S, G, step, Vp).permute(0, 1, 3, 2, 4, 5).reshape(N, HV, Kp, Vp)
+        else:
+            x = x.reshape(N, H, S, G, Vp, step).permute(0, 1, 3, 4, 2, 5).reshape(N, HV, Vp, Kp)
+        x = x.narrow(k_axis, 0, K) if Kp != K else x
+        return (x.narrow(-1 if k_first else -2, 0, V) if Vp != V else x).contiguous()
+
+    return (o, *(join(x) for x in states))
 
 
 def _make_fn():

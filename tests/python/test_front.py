@@ -438,12 +438,15 @@ def test_head_size_fit_is_exact_on_the_reference(rng, family, K, gate, opts):
         assert rel(a.numpy(), b.numpy()) < 1e-10
 
 
-@pytest.mark.parametrize("family,K,layout", [("simple_gla", 256, "k_last"), ("lightning", 256, "k_first"),
-                                               ("simple_gla", 192, "k_first")])
-def test_fused_families_run_wide_keys_as_slices_of_128(rng, monkeypatch, family, K, layout):
+@pytest.mark.parametrize("family,K,layout,group", [("simple_gla", 256, "k_last", 1), ("lightning", 256, "k_first", 1),
+                                                     ("simple_gla", 192, "k_first", 1), ("simple_gla", 384, "k_last", 2),
+                                                     ("lightning", 256, "k_last", 2)])
+def test_fused_families_run_wide_keys_as_slices_of_128(rng, monkeypatch, family, K, layout, group):
     """Simple GLA and Lightning in bf16 on CUDA take K over 128 as slices of 128 (the fused engine's
-    widest) instead of the recurrent kernel: the sliced run computes the same function, forward and
-    gradients (forced here on float64 host tensors, with the bf16 slice width)."""
+    widest), run as heads of one call, instead of the recurrent kernel: the sliced run computes the
+    same function, forward and gradients (forced here on float64 host tensors, with the bf16 slice
+    width), with grouped value heads too (group value heads per q/k head; Lightning's decay then
+    per q/k head)."""
     torch = pytest.importorskip("torch", reason="torch is not installed")
     from cula import _front
 
@@ -452,11 +455,20 @@ def test_fused_families_run_wide_keys_as_slices_of_128(rng, monkeypatch, family,
     assert _front._key_slice("gla", torch.zeros(1, dtype=torch.bfloat16)) == 256
     monkeypatch.setattr(_front, "_key_slice", lambda fam, q: 128)
     x = _fit_inputs(torch, rng, family, K, "head" if family == "simple_gla" else None)
-    h0 = torch.from_numpy(rng.standard_normal((2, 2, K, 12) if layout == "k_first" else (2, 2, 12, K)))
+    HV = 2 * group
+    if group > 1:
+        x["v"] = torch.from_numpy(rng.standard_normal((2, 37, HV, 12)) * 0.5).requires_grad_()
+        if family == "simple_gla":
+            x["g"] = (-torch.from_numpy(rng.uniform(0.05, 1.0, (2, 37, HV)))).requires_grad_()
+    h0 = torch.from_numpy(rng.standard_normal((2, HV, K, 12) if layout == "k_first" else (2, HV, 12, K)))
     h0.requires_grad_()
     kw = dict(output_final_state=True, state_layout=layout)
     direct = _front.chunk(family, x["q"], x["k"], x["v"], x["g"], x["beta"], x["decay"], initial_state=h0, **kw)
+    calls = []
+    chunk = _front.chunk
+    monkeypatch.setattr(_front, "chunk", lambda fam, q, *a, **kw: calls.append(q.shape[-2:]) or chunk(fam, q, *a, **kw))
     fitted = _front._fit_head_size(family, x["q"], x["k"], x["v"], x["g"], x["beta"], x["decay"], None, None, h0, kw)
+    assert calls == [(2 * -(-K // 128), 128)], calls  # one call, the slices as heads
     for a, b in zip(fitted, direct):
         assert a.shape == b.shape and rel(a.detach().numpy(), b.detach().numpy()) < 1e-12
     leaves = [t for t in (x["q"], x["k"], x["v"], x["g"], h0) if t is not None]
