@@ -131,27 +131,31 @@ def test_the_chunk_form_takes_training_shapes_and_matches_the_reference(rng, fam
 @pytest.mark.sanitize
 @pytest.mark.parametrize("family", FAMILIES)
 def test_small_backward_matches_the_reference(rng, family):
-    """Small shapes for compute-sanitizer: a varlen batch with an empty sequence, V = 48 (rows past V
-    masked), K = 64 and 256, states in and out."""
+    """Small shapes for compute-sanitizer: a varlen batch with an empty sequence and one over a chunk,
+    V = 48 (the recurrent kernel; rows past V masked) and V = 64 (the chunk form), K = 64, 128 and
+    256, states in and out."""
     t = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32))  # noqa: E731
-    cu = torch.tensor([0, 17, 17, 40], dtype=torch.int32)
-    for K in (64, 256):
-        d = dict(q=t(1, 40, 2, K).bfloat16(), k=(t(1, 40, 2, K) * K ** -0.5).bfloat16(), v=t(1, 40, 4, 48).bfloat16(),
-                 d_out=t(1, 40, 4, 48), initial_state=t(3, 4, 48, K), d_final_state=t(3, 4, 48, K))
+    cu = torch.tensor([0, 17, 17, 110], dtype=torch.int32)
+    kernels = set()
+    for K, V in ((64, 48), (256, 48), (64, 64), (128, 64)):
+        d = dict(q=t(1, 110, 2, K).bfloat16(), k=(t(1, 110, 2, K) * K ** -0.5).bfloat16(), v=t(1, 110, 4, V).bfloat16(),
+                 d_out=t(1, 110, 4, V), initial_state=t(3, 4, V, K), d_final_state=t(3, 4, V, K))
         kw = dict(use_qk_l2norm_in_kernel=True)
         if family == "kda":
-            d.update(g=t(1, 40, 4, K), beta=t(1, 40, 4), A_log=t(4), dt_bias=t(4 * K))
+            d.update(g=t(1, 110, 4, K), beta=t(1, 110, 4), A_log=t(4), dt_bias=t(4 * K))
             kw.update(use_gate_in_kernel=True, lower_bound=-5.0, use_beta_sigmoid_in_kernel=True)
         elif family == "gdn":
-            d.update(g=-t(1, 40, 4).abs(), beta=torch.sigmoid(t(1, 40, 4)))
+            d.update(g=-t(1, 110, 4).abs(), beta=torch.sigmoid(t(1, 110, 4)))
         elif family == "lightning":
             d["decay"] = torch.rand(2)
         else:
-            d["g"] = -t(1, 40, 4, K).abs() if family == "gla" else -t(1, 40, 4).abs()
+            d["g"] = -t(1, 110, 4, K).abs() if family == "gla" else -t(1, 110, 4).abs()
         ref = _reference(family, d, cu, kw)
         got = _run(family, d, cu, kw, _poisoned(d))
+        kernels.add(cula.last_kernel())
         errs = _errors(got, ref)
-        assert not _failing(errs, cula.last_kernel()), (K, cula.last_kernel(), errs)
+        assert not _failing(errs, cula.last_kernel()), (K, V, cula.last_kernel(), errs)
+    assert kernels == {"cuda", "cuda_chunk"}, kernels
 
 
 @pytest.mark.parametrize("family", ["kda", "gdn", "lightning"])

@@ -11,11 +11,13 @@
 //     P = tril(q^ E k^T) and KEK = stril(k^ E k^T) (diagonal 16 x 16 blocks exact, one thread per
 //     pair; the blocks below on tensor cores through the last token before the row block);
 //     T = (I + diag(beta) KEK)^-1 by 16-row blocks; W = T diag(beta) Kg; Qg, Kr, e^{G_C}.
-//  3. state_fwd_scan_kernel, per (sequence, value head, VS columns), chunks in order: the state at
-//     every chunk start, S0 (fp32): Delta = T (beta v) - W S, S <- e^{G_C} S + Kr^T Delta.
-//  4. state_grad_scan_kernel, per (sequence, value head, VS columns), chunks last to first: stores
-//     the gradient dS of each chunk's end state, then dDelta = P^T dO + Kr dS and
-//     dS <- e^{G_C} dS + Qg^T dO - W^T dDelta. Without the delta rule dDelta is dv.
+//  3. scan_inputs_kernel, per (chunk, value head, 64 columns): what the scans add without carrying
+//     it, U = T (beta v) (U = v without the delta rule), X = P^T dO and Y = Qg^T dO.
+//  4. state_scans_kernel, two roles on alternate CTAs of one launch (they do not depend on each
+//     other), per (sequence, value head, VS columns), two CTAs per SM: chunks in order, the state
+//     at every chunk start S0 (fp32): Delta = U - W S, S <- e^{G_C} S + Kr^T Delta; and chunks
+//     last to first, the gradient dS of each chunk's end state: dDelta = X + Kr dS,
+//     dS <- e^{G_C} dS + Y - W^T dDelta. Without the delta rule dDelta is dv.
 //  5. value_grad_kernel (delta rule), per (chunk, value head, 64 columns): R = v - Kg S0,
 //     Delta = T diag(beta) R, dB = T^T dDelta; dv = beta dB, beta's partial sum dB . R.
 //  6. key_grad_kernel, per (chunk, value head, 64 channels): over V, dQg = dO S0^T,
@@ -27,7 +29,7 @@
 //     written back once (diagonal blocks exact per channel, the rest on tensor cores); da, the
 //     reverse cumulative sum of dG.
 //  8. the chain kernels (chain.cu), as the recurrent form.
-// The scans stream the next chunk's factor tiles by cp.async one phase ahead. Deterministic: every
+// The scans stream the next chunk's tiles by cp.async one phase ahead. Deterministic: every
 // sum in a fixed order, no atomics. Barriers: __syncthreads between phases; an accumulating product
 // hands each element to the thread that stored it (tf32_gemm.cuh).
 #include "cuda/backward/chunk_bwd.h"
@@ -76,6 +78,7 @@ struct Params {
   float* fac;                 // factor blocks [chunks, HV, Fac::size]
   float* dS;                  // end-state gradients [chunks, HV, K, V]
   float *dDelta, *Delta, *dB;  // [B*T, HV, V] (delta rule)
+  float *U, *X;                // the scans' inputs [B*T, HV, V]: Delta's and dDelta's slots with the delta rule
   float* dbeta_part;           // [V / VE, B*T, HV]
   float* part;                 // [B*T, HV, 3K + 1] (chain.h)
   bwd::GradIO io;  // d_out, d_final_state, d_initial_state, dv
@@ -103,10 +106,10 @@ __device__ __forceinline__ bool chunk_at(const Params& bp, int cidx, ChunkAt& ch
 // ---- loads -------------------------------------------------------------------------------------
 // Rows [0, valid) of a ROWS x COLS fp32 tile (row pitch src_ld floats, 16-byte aligned rows) into
 // shared memory (pitch dst_ld) by cp.async; rows past valid are zeroed. The caller commits and waits.
-template <int ROWS, int COLS>
+template <int ROWS, int COLS, int THREADS = NT>
 __device__ __forceinline__ void rows_async(float* dst, int dst_ld, const float* src, int64_t src_ld, int valid = ROWS) {
   constexpr int P = COLS / 4;
-  for (int i = threadIdx.x; i < ROWS * P; i += NT) {
+  for (int i = threadIdx.x; i < ROWS * P; i += THREADS) {
     const int r = i / P, c4 = (i % P) * 4;
     if (r < valid) mma::cp_async16(dst + r * dst_ld + c4, src + r * src_ld + c4);
     else *reinterpret_cast<float4*>(dst + r * dst_ld + c4) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -170,28 +173,22 @@ struct RowScaled {
 };
 
 // The scans' state slices (K x VS, columns v0..): from state row `row` of a state tensor in the
-// call's layout (zeros without one), to one, and to a [chunks, HV, K, V] workspace.
-template <int K, int VS>
+// call's layout (zeros without one), and to one.
+template <int K, int VS, int THREADS = NT>
 __device__ __forceinline__ void slice_in(float* S, int pitch, const FwdParams& p, const void* src, int dt, int64_t row, int hv,
                                          int v0) {
-  for (int i = threadIdx.x; i < K * VS; i += NT) {
+  for (int i = threadIdx.x; i < K * VS; i += THREADS) {
     const int c = i / VS, j = i % VS;
     S[c * pitch + j] = src ? ld(src, dt, state_elem(p, row, hv, v0 + j, c)) : 0.0f;
   }
 }
-template <int K, int VS>
+template <int K, int VS, int THREADS = NT>
 __device__ __forceinline__ void slice_out(void* dst, int dt, const FwdParams& p, int64_t row, int hv, int v0, const float* S,
                                           int pitch) {
-  for (int i = threadIdx.x; i < K * VS; i += NT) {
+  for (int i = threadIdx.x; i < K * VS; i += THREADS) {
     const int c = i / VS, j = i % VS;
     st(dst, dt, state_elem(p, row, hv, v0 + j, c), S[c * pitch + j]);
   }
-}
-template <int K, int VS>
-__device__ __forceinline__ void slice_to_workspace(float* ws, const FwdParams& p, int64_t cidx, int hv, int v0, const float* S,
-                                                   int pitch) {
-  float* d = ws + (cidx * p.HV + hv) * static_cast<int64_t>(K) * p.V + v0;
-  for (int i = threadIdx.x; i < K * VS; i += NT) d[(i / VS) * static_cast<int64_t>(p.V) + i % VS] = S[(i / VS) * pitch + i % VS];
 }
 
 // ---- 2. factors --------------------------------------------------------------------------------
@@ -373,145 +370,204 @@ __global__ void __launch_bounds__(NT) chunk_factors_kernel(const Params bp) {
   }
 }
 
-// ---- 3. states at chunk starts -----------------------------------------------------------------
-// The state at every chunk start, recomputed in fp32 from the factors (the forward's chunk engines
-// carry bf16 intermediates; the gradients here need the states to fp32 precision). One CTA per
-// (sequence, value head, VS columns), chunks in order, S (K x VS) in shared memory:
-//   Delta = T (beta v) - W S,  S <- e^{G_C} S + Kr^T Delta     (without the delta rule Delta = v)
-template <int K, bool DELTA, int VS>
-struct FwdScanLayout {
-  static constexpr int LS = VS + 8, LT = C + 4, LR = K + 4, LQ = K + 8;
-  static constexpr int S = 0, bv = S + K * LS, D = bv + C * LS, T = D + C * LS, W = T + (DELTA ? C * LT : 0),
-                       Kr = W + (DELTA ? C * LR : 0), eg = Kr + C * LQ, beta = eg + K, floats = beta + C;
+// ---- 3. the scans' inputs -----------------------------------------------------------------------
+// What the scans add and do not carry, formed per (chunk, value head, 64 columns) in parallel so
+// that a scan step holds only the two products that depend on the carried state:
+//   U = T (beta v) (the delta rule; without it U = v),  X = P^T dO,  Y = Qg^T dO.
+// U goes to the Delta slot (the value kernel overwrites it), X to the dDelta slot (the gradient scan
+// overwrites each chunk's rows with dDelta after reading them), Y to the chunk's dS slot (the
+// gradient scan overwrites it with dS after reading it).
+template <int K>
+struct ScanInputsLayout {
+  static constexpr int LP = C + 8, LQ = K + 8, LT = C + 4, LV = VE + 8;
+  static constexpr int P = 0, Qg = P + C * LP, T = Qg + C * LQ, dO = T + C * LT, bv = dO + C * LV, beta = bv + C * LV,
+                       floats = beta + C;
   static constexpr int bytes = floats * 4;
 };
 
-template <int K, bool DELTA, int VS>
-__global__ void __launch_bounds__(NT, 1) state_fwd_scan_kernel(const Params bp) {
-  using Ly = FwdScanLayout<K, DELTA, VS>;
+template <int K, bool DELTA>
+__global__ void __launch_bounds__(NT, 2) scan_inputs_kernel(const Params bp) {
+  using Ly = ScanInputsLayout<K>;
   using F = Fac<K>;
-  constexpr int LS = Ly::LS, LT = Ly::LT, LR = Ly::LR, LQ = Ly::LQ;
+  constexpr int LP = Ly::LP, LQ = Ly::LQ, LT = Ly::LT, LV = Ly::LV;
   extern __shared__ __align__(16) float sm[];
-  float *S = sm + Ly::S, *bv = sm + Ly::bv, *Dl = sm + Ly::D, *Tm = sm + Ly::T, *W = sm + Ly::W, *Kr = sm + Ly::Kr;
-  float *eg = sm + Ly::eg, *bet = sm + Ly::beta;
+  float *Pm = sm + Ly::P, *Qg = sm + Ly::Qg, *Tm = sm + Ly::T, *dO = sm + Ly::dO, *bv = sm + Ly::bv, *bet = sm + Ly::beta;
   const FwdParams& p = bp.f;
-  const int tid = threadIdx.x;
-  const chunk::SliceTask tk = chunk::slice_task<VS>(p, bp.chunk_base);
-  const int n = tk.n, hv = tk.hv, v0 = tk.v0, nch = tk.nchunks;
-  const Seq sq = tk.sq;
-  const int64_t cbase = tk.cbase;
+  const int tid = threadIdx.x, nve = p.V / VE;
+  const int v0 = static_cast<int>(blockIdx.x % nve) * VE, hv = static_cast<int>((blockIdx.x / nve) % p.HV);
+  const int cidx = static_cast<int>(blockIdx.x / (static_cast<unsigned>(nve) * p.HV));
+  ChunkAt ch;
+  if (!chunk_at(bp, cidx, ch)) return;
+  const float* fac = bp.fac + (static_cast<int64_t>(cidx) * p.HV + hv) * F::size;
+  const int Lc = ch.Lc;
+  const int64_t tok = ch.f0 * p.HV * p.V + hv * p.V + v0, tok_ld = static_cast<int64_t>(p.HV) * p.V;
 
-  slice_in<K, VS>(S, LS, p, p.h0, p.h0_dt, n, hv, v0);
-  auto fac_of = [&](int ci) { return bp.fac + ((cbase + ci) * p.HV + hv) * F::size; };
-  auto load_a = [&](int ci) {  // what Delta needs
+  rows_async<C, C>(Pm, LP, fac + F::P, C);
+  rows_async<C, K>(Qg, LQ, fac + F::Q, K);
+  if (DELTA) rows_async<C, C>(Tm, LT, fac + F::T, C);
+  mma::cp_async_commit();
+  input_rows<C, VE>(dO, LV, bp.io.dO, bp.io.dO_dt, ch.b_row * bp.io.dO_s[0] + ch.t0 * bp.io.dO_s[1] + hv * bp.io.dO_s[2] + v0,
+                    bp.io.dO_s[1], Lc);
+  input_rows<C, VE>(bv, LV, p.v, p.v_dt, ch.b_row * p.v_s[0] + ch.t0 * p.v_s[1] + hv * p.v_s[2] + v0, p.v_s[1], Lc);
+  if (tid < C) bet[tid] = tid < Lc ? bp.x.beta[(ch.f0 + tid) * p.HV + hv] : 0.0f;
+  mma::cp_async_wait_all();
+  __syncthreads();
+  tf32::gemm<C, VE, C, NW>(cols(Pm, LP), rows(dO, LV), [&](int i, int j, float v) {
+    if (i < Lc) bp.X[tok + i * tok_ld + j] = v;
+  });
+  float* Y = bp.dS + (static_cast<int64_t>(cidx) * p.HV + hv) * K * p.V + v0;
+  tf32::gemm<K, VE, C, NW>(cols(Qg, LQ), rows(dO, LV), [&](int i, int j, float v) { Y[i * static_cast<int64_t>(p.V) + j] = v; });
+  if (DELTA) {
+    tf32::gemm<C, VE, C, NW>(rows(Tm, LT), RowScaled{bv, LV, bet}, [&](int i, int j, float v) {
+      if (i < Lc) bp.U[tok + i * tok_ld + j] = v;
+    });
+  } else {
+    for (int i = tid; i < Lc * VE; i += NT) bp.U[tok + (i / VE) * tok_ld + i % VE] = bv[(i / VE) * LV + i % VE];
+  }
+}
+
+// ---- 4. the state scans ------------------------------------------------------------------------
+// One launch, two roles on alternate CTAs (block 2 i: the states of slice i, block 2 i + 1: their
+// gradients), which do not depend on each other: the two serial chains run side by side, two CTAs
+// per SM, each CTA one (sequence, value head, VS columns):
+//   states, chunks in order:     S0 = S;  Delta = U - W S;         S <- e^{G_C} S + Kr^T Delta
+//   gradients, last to first:    dS_end = dS;  dDelta = X + Kr dS;  dS <- e^{G_C} dS + Y - W^T dDelta
+// (without the delta rule Delta = U = v, dDelta is dv and W drops out). S0 and dS_end are written
+// from the update's epilogue, which hands each element to one thread once, so no extra barrier.
+// Loads run one phase ahead by cp.async: group A (what the first product needs) of the next chunk
+// while this chunk's update runs, group B (the update's) while the next chunk's first product runs.
+// Eight warps: a step's products have 4 and 8 tiles of 16 x 16, so more warps would idle.
+constexpr int SW = 8, ST = 32 * SW;
+template <int K, bool DELTA, int VS>
+struct ScanLayout {
+  static constexpr int LS = VS + 8, LR = K + 4, LQ = K + 8;
+  // states: S, U, Delta, W (rows, A operand), Kr (columns, A operand), e^{G_C}
+  static constexpr int fS = 0, fU = fS + K * LS, fD = fU + C * LS, fW = fD + (DELTA ? C * LS : 0),
+                       fKr = fW + (DELTA ? C * LR : 0), fEg = fKr + C * LQ, f_floats = fEg + K;
+  // gradients: dS, X, Y, dDelta, Kr (rows), W (columns), e^{G_C}
+  static constexpr int gS = 0, gX = gS + K * LS, gY = gX + C * LS, gD = gY + K * LS, gKr = gD + C * LS, gW = gKr + C * LR,
+                       gEg = gW + (DELTA ? C * LQ : 0), g_floats = gEg + K;
+  static constexpr int bytes = (f_floats > g_floats ? f_floats : g_floats) * 4;
+};
+
+template <int K, bool DELTA, int VS>
+__device__ __forceinline__ void state_scan(const Params& bp, float* sm, const chunk::SliceTask& tk) {
+  using Ly = ScanLayout<K, DELTA, VS>;
+  using F = Fac<K>;
+  constexpr int LS = Ly::LS, LR = Ly::LR, LQ = Ly::LQ;
+  float *S = sm + Ly::fS, *U = sm + Ly::fU, *Dl = DELTA ? sm + Ly::fD : U, *W = sm + Ly::fW, *Kr = sm + Ly::fKr;
+  float* eg = sm + Ly::fEg;
+  const FwdParams& p = bp.f;
+  const int hv = tk.hv, v0 = tk.v0, nch = tk.nchunks;
+  const int64_t tok_ld = static_cast<int64_t>(p.HV) * p.V;
+  auto fac_of = [&](int ci) { return bp.fac + ((tk.cbase + ci) * p.HV + hv) * F::size; };
+  auto u_rows = [&](int ci) {
+    const int64_t t0 = tk.sq.bos + static_cast<int64_t>(ci) * C, f0 = static_cast<int64_t>(tk.sq.b_row) * p.T + t0;
+    rows_async<C, VS, ST>(U, LS, bp.U + f0 * tok_ld + hv * p.V + v0, tok_ld, static_cast<int>(min(int64_t{C}, tk.sq.eos - t0)));
+  };
+  auto load_a = [&](int ci) {
     if (DELTA) {
-      rows_async<C, C>(Tm, LT, fac_of(ci) + F::T, C);
-      rows_async<C, K>(W, LR, fac_of(ci) + F::W, K);
+      u_rows(ci);
+      rows_async<C, K, ST>(W, LR, fac_of(ci) + F::W, K);
     }
     mma::cp_async_commit();
   };
-  auto load_b = [&](int ci) {  // what the update needs
-    rows_async<C, K>(Kr, LQ, fac_of(ci) + F::R, K);
-    rows_async<1, K>(eg, K, fac_of(ci) + F::EG, K);
+  auto load_b = [&](int ci) {
+    if (!DELTA) u_rows(ci);
+    rows_async<C, K, ST>(Kr, LQ, fac_of(ci) + F::R, K);
+    rows_async<1, K, ST>(eg, K, fac_of(ci) + F::EG, K);
     mma::cp_async_commit();
   };
+  slice_in<K, VS, ST>(S, LS, p, p.h0, p.h0_dt, tk.n, hv, v0);
   if (nch > 0) load_a(0), load_b(0);
   for (int ci = 0; ci < nch; ++ci) {
-    const int64_t cidx = cbase + ci, t0 = sq.bos + static_cast<int64_t>(ci) * C;
-    const int Lc = static_cast<int>(min(int64_t{C}, sq.eos - t0));
-    const int64_t f0 = static_cast<int64_t>(sq.b_row) * p.T + t0;
-    __syncthreads();  // S written; bv and Dl free
-    slice_to_workspace<K, VS>(bp.S0, p, cidx, hv, v0, S, LS);  // the chunk's start state
-    input_rows<C, VS>(DELTA ? bv : Dl, LS, p.v, p.v_dt, sq.b_row * p.v_s[0] + t0 * p.v_s[1] + hv * p.v_s[2] + v0, p.v_s[1], Lc);
+    mma::cp_async_wait_pending(1);  // group A of this chunk
+    __syncthreads();                // (and S written)
     if (DELTA) {
-      if (tid < C) bet[tid] = tid < Lc ? bp.x.beta[(f0 + tid) * p.HV + hv] : 0.0f;
-      mma::cp_async_wait_pending(1);  // group A of this chunk
-      __syncthreads();
-      for (int i = tid; i < C * VS; i += NT) bv[(i / VS) * LS + i % VS] *= bet[i / VS];
-      __syncthreads();
-      tf32::gemm<C, VS, C, NW>(rows(Tm, LT), rows(bv, LS), [&](int i, int j, float v) { Dl[i * LS + j] = v; });
-      tf32::gemm<C, VS, K, NW>(rows(W, LR), rows(S, LS), [&](int i, int j, float v) { Dl[i * LS + j] -= v; });
-      __syncthreads();  // T, W and S read
-      if (ci + 1 < nch) load_a(ci + 1);
-      mma::cp_async_wait_pending(ci + 1 < nch ? 1 : 0);  // group B of this chunk
-    } else {
-      mma::cp_async_wait_pending(0);
+      tf32::gemm<C, VS, K, SW>(rows(W, LR), rows(S, LS), [&](int i, int j, float v) { Dl[i * LS + j] = U[i * LS + j] - v; });
+      __syncthreads();  // U, W read
     }
+    if (ci + 1 < nch) load_a(ci + 1);
+    mma::cp_async_wait_pending(ci + 1 < nch ? 1 : 0);  // group B of this chunk
     __syncthreads();
-    tf32::gemm<K, VS, C, NW>(cols(Kr, LQ), rows(Dl, LS), [&](int i, int j, float v) { S[i * LS + j] = eg[i] * S[i * LS + j] + v; });
-    __syncthreads();  // Kr, e^{G_C} read
+    float* S0 = bp.S0 + ((tk.cbase + ci) * p.HV + hv) * static_cast<int64_t>(K) * p.V + v0;
+    tf32::gemm<K, VS, C, SW>(cols(Kr, LQ), rows(Dl, LS), [&](int i, int j, float v) {
+      const float s = S[i * LS + j];
+      S0[i * static_cast<int64_t>(p.V) + j] = s;  // the chunk's start state
+      S[i * LS + j] = eg[i] * s + v;
+    });
+    __syncthreads();  // Kr, e^{G_C} and Delta read
     if (ci + 1 < nch) load_b(ci + 1);
   }
 }
 
-// ---- 4. state-gradient scan --------------------------------------------------------------------
 template <int K, bool DELTA, int VS>
-struct ScanLayout {
-  static constexpr int LS = VS + 8, LP = C + 8, LR = K + 4, LQ = K + 8;
-  static constexpr int dS = 0, dO = dS + K * LS, dD = dO + C * LS, P = dD + C * LS, Kr = P + C * LP, Qg = Kr + C * LR,
-                       W = Qg + C * LQ, eg = W + (DELTA ? C * LQ : 0), floats = eg + K;
-  static constexpr int bytes = floats * 4;
-};
-
-template <int K, bool DELTA, int VS>
-__global__ void __launch_bounds__(NT, 1) state_grad_scan_kernel(const Params bp) {
+__device__ __forceinline__ void state_grad_scan(const Params& bp, float* sm, const chunk::SliceTask& tk) {
   using Ly = ScanLayout<K, DELTA, VS>;
   using F = Fac<K>;
-  constexpr int LS = Ly::LS, LP = Ly::LP, LR = Ly::LR, LQ = Ly::LQ;
-  extern __shared__ __align__(16) float sm[];
-  float *dS = sm + Ly::dS, *dO = sm + Ly::dO, *dD = sm + Ly::dD, *Pm = sm + Ly::P, *Kr = sm + Ly::Kr, *Qg = sm + Ly::Qg;
-  float *W = sm + Ly::W, *eg = sm + Ly::eg;
+  constexpr int LS = Ly::LS, LR = Ly::LR, LQ = Ly::LQ;
+  float *dS = sm + Ly::gS, *X = sm + Ly::gX, *Y = sm + Ly::gY, *dD = sm + Ly::gD, *Kr = sm + Ly::gKr, *W = sm + Ly::gW;
+  float* eg = sm + Ly::gEg;
   const FwdParams& p = bp.f;
-  const int tid = threadIdx.x;
-  const chunk::SliceTask tk = chunk::slice_task<VS>(p, bp.chunk_base);
-  const int n = tk.n, hv = tk.hv, v0 = tk.v0, nch = tk.nchunks;
-  const Seq sq = tk.sq;
-  const int64_t cbase = tk.cbase;
-
-  slice_in<K, VS>(dS, LS, p, bp.io.dht, bp.io.dht_dt, n, hv, v0);
-  // Loads run one phase ahead: P and Kr of chunk c - 1 (group A) while the state gradient of
-  // chunk c updates, Qg, W and e^{G_C} of chunk c - 1 (group B) while its dDelta forms.
-  auto fac_of = [&](int ci) { return bp.fac + ((cbase + ci) * p.HV + hv) * F::size; };
+  const int tid = threadIdx.x, hv = tk.hv, v0 = tk.v0, nch = tk.nchunks;
+  const int64_t tok_ld = static_cast<int64_t>(p.HV) * p.V;
+  auto fac_of = [&](int ci) { return bp.fac + ((tk.cbase + ci) * p.HV + hv) * F::size; };
+  auto ds_of = [&](int ci) { return bp.dS + ((tk.cbase + ci) * p.HV + hv) * static_cast<int64_t>(K) * p.V + v0; };
   auto load_a = [&](int ci) {
-    rows_async<C, C>(Pm, LP, fac_of(ci) + F::P, C);
-    rows_async<C, K>(Kr, LR, fac_of(ci) + F::R, K);
+    const int64_t t0 = tk.sq.bos + static_cast<int64_t>(ci) * C, f0 = static_cast<int64_t>(tk.sq.b_row) * p.T + t0;
+    rows_async<C, VS, ST>(X, LS, bp.X + f0 * tok_ld + hv * p.V + v0, tok_ld, static_cast<int>(min(int64_t{C}, tk.sq.eos - t0)));
+    rows_async<C, K, ST>(Kr, LR, fac_of(ci) + F::R, K);
     mma::cp_async_commit();
   };
   auto load_b = [&](int ci) {
-    rows_async<C, K>(Qg, LQ, fac_of(ci) + F::Q, K);
-    if (DELTA) rows_async<C, K>(W, LQ, fac_of(ci) + F::W, K);
-    rows_async<1, K>(eg, K, fac_of(ci) + F::EG, K);
+    rows_async<K, VS, ST>(Y, LS, ds_of(ci), p.V);
+    if (DELTA) rows_async<C, K, ST>(W, LQ, fac_of(ci) + F::W, K);
+    rows_async<1, K, ST>(eg, K, fac_of(ci) + F::EG, K);
     mma::cp_async_commit();
   };
+  slice_in<K, VS, ST>(dS, LS, p, bp.io.dht, bp.io.dht_dt, tk.n, hv, v0);
   if (nch > 0) load_a(nch - 1), load_b(nch - 1);
-  __syncthreads();  // dS written
   for (int ci = nch - 1; ci >= 0; --ci) {
-    const int64_t cidx = cbase + ci, t0 = sq.bos + static_cast<int64_t>(ci) * C;
-    const int Lc = static_cast<int>(min(int64_t{C}, sq.eos - t0));
-    input_rows<C, VS>(dO, LS, bp.io.dO, bp.io.dO_dt, sq.b_row * bp.io.dO_s[0] + t0 * bp.io.dO_s[1] + hv * bp.io.dO_s[2] + v0, bp.io.dO_s[1], Lc);
-    slice_to_workspace<K, VS>(bp.dS, p, cidx, hv, v0, dS, LS);  // the chunk's end-state gradient
+    const int64_t t0 = tk.sq.bos + static_cast<int64_t>(ci) * C;
+    const int Lc = static_cast<int>(min(int64_t{C}, tk.sq.eos - t0));
     mma::cp_async_wait_pending(1);  // group A of this chunk
-    __syncthreads();
-    tf32::gemm<C, VS, C, NW>(cols(Pm, LP), rows(dO, LS), [&](int i, int j, float v) { dD[i * LS + j] = v; });
-    tf32::gemm<C, VS, K, NW>(rows(Kr, LR), rows(dS, LS), [&](int i, int j, float v) { dD[i * LS + j] += v; });
-    __syncthreads();  // P, Kr and dS read
+    __syncthreads();                // (and dS written)
+    tf32::gemm<C, VS, K, SW>(rows(Kr, LR), rows(dS, LS), [&](int i, int j, float v) { dD[i * LS + j] = X[i * LS + j] + v; });
+    __syncthreads();  // X, Kr and dS read
     if (ci > 0) load_a(ci - 1);
-    const int64_t f0 = static_cast<int64_t>(sq.b_row) * p.T + t0;
-    for (int i = tid; i < Lc * VS; i += NT) {
+    const int64_t f0 = static_cast<int64_t>(tk.sq.b_row) * p.T + t0;
+    for (int i = tid; i < Lc * VS; i += ST) {
       const int t = i / VS, j = i % VS;
-      if (DELTA) bp.dDelta[((f0 + t) * p.HV + hv) * p.V + v0 + j] = dD[t * LS + j];
+      if (DELTA) bp.X[(f0 + t) * tok_ld + hv * p.V + v0 + j] = dD[t * LS + j];  // dDelta, over X's rows
       else if (bp.io.dv)
-        st(bp.io.dv, bp.io.dv_dt, sq.b_row * bp.io.dv_s[0] + (t0 + t) * bp.io.dv_s[1] + hv * bp.io.dv_s[2] + (v0 + j) * bp.io.dv_s[3], dD[t * LS + j]);
+        st(bp.io.dv, bp.io.dv_dt, tk.sq.b_row * bp.io.dv_s[0] + (t0 + t) * bp.io.dv_s[1] + hv * bp.io.dv_s[2] + (v0 + j) * bp.io.dv_s[3], dD[t * LS + j]);
     }
     mma::cp_async_wait_pending(ci > 0 ? 1 : 0);  // group B of this chunk
     __syncthreads();
-    tf32::gemm<K, VS, C, NW>(cols(Qg, LQ), rows(dO, LS), [&](int i, int j, float v) { dS[i * LS + j] = eg[i] * dS[i * LS + j] + v; });
-    if (DELTA) tf32::gemm<K, VS, C, NW>(cols(W, LQ), rows(dD, LS), [&](int i, int j, float v) { dS[i * LS + j] -= v; });
-    __syncthreads();  // Qg, W, e^{G_C}, dO and dD read; dS written
+    float* dSg = ds_of(ci);
+    auto update = [&](int i, int j, float v) {
+      const float d = dS[i * LS + j];
+      dSg[i * static_cast<int64_t>(p.V) + j] = d;  // the chunk's end-state gradient, over Y
+      dS[i * LS + j] = eg[i] * d + Y[i * LS + j] - v;
+    };
+    if (DELTA) {
+      tf32::gemm<K, VS, C, SW>(cols(W, LQ), rows(dD, LS), update);
+    } else {
+      for (int i = tid; i < K * VS; i += ST) update(i / VS, i % VS, 0.0f);
+    }
+    __syncthreads();  // Y, W, e^{G_C} and dDelta read; dS written
     if (ci > 0) load_b(ci - 1);
   }
   __syncthreads();
-  if (bp.io.dh0) slice_out<K, VS>(bp.io.dh0, bp.io.dh0_dt, p, n, hv, v0, dS, LS);
+  if (bp.io.dh0) slice_out<K, VS, ST>(bp.io.dh0, bp.io.dh0_dt, p, tk.n, hv, v0, dS, LS);
+}
+
+template <int K, bool DELTA, int VS>
+__global__ void __launch_bounds__(ST, 2) state_scans_kernel(const Params bp) {
+  extern __shared__ __align__(16) float sm[];
+  const chunk::SliceTask tk = chunk::slice_task<VS>(bp.f, bp.chunk_base, blockIdx.x >> 1);
+  if (blockIdx.x & 1) state_grad_scan<K, DELTA, VS>(bp, sm, tk);
+  else state_scan<K, DELTA, VS>(bp, sm, tk);
 }
 
 // ---- 5. value side (delta rule) ----------------------------------------------------------------
@@ -893,11 +949,13 @@ __global__ void __launch_bounds__(NT) pair_grad_kernel(const Params bp) {
 }
 
 // ---- host --------------------------------------------------------------------------------------
+constexpr int VS = 16;  // columns per scan CTA: the two roles' shared memory fits two CTAs per SM
+
 template <int K, bool DELTA>
 int max_smem() {
   int b = FactorsLayout<K, DELTA>::bytes;
-  b = b > FwdScanLayout<K, DELTA, 32>::bytes ? b : FwdScanLayout<K, DELTA, 32>::bytes;
-  b = b > ScanLayout<K, DELTA, 32>::bytes ? b : ScanLayout<K, DELTA, 32>::bytes;
+  b = b > ScanInputsLayout<K>::bytes ? b : ScanInputsLayout<K>::bytes;
+  b = b > ScanLayout<K, DELTA, VS>::bytes ? b : ScanLayout<K, DELTA, VS>::bytes;
   b = b > ValueLayout<K>::bytes ? b : ValueLayout<K>::bytes;
   b = b > KeyLayout::bytes ? b : KeyLayout::bytes;
   return b > PairLayout<K>::bytes ? b : PairLayout<K>::bytes;
@@ -909,20 +967,15 @@ int smem_needed(const Recurrence& r) {
 }
 
 template <int K, bool DELTA>
-void run_kernels(const Params& bp, int64_t chunks, int N, int HV, int V, int sms, cudaStream_t stream) {
-  auto go = [&](auto kernel, int64_t grid, int bytes) {
+void run_kernels(const Params& bp, int64_t chunks, int N, int HV, int V, cudaStream_t stream) {
+  auto go = [&](auto kernel, int64_t grid, int bytes, int threads = NT) {
     if (grid <= 0) return;
     chunk::allow_smem(kernel, bytes);
-    kernel<<<static_cast<unsigned>(grid), NT, bytes, stream>>>(bp);
+    kernel<<<static_cast<unsigned>(grid), threads, bytes, stream>>>(bp);
   };
   go(chunk_factors_kernel<K, DELTA>, chunks * HV, FactorsLayout<K, DELTA>::bytes);
-  // The scans: 32-column slices (half the factor traffic of 16) once they fill the SMs, else 16
-  const int64_t slices32 = static_cast<int64_t>(N) * HV * (V / 32);
-  const bool wide = slices32 >= sms;
-  if (wide) go(state_fwd_scan_kernel<K, DELTA, 32>, slices32, FwdScanLayout<K, DELTA, 32>::bytes);
-  else go(state_fwd_scan_kernel<K, DELTA, 16>, 2 * slices32, FwdScanLayout<K, DELTA, 16>::bytes);
-  if (wide) go(state_grad_scan_kernel<K, DELTA, 32>, slices32, ScanLayout<K, DELTA, 32>::bytes);
-  else go(state_grad_scan_kernel<K, DELTA, 16>, 2 * slices32, ScanLayout<K, DELTA, 16>::bytes);
+  go(scan_inputs_kernel<K, DELTA>, chunks * HV * (V / VE), ScanInputsLayout<K>::bytes);
+  go(state_scans_kernel<K, DELTA, VS>, 2 * static_cast<int64_t>(N) * HV * (V / VS), ScanLayout<K, DELTA, VS>::bytes, ST);
   if (DELTA) go(value_grad_kernel<K>, chunks * HV * (V / VE), ValueLayout<K>::bytes);
   go(key_grad_kernel<K, DELTA>, chunks * HV * (K / VE), KeyLayout::bytes);
   go(pair_grad_kernel<K, DELTA>, chunks * HV * (K / PC), PairLayout<K>::bytes);
@@ -965,7 +1018,7 @@ void cuda_chunk_bwd(const Recurrence& r, const cula_chunk_bwd_args& a) {
       state_bytes,                                         // S0
       align256(chunks * HV * fac_floats * 4),              // factors
       state_bytes,                                         // dS
-      r.tr.delta ? 3 * tok_v : 0,                          // dDelta, Delta, dB
+      (r.tr.delta ? 3 : 2) * tok_v,                        // dDelta (X), Delta (U), dB; or X, U
       r.tr.delta ? align256((V / VE) * BT * HV * 4) : 0,   // beta's partial sums
       align256(BT * HV * bwd::part_width(K) * 4),          // part
       bwd::chain_bytes(r),                                 // chain
@@ -984,9 +1037,10 @@ void cuda_chunk_bwd(const Recurrence& r, const cula_chunk_bwd_args& a) {
   bp.S0 = reinterpret_cast<float*>(at[2]);
   bp.fac = reinterpret_cast<float*>(at[3]);
   bp.dS = reinterpret_cast<float*>(at[4]);
+  bp.X = reinterpret_cast<float*>(at[5]);
+  bp.U = reinterpret_cast<float*>(at[5] + tok_v);
   if (r.tr.delta) {
-    bp.dDelta = reinterpret_cast<float*>(at[5]);
-    bp.Delta = reinterpret_cast<float*>(at[5] + tok_v);
+    bp.dDelta = bp.X, bp.Delta = bp.U;
     bp.dB = reinterpret_cast<float*>(at[5] + 2 * tok_v);
     bp.dbeta_part = reinterpret_cast<float*>(at[6]);
   }
@@ -996,13 +1050,13 @@ void cuda_chunk_bwd(const Recurrence& r, const cula_chunk_bwd_args& a) {
 
   if (bp.chunk_base) chunk::launch_chunk_base(bp.f, bp.chunk_base, stream);
   bwd::launch_token_inputs(bp.f, bp.x, /*log_decay=*/true, stream);
-  const int N = static_cast<int>(r.N), sms = cuda_sm_count(device);
+  const int N = static_cast<int>(r.N);
   if (K == 64) {
-    if (r.tr.delta) run_kernels<64, true>(bp, chunks, N, static_cast<int>(HV), static_cast<int>(V), sms, stream);
-    else run_kernels<64, false>(bp, chunks, N, static_cast<int>(HV), static_cast<int>(V), sms, stream);
+    if (r.tr.delta) run_kernels<64, true>(bp, chunks, N, static_cast<int>(HV), static_cast<int>(V), stream);
+    else run_kernels<64, false>(bp, chunks, N, static_cast<int>(HV), static_cast<int>(V), stream);
   } else {
-    if (r.tr.delta) run_kernels<128, true>(bp, chunks, N, static_cast<int>(HV), static_cast<int>(V), sms, stream);
-    else run_kernels<128, false>(bp, chunks, N, static_cast<int>(HV), static_cast<int>(V), sms, stream);
+    if (r.tr.delta) run_kernels<128, true>(bp, chunks, N, static_cast<int>(HV), static_cast<int>(V), stream);
+    else run_kernels<128, false>(bp, chunks, N, static_cast<int>(HV), static_cast<int>(V), stream);
   }
   bwd::check(cudaGetLastError(), "kernel launch");
   bwd::launch_chain(r, a, bp.f, bp.part, /*tiles=*/1, at[8], stream);

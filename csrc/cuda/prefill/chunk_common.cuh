@@ -36,17 +36,22 @@ struct SliceTask {
   Seq sq;
   int64_t cbase;
 };
+// (task: the index in that order, blockIdx.x unless a kernel runs several roles per launch)
 template <int VB>
-__device__ __forceinline__ SliceTask slice_task(const FwdParams& p, const int32_t* chunk_base) {
+__device__ __forceinline__ SliceTask slice_task(const FwdParams& p, const int32_t* chunk_base, unsigned task) {
   SliceTask tk;
   const int nvb = p.V / VB;
-  tk.v0 = static_cast<int>(blockIdx.x % nvb) * VB;
-  tk.hv = static_cast<int>((blockIdx.x / nvb) % p.HV);
-  tk.n = static_cast<int>(blockIdx.x / (static_cast<unsigned>(nvb) * p.HV));
+  tk.v0 = static_cast<int>(task % nvb) * VB;
+  tk.hv = static_cast<int>((task / nvb) % p.HV);
+  tk.n = static_cast<int>(task / (static_cast<unsigned>(nvb) * p.HV));
   tk.sq = seq_of(p, tk.n);
   tk.nchunks = static_cast<int>((tk.sq.eos - tk.sq.bos + kChunk - 1) / kChunk);
   tk.cbase = chunk_base ? chunk_base[tk.n] : static_cast<int64_t>(tk.n) * chunks_of(p);
   return tk;
+}
+template <int VB>
+__device__ __forceinline__ SliceTask slice_task(const FwdParams& p, const int32_t* chunk_base) {
+  return slice_task<VB>(p, chunk_base, blockIdx.x);
 }
 
 // Sequence n and chunk ci of global chunk cidx; false past the last chunk of a varlen call.
