@@ -40,11 +40,16 @@ struct View {
 __device__ __forceinline__ View<false> rows(const float* p, int ld) { return View<false>{p, ld}; }
 __device__ __forceinline__ View<true> cols(const float* p, int ld) { return View<true>{p, ld}; }
 
-// x = hi + lo, both TF32: the split of 3xTF32 products (hi b_hi + hi b_lo + lo b_hi), about fp32's
-// precision at three products' cost.
+// x = hi + lo: the split of 3xTF32 products (hi b_hi + hi b_lo + lo b_hi), about fp32's precision
+// at three products' cost. hi is x rounded to TF32 by integer ops (add half a unit of TF32's last
+// place to the magnitude's bits, clear the 13 bits below it: round half away from zero, for finite
+// x); lo = x - hi is exact in fp32 and goes to the tensor core as it is, which reads a TF32 operand's
+// top 19 bits (lo truncated: an error below 2^-21 |x|, with lo_a lo_b, the term 3xTF32 leaves out,
+// about 2^-22 |a b|). Three instructions, where cvt.rna.tf32.f32 twice costs about ten: the products'
+// operand splits are most of a backward kernel's issued instructions.
 __device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo) {
-  hi = to_tf32(x);
-  lo = to_tf32(x - __uint_as_float(hi));
+  hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+  lo = __float_as_uint(x - __uint_as_float(hi));
 }
 
 // One k-step (8 deep) of the 16 x 8NB tile at (m0, n0), lane (g, t): acc += A B. kPrecise
