@@ -85,6 +85,15 @@ struct Params {
   int64_t BT;
 };
 
+// e^x on the SFU with results below 2^-126 flushed to zero (what __expf costs, without its
+// denormal fix-ups: every exponent here is at most 0, and a flushed factor is below fp32's
+// resolution of the terms it multiplies).
+__device__ __forceinline__ float fast_exp(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+  return y;
+}
+
 // Where a per-chunk CTA's chunk lies: its sequence row, first token, valid rows and flattened
 // first token. False past the last chunk of a varlen call.
 struct ChunkAt {
@@ -225,13 +234,13 @@ __device__ __forceinline__ void factors_block_row(const float* qs, const float* 
   __syncthreads();  // S free
   for (int i = threadIdx.x; i < 16 * K; i += NT) {
     const int t = 16 * I + i / K, c = i % K;
-    const float e = __expf(Gs[t * LK + c] - Gs[r * LK + c]);
+    const float e = fast_exp(Gs[t * LK + c] - Gs[r * LK + c]);
     Lq[(i / K) * LK + c] = qs[t * LK + c] * e;
     if (DELTA) Lk[(i / K) * LK + c] = ks[t * LK + c] * e;
   }
   for (int i = threadIdx.x; i < 16 * I * K; i += NT) {
     const int s = i / K, c = i % K;
-    R[s * LK + c] = ks[s * LK + c] * __expf(Gs[r * LK + c] - Gs[s * LK + c]);
+    R[s * LK + c] = ks[s * LK + c] * fast_exp(Gs[r * LK + c] - Gs[s * LK + c]);
   }
   __syncthreads();
   static_assert(tf32::wide_scratch<16, 16 * I, K, NW>() <= Ly::SC, "scratch");
@@ -292,7 +301,7 @@ __global__ void __launch_bounds__(NT) chunk_factors_kernel(const Params bp) {
 #pragma unroll 8
     for (int m = 0; m < K; ++m) {
       const int c = (m + lane) & (K - 1);
-      const float x = kv[c] * __expf(Gt[c] - Gv[c]);
+      const float x = kv[c] * fast_exp(Gt[c] - Gv[c]);
       ap += qt[c] * x;
       if (DELTA) ak += kt[c] * x;
     }
@@ -356,13 +365,13 @@ __global__ void __launch_bounds__(NT) chunk_factors_kernel(const Params bp) {
   float* bKg = S + 3 * 256;
   for (int i = tid; i < C * K; i += NT) {
     const int t = i / K, c = i % K;
-    const float G = Gs[t * LK + c], e = __expf(G);
+    const float G = Gs[t * LK + c], e = fast_exp(G);
     fac[F::G + i] = G;
     fac[F::Q + i] = qs[t * LK + c] * e;
-    fac[F::R + i] = ks[t * LK + c] * __expf(Gs[(C - 1) * LK + c] - G);
+    fac[F::R + i] = ks[t * LK + c] * fast_exp(Gs[(C - 1) * LK + c] - G);
     if (DELTA) bKg[t * LB + c] = bet[t] * ks[t * LK + c] * e;
   }
-  for (int c = tid; c < K; c += NT) fac[F::EG + c] = __expf(Gs[(C - 1) * LK + c]);
+  for (int c = tid; c < K; c += NT) fac[F::EG + c] = fast_exp(Gs[(C - 1) * LK + c]);
   if (DELTA) {
     for (int i = tid; i < C * C; i += NT) fac[F::T + i] = Tm[(i / C) * LA + i % C];
     __syncthreads();
@@ -606,7 +615,7 @@ __global__ void __launch_bounds__(NT) value_grad_kernel(const Params bp) {
 #pragma unroll 8
   for (int i = tid; i < C * K; i += NT) {
     const int t = i / K, c = i % K;
-    Kg[t * LK + c] = t < Lc ? bp.x.kh[((ch.f0 + t) * p.H + h) * K + c] * __expf(fac[F::G + i]) : 0.0f;
+    Kg[t * LK + c] = t < Lc ? bp.x.kh[((ch.f0 + t) * p.H + h) * K + c] * fast_exp(fac[F::G + i]) : 0.0f;
   }
   if (tid < C) bet[tid] = tid < Lc ? bp.x.beta[(ch.f0 + tid) * p.HV + hv] : 0.0f;
   mma::cp_async_wait_all();
@@ -702,7 +711,7 @@ __global__ void __launch_bounds__(NT) key_grad_kernel(const Params bp) {
   for (int i = tid; i < Lc * VE; i += NT) {
     const int t = i / VE, c = i % VE;
     const int64_t f = ch.f0 + t;
-    const float G = fac[F::G + t * K + c0 + c], e = __expf(G), er = __expf(fac[F::G + (C - 1) * K + c0 + c] - G);
+    const float G = fac[F::G + t * K + c0 + c], e = fast_exp(G), er = fast_exp(fac[F::G + (C - 1) * K + c0 + c] - G);
     const float q = bp.x.qh[(f * p.H + h) * K + c0 + c], k = bp.x.kh[(f * p.H + h) * K + c0 + c];
     const float dq = e * sQ[t * L + c], dkg = DELTA ? e * sK[t * L + c] : 0.0f, dkr = er * sR[t * L + c];
     float* pr = bp.part + (f * p.HV + hv) * PW;
@@ -757,13 +766,13 @@ __device__ __forceinline__ void pair_block_rows(const PairCtx<K>& x) {
   __syncthreads();  // S free; the passes before are done with the accumulators
   for (int i = threadIdx.x; i < 16 * I * PC; i += NT) {
     const int s = i / PC, c = i % PC;
-    x.S[s * LS + c] = x.ks[s * LK + c] * __expf(x.Gs[r * LK + c] - x.Gs[s * LK + c]);
+    x.S[s * LS + c] = x.ks[s * LK + c] * fast_exp(x.Gs[r * LK + c] - x.Gs[s * LK + c]);
   }
   __syncthreads();
   tf32::gemm_wide<16, PC, 16 * I, NW>(rows(x.dP + 16 * I * LC, LC), rows(x.S, LS), x.sc0, [&](int i, int c, float v) {
     const int t = 16 * I + i;
     if (t >= x.Lc) return;
-    v *= __expf(x.Gs[t * LK + c] - x.Gs[r * LK + c]);
+    v *= fast_exp(x.Gs[t * LK + c] - x.Gs[r * LK + c]);
     x.aq[t * LK + c] += v;
     x.dGs[t * LK + c] += x.qs[t * LK + c] * v;
   });
@@ -771,7 +780,7 @@ __device__ __forceinline__ void pair_block_rows(const PairCtx<K>& x) {
     tf32::gemm_wide<16, PC, 16 * I, NW>(rows(x.w + 16 * I * LC, LC), rows(x.S, LS), x.sc1, [&](int i, int c, float v) {
       const int t = 16 * I + i;
       if (t >= x.Lc) return;
-      v *= __expf(x.Gs[t * LK + c] - x.Gs[r * LK + c]);
+      v *= fast_exp(x.Gs[t * LK + c] - x.Gs[r * LK + c]);
       x.ak[t * LK + c] += v;
       x.dGs[t * LK + c] += x.ks[t * LK + c] * v;
     });
@@ -787,7 +796,7 @@ __device__ __forceinline__ void pair_block_cols(const PairCtx<K>& x) {
   auto epi = [&](int i, int c, float v) {
     const int s = 16 * J + i;
     if (s >= x.Lc) return;
-    v *= __expf(x.Gs[rho * LK + c] - x.Gs[s * LK + c]);
+    v *= fast_exp(x.Gs[rho * LK + c] - x.Gs[s * LK + c]);
     x.ak[s * LK + c] += v;
     x.dGs[s * LK + c] -= x.ks[s * LK + c] * v;
   };
@@ -796,7 +805,7 @@ __device__ __forceinline__ void pair_block_cols(const PairCtx<K>& x) {
     __syncthreads();
     for (int i = threadIdx.x; i < NTK * PC; i += NT) {
       const int t = t0 + i / PC, c = i % PC;
-      x.S[(i / PC) * LS + c] = src[t * LK + c] * __expf(x.Gs[t * LK + c] - x.Gs[rho * LK + c]);
+      x.S[(i / PC) * LS + c] = src[t * LK + c] * fast_exp(x.Gs[t * LK + c] - x.Gs[rho * LK + c]);
     }
     __syncthreads();
     tf32::gemm_wide<16, PC, NTK, NW>(cols((pass == 0 ? x.dP : x.w) + t0 * LC + 16 * J, LC), rows(x.S, LS), x.sc0, epi);
@@ -903,7 +912,7 @@ __global__ void __launch_bounds__(NT) pair_grad_kernel(const Params bp) {
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       const int s = b + j;
-      const float e = __expf(fminf(Gt - Gs[s * LK + c], 0.0f)) * ks[s * LK + c];
+      const float e = fast_exp(fminf(Gt - Gs[s * LK + c], 0.0f)) * ks[s * LK + c];
       aqs += dP[t * LC + s] * e;
       if (DELTA) aks += dA[t * LC + s] * e;
     }
@@ -918,7 +927,7 @@ __global__ void __launch_bounds__(NT) pair_grad_kernel(const Params bp) {
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       const int t = b + j;
-      const float e = __expf(fminf(Gs[t * LK + c] - Gv, 0.0f));
+      const float e = fast_exp(fminf(Gs[t * LK + c] - Gv, 0.0f));
       ap += dP[t * LC + s] * e * qs[t * LK + c];
       if (DELTA) ar += dA[t * LC + s] * e * ks[t * LK + c];
     }
