@@ -23,11 +23,10 @@
 //  6. key_grad_kernel, per (chunk, value head, 64 channels): over V, dQg = dO S0^T,
 //     dKg = -(beta dB) S0^T, dKr = Delta dS^T and the channel sums of S0 . dS; their terms of
 //     dq^, dk^ and dG.
-//  7. pair_grad_kernel, per (chunk, value head, 64 channels): dP = tril(dO Delta^T),
-//     dA = -stril(dB Delta^T) over V (each channel CTA of a chunk forms them); beta's KEK term; the
-//     pair terms of dq^, dk^ and dG, accumulated in shared memory on top of the key kernel's and
-//     written back once (diagonal blocks exact per channel, the rest on tensor cores); da, the
-//     reverse cumulative sum of dG.
+//  7. pair_grad_kernel, per (chunk, value head): dP = tril(dO Delta^T), dA = -stril(dB Delta^T)
+//     over V, once; beta's KEK term; then by halves of 64 channels, the pair terms of dq^, dk^ and
+//     dG, accumulated in shared memory on top of the key kernel's and written back once (diagonal
+//     blocks exact per channel, the rest on tensor cores); da, the reverse cumulative sum of dG.
 //  8. the chain kernels (chain.cu), as the recurrent form.
 // The scans stream the next chunk's tiles by cp.async one phase ahead. Deterministic: every
 // sum in a fixed order, no atomics. Barriers: __syncthreads between phases; an accumulating product
@@ -731,11 +730,11 @@ __global__ void __launch_bounds__(NT) key_grad_kernel(const Params bp) {
 }
 
 // ---- 7. pair side ------------------------------------------------------------------------------
-// One CTA per (chunk, value head, 64 channels): the pair terms are per channel once dP and dA are
-// formed (over V, by each of a chunk's channel CTAs), so a CTA keeps its channels' dq^ and dk^ terms
-// in shared memory (aq, ak) from the key kernel's partial rows to one write back, instead of adding
+// One CTA per (chunk, value head): dP and dA are formed over V once; the pair terms are then per
+// channel, so the CTA takes the channels in halves of PC, keeping a half's dq^ and dk^ terms in
+// shared memory (aq, ak) from the key kernel's partial rows to one write back, instead of adding
 // to the part rows in global memory pass after pass.
-constexpr int PC = 64;  // channels per pair CTA
+constexpr int PC = 64;  // channels per pass of the pair kernel
 template <int K>
 struct PairLayout {
   static constexpr int L = VE + 4, LC = C + 8, LK = PC + 4, LS = PC + 8;
@@ -816,7 +815,7 @@ template <int K, bool DELTA>
 __global__ void __launch_bounds__(NT) pair_grad_kernel(const Params bp) {
   using Ly = PairLayout<K>;
   using F = Fac<K>;
-  constexpr int L = Ly::L, LC = Ly::LC, LK = Ly::LK, NH = K / PC;
+  constexpr int L = Ly::L, LC = Ly::LC, LK = Ly::LK;
   constexpr int64_t PW = bwd::part_width(K);
   extern __shared__ __align__(16) float sm[];
   float *dP = sm + Ly::dP, *dA = sm + Ly::dA, *dO = sm + Ly::dO, *dB = sm + Ly::dB, *Dl = sm + Ly::D;
@@ -824,8 +823,7 @@ __global__ void __launch_bounds__(NT) pair_grad_kernel(const Params bp) {
   float* bet = sm + Ly::beta;
   const FwdParams& p = bp.f;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int half = static_cast<int>(blockIdx.x % NH), c0 = half * PC;
-  const int cidx = static_cast<int>(blockIdx.x / NH / p.HV), hv = static_cast<int>((blockIdx.x / NH) % p.HV);
+  const int cidx = static_cast<int>(blockIdx.x / p.HV), hv = static_cast<int>(blockIdx.x % p.HV);
   const int h = hv / (p.HV / p.H);
   ChunkAt ch;
   if (!chunk_at(bp, cidx, ch)) return;
@@ -859,102 +857,105 @@ __global__ void __launch_bounds__(NT) pair_grad_kernel(const Params bp) {
   aP.drain([&](int i, int j, float v) { dP[i * LC + j] = j <= i ? v : 0.0f; });
   if (DELTA) aA.drain([&](int i, int j, float v) { dA[i * LC + j] = j < i ? -v : 0.0f; });
   __syncthreads();  // phase 1's buffers end
-  rows_async<C, PC>(qs, LK, bp.x.qh + (ch.f0 * p.H + h) * K + c0, static_cast<int64_t>(p.H) * K, Lc);
-  rows_async<C, PC>(ks, LK, bp.x.kh + (ch.f0 * p.H + h) * K + c0, static_cast<int64_t>(p.H) * K, Lc);
-  rows_async<C, PC>(Gs, LK, fac + F::G + c0, K);
-  mma::cp_async_commit();
-  // beta (one channel CTA): its sums from the value kernel's column slices, in order, and A's term
-  // sum_s dA_ts KEK_ts
-  if (half == 0)
-    for (int t = warp; t < Lc; t += NW) {
-      float s = 0.0f;
+  // beta: its sums from the value kernel's column slices, in order, and A's term sum_s dA_ts KEK_ts
+  for (int t = warp; t < Lc; t += NW) {
+    float s = 0.0f;
+    if (DELTA)
+      for (int u = lane; u < t; u += 32) s += dA[t * LC + u] * fac[F::KEK + t * C + u];
+    s = dev::warp_sum(s);
+    if (lane == 0) {
       if (DELTA)
-        for (int u = lane; u < t; u += 32) s += dA[t * LC + u] * fac[F::KEK + t * C + u];
-      s = dev::warp_sum(s);
-      if (lane == 0) {
-        if (DELTA)
-          for (int sl = 0; sl < p.V / VE; ++sl) s += bp.dbeta_part[(sl * bp.BT + ch.f0 + t) * p.HV + hv];
-        part[t * row_ld + 3 * K] = DELTA ? s : 0.0f;
+        for (int sl = 0; sl < p.V / VE; ++sl) s += bp.dbeta_part[(sl * bp.BT + ch.f0 + t) * p.HV + hv];
+      part[t * row_ld + 3 * K] = DELTA ? s : 0.0f;
+    }
+  }
+  if (DELTA) {  // dA turns into w = beta_t dA_ts
+    __syncthreads();
+    for (int i = tid; i < C * C; i += NT) dA[(i / C) * LC + i % C] *= bet[i / C];
+  }
+  // the channels in halves of PC: dP and w formed once above, for both
+  for (int c0 = 0; c0 < K; c0 += PC) {
+    __syncthreads();  // w scaled; the half before written back
+    rows_async<C, PC>(qs, LK, bp.x.qh + (ch.f0 * p.H + h) * K + c0, static_cast<int64_t>(p.H) * K, Lc);
+    rows_async<C, PC>(ks, LK, bp.x.kh + (ch.f0 * p.H + h) * K + c0, static_cast<int64_t>(p.H) * K, Lc);
+    rows_async<C, PC>(Gs, LK, fac + F::G + c0, K);
+    mma::cp_async_commit();
+    {  // the key kernel's terms of dq^, dk^ and dG: every load before the first store
+      constexpr int PER = C * PC / NT;
+      float rq[PER], rk[PER], rg[PER];
+#pragma unroll
+      for (int u = 0; u < PER; ++u) {
+        const int i = tid + u * NT, t = i / PC, c = c0 + i % PC;
+        const float* pr = part + t * row_ld;
+        rq[u] = t < Lc ? pr[c] : 0.0f;
+        rk[u] = t < Lc ? pr[K + c] : 0.0f;
+        rg[u] = t < Lc ? pr[2 * K + c] : 0.0f;
+      }
+#pragma unroll
+      for (int u = 0; u < PER; ++u) {
+        const int i = tid + u * NT, t = i / PC, c = i % PC;
+        aq[t * LK + c] = rq[u], ak[t * LK + c] = rk[u], dGs[t * LK + c] = rg[u];
       }
     }
-  {  // the key kernel's terms of dq^, dk^ and dG: every load before the first store
-    constexpr int PER = C * PC / NT;
-    float rq[PER], rk[PER], rg[PER];
-#pragma unroll
-    for (int u = 0; u < PER; ++u) {
-      const int i = tid + u * NT, t = i / PC, c = c0 + i % PC;
-      const float* pr = part + t * row_ld;
-      rq[u] = t < Lc ? pr[c] : 0.0f;
-      rk[u] = t < Lc ? pr[K + c] : 0.0f;
-      rg[u] = t < Lc ? pr[2 * K + c] : 0.0f;
-    }
-#pragma unroll
-    for (int u = 0; u < PER; ++u) {
-      const int i = tid + u * NT, t = i / PC, c = i % PC;
-      aq[t * LK + c] = rq[u], ak[t * LK + c] = rk[u], dGs[t * LK + c] = rg[u];
-    }
-  }
-  mma::cp_async_wait_all();
-  __syncthreads();
-  if (DELTA)  // dA turns into w = beta_t dA_ts
-    for (int i = tid; i < C * C; i += NT) dA[(i / C) * LC + i % C] *= bet[i / C];
-  __syncthreads();
+    mma::cp_async_wait_all();
+    __syncthreads();
 
-  // diagonal blocks, exact: thread (channel c, group grp) owns rows t = grp (mod NG)
-  constexpr int NG = NT / PC;
-  const int c = tid % PC, grp = tid / PC;
-  // (all 16 tokens of the block, unrolled: dP and w are zero outside their triangles, and the
-  // exponent is clamped at 0 there so that no e^{+x} overflows)
-  for (int t = grp; t < Lc; t += NG) {
-    const int b = t & ~15;
-    const float Gt = Gs[t * LK + c];
-    float aqs = 0.0f, aks = 0.0f;
+    // diagonal blocks, exact: thread (channel c, group grp) owns rows t = grp (mod NG)
+    constexpr int NG = NT / PC;
+    const int c = tid % PC, grp = tid / PC;
+    // (all 16 tokens of the block, unrolled: dP and w are zero outside their triangles, and the
+    // exponent is clamped at 0 there so that no e^{+x} overflows)
+    for (int t = grp; t < Lc; t += NG) {
+      const int b = t & ~15;
+      const float Gt = Gs[t * LK + c];
+      float aqs = 0.0f, aks = 0.0f;
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const int s = b + j;
-      const float e = fast_exp(fminf(Gt - Gs[s * LK + c], 0.0f)) * ks[s * LK + c];
-      aqs += dP[t * LC + s] * e;
-      if (DELTA) aks += dA[t * LC + s] * e;
+      for (int j = 0; j < 16; ++j) {
+        const int s = b + j;
+        const float e = fast_exp(fminf(Gt - Gs[s * LK + c], 0.0f)) * ks[s * LK + c];
+        aqs += dP[t * LC + s] * e;
+        if (DELTA) aks += dA[t * LC + s] * e;
+      }
+      aq[t * LK + c] += aqs;
+      if (DELTA) ak[t * LK + c] += aks;
+      dGs[t * LK + c] += qs[t * LK + c] * aqs + ks[t * LK + c] * aks;
     }
-    aq[t * LK + c] += aqs;
-    if (DELTA) ak[t * LK + c] += aks;
-    dGs[t * LK + c] += qs[t * LK + c] * aqs + ks[t * LK + c] * aks;
-  }
-  for (int s = grp; s < Lc; s += NG) {
-    const int b = s & ~15;
-    const float Gv = Gs[s * LK + c];
-    float ap = 0.0f, ar = 0.0f;
+    for (int s = grp; s < Lc; s += NG) {
+      const int b = s & ~15;
+      const float Gv = Gs[s * LK + c];
+      float ap = 0.0f, ar = 0.0f;
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const int t = b + j;
-      const float e = fast_exp(fminf(Gs[t * LK + c] - Gv, 0.0f));
-      ap += dP[t * LC + s] * e * qs[t * LK + c];
-      if (DELTA) ar += dA[t * LC + s] * e * ks[t * LK + c];
+      for (int j = 0; j < 16; ++j) {
+        const int t = b + j;
+        const float e = fast_exp(fminf(Gs[t * LK + c] - Gv, 0.0f));
+        ap += dP[t * LC + s] * e * qs[t * LK + c];
+        if (DELTA) ar += dA[t * LC + s] * e * ks[t * LK + c];
+      }
+      ak[s * LK + c] += ap + ar;
+      dGs[s * LK + c] -= ks[s * LK + c] * (ap + ar);
     }
-    ak[s * LK + c] += ap + ar;
-    dGs[s * LK + c] -= ks[s * LK + c] * (ap + ar);
-  }
-  // off the diagonal, on tensor cores
-  pair_block_rows<K, DELTA, 1>(x);
-  pair_block_rows<K, DELTA, 2>(x);
-  pair_block_rows<K, DELTA, 3>(x);
-  pair_block_cols<K, DELTA, 0>(x);
-  pair_block_cols<K, DELTA, 1>(x);
-  pair_block_cols<K, DELTA, 2>(x);
-  __syncthreads();
-  for (int i = tid; i < Lc * PC; i += NT) {  // dq^ and dk^ terms back, once
-    const int t = i / PC, cc = i % PC;
-    float* pr = part + t * row_ld + c0 + cc;
-    pr[0] = aq[t * LK + cc];
-    pr[K] = ak[t * LK + cc];
-  }
-  for (int cc = tid; cc < PC; cc += NT) {  // da: G_t = sum_{s <= t} a_s
-    float acc = 0.0f;
-    for (int t = Lc - 1; t >= 0; --t) {
-      acc += dGs[t * LK + cc];
-      part[t * row_ld + 2 * K + c0 + cc] = acc;
+    // off the diagonal, on tensor cores
+    pair_block_rows<K, DELTA, 1>(x);
+    pair_block_rows<K, DELTA, 2>(x);
+    pair_block_rows<K, DELTA, 3>(x);
+    pair_block_cols<K, DELTA, 0>(x);
+    pair_block_cols<K, DELTA, 1>(x);
+    pair_block_cols<K, DELTA, 2>(x);
+    __syncthreads();
+    for (int i = tid; i < Lc * PC; i += NT) {  // dq^ and dk^ terms back, once
+      const int t = i / PC, cc = i % PC;
+      float* pr = part + t * row_ld + c0 + cc;
+      pr[0] = aq[t * LK + cc];
+      pr[K] = ak[t * LK + cc];
     }
-  }
+    for (int cc = tid; cc < PC; cc += NT) {  // da: G_t = sum_{s <= t} a_s
+      float acc = 0.0f;
+      for (int t = Lc - 1; t >= 0; --t) {
+        acc += dGs[t * LK + cc];
+        part[t * row_ld + 2 * K + c0 + cc] = acc;
+      }
+    }
+  }  // halves
 }
 
 // ---- host --------------------------------------------------------------------------------------
@@ -987,7 +988,7 @@ void run_kernels(const Params& bp, int64_t chunks, int N, int HV, int V, cudaStr
   go(state_scans_kernel<K, DELTA, VS>, 2 * static_cast<int64_t>(N) * HV * (V / VS), ScanLayout<K, DELTA, VS>::bytes, ST);
   if (DELTA) go(value_grad_kernel<K>, chunks * HV * (V / VE), ValueLayout<K>::bytes);
   go(key_grad_kernel<K, DELTA>, chunks * HV * (K / VE), KeyLayout::bytes);
-  go(pair_grad_kernel<K, DELTA>, chunks * HV * (K / PC), PairLayout<K>::bytes);
+  go(pair_grad_kernel<K, DELTA>, chunks * HV, PairLayout<K>::bytes);
 }
 
 }  // namespace
