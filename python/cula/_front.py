@@ -225,8 +225,6 @@ def _key_slices_as_heads(family, q, k, v, g, decay, initial_state, opts, step, V
     add in float32 and their state rows join along K. One launch with S times the heads fills the
     GPU where S calls of H heads each would run one after another; exact, as the slices are (the state
     rows of a family without the delta rule are independent)."""
-    import torch
-
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[-1]
     S, G = -(-K // step), HV // H
@@ -257,8 +255,9 @@ def _key_slices_as_heads(family, q, k, v, g, decay, initial_state, opts, step, V
             x = x.reshape(N, H, G, Vp, S, step).permute(0, 1, 4, 2, 3, 5)
         initial_state = x.reshape(N, HV * S, *((step, Vp) if k_first else (Vp, step)))
     o, *states = chunk(family, q, k, v, g, None, decay, initial_state=initial_state, **opts)
-    acc = torch.promote_types(o.dtype, torch.float32)
-    o = o.reshape(B, T, H, S, G, Vp).to(acc).sum(3).reshape(B, T, HV, Vp).to(o.dtype)
+    # one reduction over the slices: torch sums 16-bit floats in float32 and rounds once, as a
+    # float32 round trip would, without its two conversion passes over the widened output
+    o = o.reshape(B, T, H, S, G, Vp).sum(3).reshape(B, T, HV, Vp)
     o = o.narrow(-1, 0, V).contiguous() if Vp != V else o
 
     def join(x):  # [N, HV S, step, V] or [N, HV S, V, step] -> the caller's [N, HV, K, V] or [N, HV, V, K]
