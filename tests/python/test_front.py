@@ -479,6 +479,31 @@ def test_fused_families_run_wide_keys_as_slices_of_128(rng, monkeypatch, family,
         assert rel(a.numpy(), b.numpy()) < 1e-10
 
 
+@pytest.mark.parametrize("family", ["simple_gla", "lightning"])
+def test_wide_key_slices_as_heads_keep_varlen(rng, monkeypatch, family):
+    """The slices-as-heads run of a packed batch (an empty sequence, one over a chunk) with initial
+    and final states: the same outputs and gradients as the direct call (float64 host tensors, the
+    bf16 slice width forced)."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from cula import _front
+
+    monkeypatch.setattr(_front, "_key_slice", lambda fam, q: 128)
+    x = _fit_inputs(torch, rng, family, 256, "head" if family == "simple_gla" else None, B=1, T=90)
+    cu = torch.tensor([0, 70, 70, 90], dtype=torch.int32)
+    h0 = torch.from_numpy(rng.standard_normal((3, 2, 12, 256))).requires_grad_()
+    kw = dict(output_final_state=True, cu_seqlens=cu)
+    direct = _front.chunk(family, x["q"], x["k"], x["v"], x["g"], None, x["decay"], initial_state=h0, **kw)
+    fitted = _front._fit_head_size(family, x["q"], x["k"], x["v"], x["g"], None, x["decay"], None, None, h0, kw)
+    for a, b in zip(fitted, direct):
+        assert a.shape == b.shape and rel(a.detach().numpy(), b.detach().numpy()) < 1e-12
+    leaves = [t for t in (x["q"], x["k"], x["v"], x["g"], h0) if t is not None]
+    do = torch.randn_like(direct[0])
+    g_direct = torch.autograd.grad((direct[0] * do).sum() + direct[1].sum(), leaves)
+    g_fitted = torch.autograd.grad((fitted[0] * do).sum() + fitted[1].sum(), leaves)
+    for a, b in zip(g_fitted, g_direct):
+        assert rel(a.numpy(), b.numpy()) < 1e-10
+
+
 def test_head_size_fit_refuses_delta_rule_over_256(rng):
     torch = pytest.importorskip("torch", reason="torch is not installed")
     from cula import _front
