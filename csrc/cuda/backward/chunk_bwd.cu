@@ -99,15 +99,21 @@ struct ChunkAt {
   int b_row, Lc;
   int64_t t0, f0;
 };
+// Chunk ci of sequence sq (the scans walk a sequence's chunks with it).
+__device__ __forceinline__ ChunkAt chunk_in(const FwdParams& p, const Seq& sq, int ci) {
+  ChunkAt ch;
+  ch.t0 = sq.bos + static_cast<int64_t>(ci) * C;
+  ch.Lc = static_cast<int>(min(int64_t{C}, sq.eos - ch.t0));
+  ch.b_row = sq.b_row;
+  ch.f0 = static_cast<int64_t>(sq.b_row) * p.T + ch.t0;
+  return ch;
+}
 __device__ __forceinline__ bool chunk_at(const Params& bp, int cidx, ChunkAt& ch) {
   int n, ci;
   if (!chunk::locate(bp.f, bp.chunk_base, cidx, n, ci)) return false;
   const Seq sq = seq_of(bp.f, n);
-  ch.t0 = sq.bos + static_cast<int64_t>(ci) * C;
-  if (ch.t0 >= sq.eos) return false;
-  ch.Lc = static_cast<int>(min(int64_t{C}, sq.eos - ch.t0));
-  ch.b_row = sq.b_row;
-  ch.f0 = static_cast<int64_t>(sq.b_row) * bp.f.T + ch.t0;
+  if (sq.bos + static_cast<int64_t>(ci) * C >= sq.eos) return false;
+  ch = chunk_in(bp.f, sq, ci);
   return true;
 }
 
@@ -470,8 +476,8 @@ __device__ __forceinline__ void state_scan(const Params& bp, float* sm, const ch
   const int64_t tok_ld = static_cast<int64_t>(p.HV) * p.V;
   auto fac_of = [&](int ci) { return bp.fac + ((tk.cbase + ci) * p.HV + hv) * F::size; };
   auto u_rows = [&](int ci) {
-    const int64_t t0 = tk.sq.bos + static_cast<int64_t>(ci) * C, f0 = static_cast<int64_t>(tk.sq.b_row) * p.T + t0;
-    rows_async<C, VS, ST>(U, LS, bp.U + f0 * tok_ld + hv * p.V + v0, tok_ld, static_cast<int>(min(int64_t{C}, tk.sq.eos - t0)));
+    const ChunkAt ch = chunk_in(p, tk.sq, ci);
+    rows_async<C, VS, ST>(U, LS, bp.U + ch.f0 * tok_ld + hv * p.V + v0, tok_ld, ch.Lc);
   };
   auto load_a = [&](int ci) {
     if (DELTA) {
@@ -522,8 +528,8 @@ __device__ __forceinline__ void state_grad_scan(const Params& bp, float* sm, con
   auto fac_of = [&](int ci) { return bp.fac + ((tk.cbase + ci) * p.HV + hv) * F::size; };
   auto ds_of = [&](int ci) { return bp.dS + ((tk.cbase + ci) * p.HV + hv) * static_cast<int64_t>(K) * p.V + v0; };
   auto load_a = [&](int ci) {
-    const int64_t t0 = tk.sq.bos + static_cast<int64_t>(ci) * C, f0 = static_cast<int64_t>(tk.sq.b_row) * p.T + t0;
-    rows_async<C, VS, ST>(X, LS, bp.X + f0 * tok_ld + hv * p.V + v0, tok_ld, static_cast<int>(min(int64_t{C}, tk.sq.eos - t0)));
+    const ChunkAt ch = chunk_in(p, tk.sq, ci);
+    rows_async<C, VS, ST>(X, LS, bp.X + ch.f0 * tok_ld + hv * p.V + v0, tok_ld, ch.Lc);
     rows_async<C, K, ST>(Kr, LR, fac_of(ci) + F::R, K);
     mma::cp_async_commit();
   };
@@ -536,19 +542,17 @@ __device__ __forceinline__ void state_grad_scan(const Params& bp, float* sm, con
   slice_in<K, VS, ST>(dS, LS, p, bp.io.dht, bp.io.dht_dt, tk.n, hv, v0);
   if (nch > 0) load_a(nch - 1), load_b(nch - 1);
   for (int ci = nch - 1; ci >= 0; --ci) {
-    const int64_t t0 = tk.sq.bos + static_cast<int64_t>(ci) * C;
-    const int Lc = static_cast<int>(min(int64_t{C}, tk.sq.eos - t0));
+    const ChunkAt ch = chunk_in(p, tk.sq, ci);
     mma::cp_async_wait_pending(1);  // group A of this chunk
     __syncthreads();                // (and dS written)
     tf32::gemm<C, VS, K, SW>(rows(Kr, LR), rows(dS, LS), [&](int i, int j, float v) { dD[i * LS + j] = X[i * LS + j] + v; });
     __syncthreads();  // X, Kr and dS read
     if (ci > 0) load_a(ci - 1);
-    const int64_t f0 = static_cast<int64_t>(tk.sq.b_row) * p.T + t0;
-    for (int i = tid; i < Lc * VS; i += ST) {
+    for (int i = tid; i < ch.Lc * VS; i += ST) {
       const int t = i / VS, j = i % VS;
-      if (DELTA) bp.X[(f0 + t) * tok_ld + hv * p.V + v0 + j] = dD[t * LS + j];  // dDelta, over X's rows
+      if (DELTA) bp.X[(ch.f0 + t) * tok_ld + hv * p.V + v0 + j] = dD[t * LS + j];  // dDelta, over X's rows
       else if (bp.io.dv)
-        st(bp.io.dv, bp.io.dv_dt, tk.sq.b_row * bp.io.dv_s[0] + (t0 + t) * bp.io.dv_s[1] + hv * bp.io.dv_s[2] + (v0 + j) * bp.io.dv_s[3], dD[t * LS + j]);
+        st(bp.io.dv, bp.io.dv_dt, ch.b_row * bp.io.dv_s[0] + (ch.t0 + t) * bp.io.dv_s[1] + hv * bp.io.dv_s[2] + (v0 + j) * bp.io.dv_s[3], dD[t * LS + j]);
     }
     mma::cp_async_wait_pending(ci > 0 ? 1 : 0);  // group B of this chunk
     __syncthreads();
