@@ -40,6 +40,8 @@ struct Kernel {
   // predicate: the row takes every call of its device. Every backend-specific input rule lives
   // here, so the capability answer (explain) states it before anything runs.
   Refusal (*declines)(const Problem&, const Args&) = nullptr;
+  // float32 arithmetic throughout (no bf16 tiles): the rows CULA_BACKEND_CUDA_FP32 selects
+  bool float32_throughout = false;
 };
 
 // A predicate that names only why (the tensor-core engines'), as a refusal of kind Unsupported.
@@ -87,22 +89,22 @@ void host_decode(const Recurrence& r, const cula_decode_args& a) {
 const Kernel<cula_chunk_fwd_args> kChunkFwd[] = {
     {CULA_BACKEND_CUDA, CULA_CUDA, "cuda_fused", cuda_chunk_fwd_fused, cannot<cula_chunk_fwd_args, chunk_fwd_fused_declines>},
     {CULA_BACKEND_CUDA, CULA_CUDA, "cuda_mma", cuda_chunk_fwd_mma, cannot<cula_chunk_fwd_args, chunk_fwd_mma_declines>},
-    {CULA_BACKEND_CUDA, CULA_CUDA, "cuda", cuda_recurrent_fwd, cuda_recurrent_fwd_declines},
+    {CULA_BACKEND_CUDA, CULA_CUDA, "cuda", cuda_recurrent_fwd, cuda_recurrent_fwd_declines, true},
     {CULA_BACKEND_CPU, CULA_CPU, "cpu", cpu_chunk_fwd, float64_inputs},
     {CULA_BACKEND_ORACLE, CULA_CPU, "reference", reference_chunk_fwd},
 };
 const Kernel<cula_decode_args> kDecode[] = {
-    {CULA_BACKEND_CUDA, CULA_CUDA, "cuda", cuda_decode, cuda_decode_declines},
+    {CULA_BACKEND_CUDA, CULA_CUDA, "cuda", cuda_decode, cuda_decode_declines, true},
     {CULA_BACKEND_CPU, CULA_CPU, "cpu", host_decode<cpu_decode>, float64_inputs},
     {CULA_BACKEND_ORACLE, CULA_CPU, "reference", host_decode<reference_decode>},
 };
 const Kernel<cula_chunk_bwd_args> kChunkBwd[] = {
     {CULA_BACKEND_CUDA, CULA_CUDA, "cuda_chunk", cuda_chunk_bwd, cuda_chunk_bwd_declines},
-    {CULA_BACKEND_CUDA, CULA_CUDA, "cuda", cuda_recurrent_bwd, cuda_recurrent_bwd_declines},
+    {CULA_BACKEND_CUDA, CULA_CUDA, "cuda", cuda_recurrent_bwd, cuda_recurrent_bwd_declines, true},
     {CULA_BACKEND_ORACLE, CULA_CPU, "reference", reference_chunk_bwd},
 };
 const Kernel<cula_kda_gate_args, KdaGateShape> kKdaGate[] = {
-    {CULA_BACKEND_CUDA, CULA_CUDA, "cuda", run_cuda_kda_gate, cuda_kda_gate_declines},
+    {CULA_BACKEND_CUDA, CULA_CUDA, "cuda", run_cuda_kda_gate, cuda_kda_gate_declines, true},
     {CULA_BACKEND_CPU, CULA_CPU, "cpu", run_cpu_kda_gate},
     // (the CPU gate is elementwise in float64: it is its own reference)
     {CULA_BACKEND_ORACLE, CULA_CPU, "reference", run_cpu_kda_gate},
@@ -122,6 +124,7 @@ const char* backend_name(int32_t b) {
     case CULA_BACKEND_ORACLE: return "ORACLE";
     case CULA_BACKEND_CPU: return "CPU";
     case CULA_BACKEND_CUDA: return "CUDA";
+    case CULA_BACKEND_CUDA_FP32: return "CUDA_FP32";
     default: return "AUTO";
   }
 }
@@ -136,7 +139,9 @@ const Kernel<Args, Problem>* select(const Kernel<Args, Problem> (&table)[N], con
   const Kernel<Args, Problem>* fallback = nullptr;
   Refusal last;
   for (const auto& k : table) {
-    const bool mine = backend == CULA_BACKEND_AUTO ? k.device_type == device_type : k.backend == backend;
+    const bool mine = backend == CULA_BACKEND_AUTO        ? k.device_type == device_type
+                      : backend == CULA_BACKEND_CUDA_FP32 ? k.backend == CULA_BACKEND_CUDA && k.float32_throughout
+                                                          : k.backend == backend;
     if (!mine) continue;
     if (k.device_type != device_type)
       throw_arg(op, "backend", std::string("a backend for ") + (device_type == CULA_CUDA ? "CUDA" : "host") + " tensors",

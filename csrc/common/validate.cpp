@@ -89,7 +89,8 @@ struct Checker {
   }
 
   void backend(int32_t b) const {
-    if (b < CULA_BACKEND_AUTO || b > CULA_BACKEND_CUDA) fail("backend", "AUTO(0), ORACLE(1), CPU(2) or CUDA(3)", std::to_string(b));
+    if (b < CULA_BACKEND_AUTO || b > CULA_BACKEND_CUDA_FP32)
+      fail("backend", "AUTO(0), ORACLE(1), CPU(2), CUDA(3) or CUDA_FP32(4)", std::to_string(b));
   }
 
   // A per-channel dt_bias: [HV*K] or [HV, K].

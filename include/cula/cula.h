@@ -78,7 +78,10 @@ typedef enum cula_backend {
   CULA_BACKEND_AUTO = 0,   /* best available for the tensors' device */
   CULA_BACKEND_ORACLE = 1, /* float64 CPU recurrence, straight from the math (the test reference) */
   CULA_BACKEND_CPU = 2,    /* fast CPU path (chunked, multi-threaded, float32) */
-  CULA_BACKEND_CUDA = 3    /* CUDA kernels */
+  CULA_BACKEND_CUDA = 3,   /* CUDA kernels */
+  CULA_BACKEND_CUDA_FP32 = 4 /* the CUDA kernels whose arithmetic is float32 throughout (the recurrent
+                                form): no bf16 tiles, for callers that need float32 results from
+                                float32 inputs */
 } cula_backend;
 
 /* Options shared by every recurrence entry. */

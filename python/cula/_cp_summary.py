@@ -171,8 +171,8 @@ def precise_maps(family, q, k, v, g, beta, decay, spans, opts, h0=None):
     spans: [(row b, begin, end)] of the local tensors [B, T, ...]; h0: per span, None or a K-last
     state [HV, V, K] that the span starts from. Returns (A [S, HV, V, K]: the state at the span's
     end from h0 or zero, M [S, HV, K, K]: its transition, X -> X M + A). Each span is walked in
-    pieces of SUB_SEGMENT tokens that run as the sequences of one call (float32 q, k, v: the
-    recurrent kernels, no bf16 intermediates), whose maps then compose in order; without the delta
+    pieces of SUB_SEGMENT tokens that run as the sequences of one call (float32 q, k, v; on CUDA the
+    backend "cuda_fp32": the recurrent kernels, no bf16 tiles), whose maps then compose in order; without the delta
     rule M is the diagonal of the decays (diagonal_transition)."""
     import torch
 
@@ -194,6 +194,8 @@ def precise_maps(family, q, k, v, g, beta, decay, spans, opts, h0=None):
         if not diagonal:
             init[:, :, V:, :] = torch.eye(K, dtype=torch.float32, device=dev)
             vs = torch.cat([vs, vs.new_zeros(1, vs.shape[1], HV, K)], dim=-1)
+        if q.is_cuda:
+            opts = dict(opts, backend="cuda_fp32")
         lengths = [e - s for _, s, e in subs]
         cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32, device=dev)
         _, fw = ops.chunk_fwd(family, qs, ks, vs.contiguous(), gs, bs, decay, initial_state=init,

@@ -22,7 +22,7 @@ CPU, CUDA = 1, 2
 
 OK, INVALID_ARGUMENT, UNSUPPORTED, CUDA_ERROR, INTERNAL = 0, 1, 2, 3, 4
 FAMILIES = {"kda": 0, "gdn": 1, "gla": 2, "simple_gla": 3, "lightning": 4}
-BACKENDS = {"auto": 0, "reference": 1, "oracle": 1, "cpu": 2, "cuda": 3}
+BACKENDS = {"auto": 0, "reference": 1, "oracle": 1, "cpu": 2, "cuda": 3, "cuda_fp32": 4}
 LAYOUTS = {"k_last": 0, "k_first": 1}
 
 

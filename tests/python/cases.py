@@ -66,8 +66,9 @@ def draw_chunk_config(rng, family="kda"):
         gdt=rng.choice([torch.float32, torch.bfloat16]), l2=bool(rng.random() < 0.8), bsig=bool(rng.random() < 0.7),
         lb=float(rng.choice([-5.0, -2.0, -0.5, -10.0])), h0=bool(rng.random() < 0.7),
         kgate=str(rng.choice(["bounded", "softplus", "log_decay"])),
-        # input dtype: fp16 on the prep + scan engine (KDA, GDN, GLA), bf16 everywhere
-        idt=rng.choice([torch.bfloat16, torch.float16]) if family in ("kda", "gdn", "gla") else torch.bfloat16,
+        # input dtype: the tensor-core engines take all three (fp32 through a bf16 copy, fp16 too in the
+        # fused engine)
+        idt=rng.choice([torch.bfloat16, torch.float16, torch.float32]),
         inter=bool(rng.random() < 0.4),  # with varlen: device offsets, the count from their host copy
     )
 

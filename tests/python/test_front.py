@@ -442,7 +442,7 @@ def test_head_size_fit_is_exact_on_the_reference(rng, family, K, gate, opts):
                                                      ("simple_gla", 192, "k_first", 1), ("simple_gla", 384, "k_last", 2),
                                                      ("lightning", 256, "k_last", 2)])
 def test_fused_families_run_wide_keys_as_slices_of_128(rng, monkeypatch, family, K, layout, group):
-    """Simple GLA and Lightning in bf16 on CUDA take K over 128 as slices of 128 (the fused engine's
+    """Simple GLA and Lightning on CUDA (bf16, fp16, fp32) take K over 128 as slices of 128 (the fused engine's
     widest), run as heads of one call, instead of the recurrent kernel: the sliced run computes the
     same function, forward and gradients (forced here on float64 host tensors, with the bf16 slice
     width), with grouped value heads too (group value heads per q/k head; Lightning's decay then
@@ -451,7 +451,9 @@ def test_fused_families_run_wide_keys_as_slices_of_128(rng, monkeypatch, family,
     from cula import _front
 
     assert _front._key_slice(family, torch.zeros(1, dtype=torch.bfloat16)) == 128
-    assert _front._key_slice(family, torch.zeros(1, dtype=torch.float16)) == 256  # (fp16: the recurrent kernel)
+    assert _front._key_slice(family, torch.zeros(1, dtype=torch.float16)) == 128
+    assert _front._key_slice(family, torch.zeros(1, dtype=torch.float32)) == 128
+    assert _front._key_slice(family, torch.zeros(1, dtype=torch.float64)) == 256  # (host only: the reference)
     assert _front._key_slice("gla", torch.zeros(1, dtype=torch.bfloat16)) == 256
     monkeypatch.setattr(_front, "_key_slice", lambda fam, q: 128)
     x = _fit_inputs(torch, rng, family, K, "head" if family == "simple_gla" else None)

@@ -14,10 +14,11 @@ if not torch.cuda.is_available() or cula._lib.LIB.cula_cuda_device_count() == 0:
     pytest.skip("no CUDA device visible to torch and cula", allow_module_level=True)
 
 TOL = 5e-3  # SPEC §5 for bf16 inputs
-# fp16 inputs are rounded to bf16 where they land (the engine's tiles are bf16), one rounding of up
-# to 2^-9 more than bf16 inputs see: at T = 1 o is one bf16 A entry times the rounded v, whose errors
-# add (GLA K=64 T=1 came to 5.3e-3). SPEC §5 sets no fp16 tolerance; this is the bf16 one plus that
-# rounding. fp16 tiles through fp16 mma would remove it.
+# fp16 and fp32 inputs are rounded to bf16 where they land (the engine's tiles are bf16; fp32 and, in
+# the fused engine, fp16 through a bf16 copy), one rounding of up to 2^-9 more than bf16 inputs see:
+# at T = 1 o is one bf16 A entry times the rounded v, whose errors add (GLA K=64 T=1 came to 5.3e-3).
+# SPEC §5 sets no fp16 tolerance; this is the bf16 one plus that rounding. fp16 tiles through fp16 mma
+# would remove it for fp16; backend="cuda_fp32" computes fp32 inputs in fp32 throughout.
 TOL_FP16 = 8e-3
 
 
@@ -25,15 +26,18 @@ KERNEL = dict(kda="cuda_mma", gdn="cuda_mma", gla="cuda_mma", simple_gla="cuda_f
 
 
 def _check(rng, c, fp16_as_read=False):
-    """fp16_as_read: fp16 q, k, v reach the reference as the engine reads them (rounded to bf16; GDN's v
-    exact), held to the bf16 tolerance: the kernel's own error, apart from the input rounding. That rounding alone
-    is unbounded relative to o where q . k cancels (one token, no L2 norm: 1.5e-2 seen), the gap fp16
-    tiles would close; test_mma_forward_fp16_inputs holds well-conditioned calls to the fp16 inputs."""
+    """fp16_as_read: fp16 and fp32 q, k, v reach the reference as the engine reads them (rounded to bf16;
+    GDN's fp16 v exact), held to the bf16 tolerance: the kernel's own error, apart from the input rounding.
+    That rounding alone is unbounded relative to o where q . k cancels (one token, no L2 norm: 1.5e-2
+    seen), the gap fp16 tiles would close; test_mma_forward_fp16_inputs holds well-conditioned calls to
+    the fp16 inputs."""
     d, cu, kw = chunk_inputs(rng, c)
     fam = c.get("family", "kda")
-    as_read = fp16_as_read and d["v"].dtype == torch.float16
-    # GDN reads fp16 v exactly (into Y's fp32 sum); q and k (and the other families' v) as bf16 tiles
-    rounded = "qk" if fam == "gdn" else "qkv"
+    wide = d["v"].dtype in (torch.float16, torch.float32)  # inputs the engines round to bf16
+    as_read = fp16_as_read and wide
+    # GDN reads fp16 v exactly (into Y's fp32 sum); q and k (and the other families' v, and fp32 v,
+    # which arrives as a bf16 copy) as bf16 tiles
+    rounded = "qk" if fam == "gdn" and d["v"].dtype == torch.float16 else "qkv"
     ref = cula.chunk_fwd(fam, **{n: ((x.bfloat16() if as_read and n in rounded else x).float() if n in "qkv" else x)
                                  for n, x in d.items()}, cu_seqlens=cu, backend="reference", **kw)
     dev = {n: x.cuda() for n, x in d.items()}
@@ -55,7 +59,7 @@ def _check(rng, c, fp16_as_read=False):
     if kw["return_intermediate_states"]:
         errs.append(rel(got[2].float().cpu().numpy(), ref[2].float().numpy()))
     print(c, errs)
-    assert worst(errs) < (TOL_FP16 if d["v"].dtype == torch.float16 and not as_read else TOL), (c, errs)
+    assert worst(errs) < (TOL_FP16 if wide and not as_read else TOL), (c, errs)
 
 
 @pytest.mark.sanitize
@@ -120,15 +124,17 @@ def test_mma_forward_fp16_gdn_within_fla_tolerance(rng, decay):
     assert worst(errs) < 5e-3, errs
 
 
+@pytest.mark.parametrize("idt", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("family", ["simple_gla", "lightning"])
-def test_fused_families_at_k256_run_as_two_fused_slices(rng, family):
-    """Simple GLA and Lightning with K = 256 in bf16 through the front (FLA's drop-ins, Level 1): two
+def test_fused_families_at_k256_run_as_two_fused_slices(rng, family, idt):
+    """Simple GLA and Lightning with K = 256 through the front (FLA's drop-ins, Level 1): two
     slices of 128 on the fused engine, not the recurrent kernel, within SPEC's tolerance of the
-    float64 reference (varlen, an initial state, K-first states)."""
+    float64 reference (varlen, an initial state, K-first states); fp16 and fp32 inputs through the
+    engine's bf16 copy, within the tolerance of that rounding."""
     from cula import _front
 
     c = dict(family=family, gin=False, K=256, V=128, H=2, group=1, seqlens=[300, 0, 65], B=1, T=0, layout="k_first",
-             sdt=torch.float32, gdt=torch.float32, l2=False, bsig=False, lb=-5.0, h0=True, inter=False)
+             sdt=torch.float32, gdt=torch.float32, l2=False, bsig=False, lb=-5.0, h0=True, inter=False, idt=idt)
     d, cu, kw = chunk_inputs(rng, c)
     kw.pop("return_intermediate_states")
     ref = cula.chunk_fwd(family, **{n: (x.float() if n in "qkv" else x) for n, x in d.items()}, cu_seqlens=cu,
@@ -137,7 +143,34 @@ def test_fused_families_at_k256_run_as_two_fused_slices(rng, family):
     torch.cuda.synchronize()
     assert cula.last_kernel() == "cuda_fused", f"dispatch chose {cula.last_kernel()!r}"
     errs = [rel(o.float().cpu().numpy(), ref[0].numpy()), rel(final.float().cpu().numpy(), ref[1].numpy())]
-    assert worst(errs) < TOL, errs
+    assert o.dtype == idt
+    assert worst(errs) < (TOL if idt == torch.bfloat16 else TOL_FP16), errs
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_float32_inputs_on_the_engines_and_exact_on_the_fp32_backend(rng, family):
+    """float32 q, k, v through FLA's configurations that real models use (KDA's softplus gate, GDN with
+    V = 256, varlen, GVA): AUTO runs them on the tensor-core engine (a bf16 copy of the inputs, the
+    output float32 unrounded) within the bf16-rounding tolerance; backend="cuda_fp32" runs the
+    recurrent kernel, float32 throughout, within 1e-5 of the float64 reference."""
+    c = dict(family=family, gin=family in ("kda", "gdn"), kgate="softplus", K=128, V=256 if family == "gdn" else 128,
+             H=2, group=2, seqlens=[300, 0, 1, 130], B=1, T=0, layout="k_last", sdt=torch.float32,
+             gdt=torch.float32, l2=True, bsig=family in ("kda", "gdn"), lb=-5.0, h0=True, inter=False,
+             idt=torch.float32)
+    d, cu, kw = chunk_inputs(rng, c)
+    kw.pop("return_intermediate_states")
+    ref = cula.chunk_fwd(family, **d, cu_seqlens=cu, backend="reference", output_final_state=True,
+                         **{n: x for n, x in kw.items() if n != "output_final_state"})
+    dev = {n: x.cuda() for n, x in d.items()}
+    for backend, kernel, tol in (("auto", KERNEL[family], TOL_FP16), ("cuda_fp32", "cuda", 1e-5)):
+        o, final = cula.chunk_fwd(family, **dev, cu_seqlens=cu.cuda(), backend=backend, output_final_state=True,
+                                  **{n: x for n, x in kw.items() if n != "output_final_state"})
+        torch.cuda.synchronize()
+        assert cula.last_kernel() == kernel, (backend, cula.last_kernel())
+        assert o.dtype == torch.float32 and torch.isfinite(o).all()
+        errs = [rel(o.cpu().numpy(), ref[0].numpy()), rel(final.float().cpu().numpy(), ref[1].numpy())]
+        print(family, backend, errs)
+        assert worst(errs) < tol, (backend, errs)
 
 
 @pytest.mark.parametrize("family", ["kda", "gdn", "gla"])
@@ -456,10 +489,15 @@ def test_explain_says_why_the_chunk_engines_decline_on_gpu(rng):
                              use_gate_in_kernel=True)
     assert unbounded.kernel == "cuda_mma"
     q2, k2, v2 = (x.float() for x in (q, k, v))
-    odd = cula.explain("chunk_fwd", "kda", q2, k2, v2, g, beta)
-    assert odd.kernel == "cuda" and "bfloat16 (or all float16)" in odd.declined["cuda_mma"]
-    cula.chunk_fwd("kda", q2, k2, v2, g, beta)
+    assert cula.explain("chunk_fwd", "kda", q2, k2, v2, g, beta).kernel == "cuda_mma"
+    exact = cula.explain("chunk_fwd", "kda", q2, k2, v2, g, beta, backend="cuda_fp32")
+    assert exact.kernel == "cuda" and not exact.declined
+    odd = cula.explain("chunk_fwd", "kda", q2, k, v2, g, beta)  # mixed input types
+    assert odd.kernel == "cuda" and "float32 of one type" in odd.declined["cuda_mma"]
+    cula.chunk_fwd("kda", q2, k, v2, g, beta)
     assert cula.last_kernel() == odd.kernel
+    with pytest.raises(cula.CulaError, match="argument 'backend'"):
+        cula.chunk_fwd("kda", q2.cpu(), k2.cpu(), v2.cpu(), g.cpu(), beta.cpu(), backend="cuda_fp32")
 
 
 def test_explain_states_the_cuda_rows_input_rules(rng):
@@ -492,16 +530,14 @@ def test_explain_states_the_cuda_rows_input_rules(rng):
 
 
 @pytest.mark.sanitize
-@pytest.mark.parametrize("idt", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("idt", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_float32_output_is_the_unrounded_accumulator(rng, family, idt, monkeypatch):
     """out in float32 with 16-bit inputs (context parallelism adds its correction to it before
     rounding): the same tensor-core engine runs, every element is written, and rounded to the
     16-bit type it is bitwise the output of the 16-bit call (one rounding of the same accumulator);
     within SPEC tolerance of the float64 reference. Both fused kernels for the families without the
-    delta rule."""
-    if idt == torch.float16 and KERNEL[family] == "cuda_fused":
-        pytest.skip("the fused engine takes bf16 inputs only (fp16 runs on the recurrent kernel)")
+    delta rule. float32 inputs (through the engines' bf16 copy) write float32 the same way."""
     for eight_warps in ((False, True) if KERNEL[family] == "cuda_fused" else (False,)):
         if eight_warps:
             monkeypatch.setenv("CULA_FUSED_8WARP", "1")
@@ -522,7 +558,7 @@ def test_float32_output_is_the_unrounded_accumulator(rng, family, idt, monkeypat
         assert torch.isfinite(o32).all(), "unwritten or non-finite output"
         assert torch.equal(o32.to(idt), outs[idt]), (family, idt, eight_warps)
         err = rel(o32.cpu().numpy(), ref[0].float().numpy())
-        assert err < (TOL_FP16 if idt == torch.float16 else TOL), (family, idt, eight_warps, err)
+        assert err < (TOL if idt == torch.bfloat16 else TOL_FP16), (family, idt, eight_warps, err)
 
 
 @pytest.mark.parametrize("family", ["kda", "gdn", "gla", "simple_gla"])

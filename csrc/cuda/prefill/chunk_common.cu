@@ -1,8 +1,11 @@
 // Host and device pieces shared by the chunk engines (chunk_common.cuh): the varlen chunk numbering
 // and the workspace pool.
 #include <cub/block/block_scan.cuh>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <mutex>
 
@@ -72,19 +75,97 @@ int64_t cuda_workspace_peak_bytes(int device, bool reset) {
   return static_cast<int64_t>(high);
 }
 
-const char* chunk::tensor_core_declines(const cula_chunk_fwd_args& a, bool half) {
+const char* chunk::tensor_core_declines(const cula_chunk_fwd_args& a) {
   // both engines cut V into 32- or 64-column slices, one CTA each
   const int64_t V = a.v->shape[3];
   if (V < 64 || V % 64 != 0) return "value head size V not a multiple of 64";
   if (a.chunk_size != 0 && a.chunk_size != kChunk) return "chunk_size other than 64 (intermediate states are per 64 tokens)";
-  const int dt = half && a.q->dtype == CULA_FLOAT16 ? CULA_FLOAT16 : CULA_BFLOAT16;
+  const int dt = a.q->dtype;
+  const bool typed = dt == CULA_BFLOAT16 || dt == CULA_FLOAT16 || dt == CULA_FLOAT32;
   for (const cula_tensor* t : std::initializer_list<const cula_tensor*>{a.q, a.k, a.v, a.out})
-    if ((t->dtype != dt && !(t == a.out && t->dtype == CULA_FLOAT32)) || !aligned16(t))
-      return half ? "q, k, v are not all 16-byte aligned bfloat16 (or all float16), out the same or float32"
-                  : "q, k, v are not all 16-byte aligned bfloat16, out bfloat16 or float32";
+    if (!typed || (t->dtype != dt && !(t == a.out && t->dtype == CULA_FLOAT32)) || !aligned16(t))
+      return "q, k, v are not all 16-byte aligned bfloat16, float16 or float32 of one type, out the same or float32";
   if (first_unreadable_input(a).name) return "an input the CUDA kernels cannot read (host offsets or slots, a strided parameter)";
   if (cuda_device_arch(a.q->device_id) < 80) return "a device below sm_80 (mma.sync bf16, ldmatrix, cp.async)";
   return nullptr;
 }
+
+namespace chunk {
+namespace {
+// One thread per 8 elements of a row [b, t, h, :] (D a multiple of 8, 16-byte aligned rows:
+// tensor_core_declines) into a contiguous bf16 [B, T, H, D].
+template <typename In>
+__global__ void __launch_bounds__(256) to_bf16_kernel(const In* src, int64_t s0, int64_t s1, int64_t s2, int64_t T,
+                                                      int64_t H, int64_t D, int64_t items, __nv_bfloat16* dst) {
+  const int64_t per_row = D / 8;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < items; i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t row = i / per_row, c8 = (i - row * per_row) * 8;
+    const int64_t b = row / (T * H), t = (row / H) % T, h = row % H;
+    const In* x = src + b * s0 + t * s1 + h * s2 + c8;
+    float f[8];
+    if constexpr (sizeof(In) == 4) {
+      const float4 lo = reinterpret_cast<const float4*>(x)[0], hi = reinterpret_cast<const float4*>(x)[1];
+      f[0] = lo.x, f[1] = lo.y, f[2] = lo.z, f[3] = lo.w, f[4] = hi.x, f[5] = hi.y, f[6] = hi.z, f[7] = hi.w;
+    } else {
+      const uint4 w = *reinterpret_cast<const uint4*>(x);
+      const __half2* h2 = reinterpret_cast<const __half2*>(&w);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 v = __half22float2(h2[j]);
+        f[2 * j] = v.x, f[2 * j + 1] = v.y;
+      }
+    }
+    uint4 out;
+    __nv_bfloat162* o2 = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) o2[j] = __floats2bfloat162_rn(f[2 * j], f[2 * j + 1]);
+    *reinterpret_cast<uint4*>(dst + i * 8) = out;
+  }
+}
+
+bool copied(const cula_tensor* t, bool half_native) {
+  return t->dtype == CULA_FLOAT32 || (t->dtype == CULA_FLOAT16 && !half_native);
+}
+int64_t copy_bytes(const cula_tensor* t) { return (numel(*t) * 2 + 255) / 256 * 256; }
+}  // namespace
+
+int64_t EngineInputs::bytes_needed(const cula_chunk_fwd_args& a, bool half_native) {
+  if (!copied(a.q, half_native)) return 0;
+  return copy_bytes(a.q) + copy_bytes(a.k) + copy_bytes(a.v);
+}
+
+EngineInputs::EngineInputs(const cula_chunk_fwd_args& a, bool half_native, int device, cudaStream_t stream)
+    : args_(a), copies_{}, ws_(bytes_needed(a, half_native), device, stream, "chunk_fwd") {
+  if (!copied(a.q, half_native)) return;
+  unsigned char* at = static_cast<unsigned char*>(ws_.get());
+  const cula_tensor* given[3] = {a.q, a.k, a.v};
+  const cula_tensor** slots[3] = {&args_.q, &args_.k, &args_.v};
+  const int sms = cuda_sm_count(device);
+  for (int i = 0; i < 3; ++i) {
+    const cula_tensor& x = *given[i];
+    cula_tensor& c = copies_[i];
+    c = x;
+    c.dtype = CULA_BFLOAT16;
+    c.data = at;
+    c.strides[3] = 1, c.strides[2] = x.shape[3], c.strides[1] = x.shape[2] * x.shape[3];
+    c.strides[0] = x.shape[1] * c.strides[1];
+    const int64_t items = numel(x) / 8;
+    if (items > 0) {
+      const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((items + 255) / 256, int64_t{sms} * 32));
+      auto* dst = static_cast<__nv_bfloat16*>(c.data);
+      if (x.dtype == CULA_FLOAT32)
+        to_bf16_kernel<float><<<blocks, 256, 0, stream>>>(static_cast<const float*>(x.data), x.strides[0], x.strides[1],
+                                                          x.strides[2], x.shape[1], x.shape[2], x.shape[3], items, dst);
+      else
+        to_bf16_kernel<__half><<<blocks, 256, 0, stream>>>(static_cast<const __half*>(x.data), x.strides[0],
+                                                           x.strides[1], x.strides[2], x.shape[1], x.shape[2],
+                                                           x.shape[3], items, dst);
+      check(cudaGetLastError(), "input conversion launch");
+    }
+    *slots[i] = &c;
+    at += copy_bytes(&x);
+  }
+}
+}  // namespace chunk
 
 }  // namespace cula

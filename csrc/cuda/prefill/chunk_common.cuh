@@ -151,11 +151,30 @@ inline bool aligned16(const cula_tensor* t) {
 }
 
 // Why the tensor-core chunk engines (all of them) decline a call, or nullptr: the rules they share
-// (V a multiple of 64, chunk length, 16-byte aligned bf16 q, k, v and out, inputs the CUDA kernels
-// can read, sm_80); half: fp16 q, k, v and out (all four the same type) are taken as well. out may
-// be float32 with either (the accumulators stored unrounded). Each
-// engine's own rules (families, key head sizes, shared memory) come in its declines predicate.
-const char* tensor_core_declines(const cula_chunk_fwd_args& a, bool half = false);
+// (V a multiple of 64, chunk length, 16-byte aligned q, k, v and out, inputs the CUDA kernels can
+// read, sm_80). q, k, v are all bfloat16, all float16 or all float32, out the same or float32 (the
+// accumulators stored unrounded). Each engine's own rules (families, key head sizes, shared memory)
+// come in its declines predicate.
+const char* tensor_core_declines(const cula_chunk_fwd_args& a);
+
+// q, k, v as an engine reads them: the caller's tensors, or contiguous bf16 copies in a workspace
+// of the types the engine does not load itself (float32 in both engines; float16 in the fused
+// engine, half_native = false). The engines compute on bf16 tiles, so the copy rounds where their
+// own loads would round; it costs one pass over q, k, v. out stays the caller's (float32 for
+// float32 inputs: the accumulators unrounded; float16 for float16 ones). release() after the
+// engine's launches (the copies are freed in stream order).
+class EngineInputs {
+ public:
+  EngineInputs(const cula_chunk_fwd_args& a, bool half_native, int device, cudaStream_t stream);
+  const cula_chunk_fwd_args& args() const { return args_; }
+  void release() { ws_.release(); }
+
+ private:
+  static int64_t bytes_needed(const cula_chunk_fwd_args& a, bool half_native);
+  cula_chunk_fwd_args args_;
+  cula_tensor copies_[3];
+  Workspace ws_;
+};
 
 }  // namespace chunk
 }  // namespace cula

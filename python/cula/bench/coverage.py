@@ -9,7 +9,8 @@ bound, A_log = log U(1, 16) and dt_bias at the layer's initialisation, q/k L2 no
 kernel), dense, with grouped value heads, and varlen; KDA with lower bound -5 (safe gate); KDA at
 K = V = 64; Qwen3-Next GDN (16 q/k heads, 32 value heads, K = V = 128); GDN with V = 2K = 256
 (a GatedDeltaNet layer with head_dim 128 and FLA's expand_v = 2); FLA's default GatedDeltaNet layer
-(head_dim 256, expand_v 2: K = 256, V = 512, 6 heads); fp16 inputs. bf16 unless the row says fp16.
+(head_dim 256, expand_v 2: K = 256, V = 512, 6 heads); fp16 and fp32 inputs (simple GLA too, whose
+scalar log-decay is a log-sigmoid). bf16 unless the row says fp16 or fp32.
 Timing as ``cula bench kda``: single synchronized calls, then queued calls (the GPU's time per call).
 Then decode with each of these (DECODE_CONFIGS: one token for each of N sequences through FLA's public
 fused_recurrent functions), written to decode_coverage.{json,md}.
@@ -44,6 +45,10 @@ CONFIGS = [
     ("GDN K=128 V=256 2x4096 H16", "gdn", 2, 4096, 16, 16, 128, 256, None, "bfloat16", None),
     ("FLA-default GDN K=256 V=512 1x8192 H6", "gdn", 1, 8192, 6, 6, 256, 512, None, "bfloat16", None),
     ("GDN fp16 1x8192 H16/HV32", "gdn", 1, 8192, 16, 32, 128, 128, None, "float16", None),
+    ("Kimi-Linear KDA fp32 1x8192 H32", "kda", 1, 8192, 32, 32, 128, 128, None, "float32", "softplus"),
+    ("Qwen3-Next GDN fp32 1x8192 H16/HV32", "gdn", 1, 8192, 16, 32, 128, 128, None, "float32", None),
+    ("Simple GLA fp16 1x8192 H32", "simple_gla", 1, 8192, 32, 32, 128, 128, None, "float16", None),
+    ("Simple GLA fp32 1x8192 H32", "simple_gla", 1, 8192, 32, 32, 128, 128, None, "float32", None),
 ]
 
 
@@ -83,6 +88,10 @@ def _fns(family):
         from fla.ops.kda import chunk_kda as fla_fn
 
         from ..kda import chunk_kda as cula_fn
+    elif family == "simple_gla":
+        from fla.ops.simple_gla import chunk_simple_gla as fla_fn
+
+        from ..simple_gla import chunk_simple_gla as cula_fn
     else:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_fn
 
@@ -101,7 +110,8 @@ def _inputs(torch, family, B, T, H, HV, K, V, dtype, dev):
         x["beta"] = torch.randn(B, T, HV, device=dev, dtype=dt)
     else:
         x["g"] = F.logsigmoid(torch.randn(B, T, HV, device=dev))
-        x["beta"] = torch.rand(B, T, HV, device=dev, dtype=dt)
+        if family == "gdn":
+            x["beta"] = torch.rand(B, T, HV, device=dev, dtype=dt)
     return x
 
 
@@ -203,11 +213,14 @@ def _forward_grid(torch, dev, props, bw, out_dir, gpu_name, configs):
         sets = [_inputs(torch, family, B, T, H, HV, K, V, dtype, dev) for _ in range(2)]
         cu = torch.tensor([0] + list(itertools.accumulate(seqlens)), device=dev, dtype=torch.int32) if seqlens else None
         kw = dict(scale=K ** -0.5, cu_seqlens=cu)
-        kw.update(_kda_gate(torch, gate, HV, K, dev) if family == "kda" else dict(use_qk_l2norm_in_kernel=True))
+        if family == "kda":
+            kw.update(_kda_gate(torch, gate, HV, K, dev))
+        elif family == "gdn":
+            kw.update(use_qk_l2norm_in_kernel=True)
 
         def call(fn, i, s=sets, kw=kw):
             x = s[i % 2]
-            return fn(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
+            return fn(x["q"], x["k"], x["v"], x["g"], *([x["beta"]] if "beta" in x else []), **kw)
 
         def run_sdpa(i, s=sets):
             causal_sdpa({n: s[i % 2][n] for n in "qkv"} if H == HV and K == V else
@@ -225,7 +238,7 @@ def _forward_grid(torch, dev, props, bw, out_dir, gpu_name, configs):
             fla_error = f"{type(e).__name__}: {e}"[:300]
             records.append(dict(op=op, config=config, impl="fla_triton", refused=fla_error))
         isz = 2 if dtype != "float32" else 4
-        gate_bytes = isz * K + isz if family == "kda" else 4 + isz
+        gate_bytes = isz * K + isz if family == "kda" else 4 + (isz if family == "gdn" else 0)
         nbytes = B * T * (H * 2 * K * isz + HV * (V * isz * 2 + gate_bytes))
         floor = nbytes / (bw * 1e9) * 1e3
         res, resq, kernel = measure_config(

@@ -124,7 +124,7 @@ __global__ void __launch_bounds__(kThreads, kLocal ? 3 : 1)  // the local pass: 
 
   stage_in(c_begin, 0);
   stage_in(c_begin + 1, 1);
-  const bool out_f32 = p.out_dt == CULA_FLOAT32;  // else bf16
+  const bool out_f32 = p.out_dt == CULA_FLOAT32, out_half = p.out_dt == CULA_FLOAT16;  // else bf16
   float decay_product = 1.0f;  // kLocal: the part's total decay
   for (int c = c_begin; c < c_end; ++c) {
     const int st = (c - c_begin) & 1;
@@ -241,7 +241,7 @@ __global__ void __launch_bounds__(kThreads, kLocal ? 3 : 1)  // the local pass: 
 #pragma unroll
         for (int nt = 0; nt < NTH; ++nt) {
           const float2 x = *reinterpret_cast<const float2*>(xo_s + row * LDX + hc0 + nt * 8 + 2 * t);
-          if (row < Lc) chunk::store_out2(p.out, out_f32, false, dst + nt * 8, o[nt][2 * hh] + x.x, o[nt][2 * hh + 1] + x.y);
+          if (row < Lc) chunk::store_out2(p.out, out_f32, out_half, dst + nt * 8, o[nt][2 * hh] + x.x, o[nt][2 * hh + 1] + x.y);
         }
       }
     }

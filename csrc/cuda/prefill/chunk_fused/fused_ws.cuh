@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   } else {
     // outputs
     const int I = warp & 3, bI = 16 * I, hw = warp >> 2, hc0 = hw * (VB / 2);
-    const bool out_f32 = p.out_dt == CULA_FLOAT32;  // else bf16
+    const bool out_f32 = p.out_dt == CULA_FLOAT32, out_half = p.out_dt == CULA_FLOAT16;  // else bf16
     for (int i = 0; i < nloc; ++i) {
       const int c = c_begin + i;
       const int64_t t0 = sq.bos + static_cast<int64_t>(c) * kBT;
@@ -244,7 +244,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 #pragma unroll
         for (int nt = 0; nt < NTH; ++nt)
           if (row < Lc)
-            chunk::store_out2(p.out, out_f32, false, dst + nt * 8, o[nt][2 * hh] * fo[hh] + ox[nt][2 * hh],
+            chunk::store_out2(p.out, out_f32, out_half, dst + nt * 8, o[nt][2 * hh] * fo[hh] + ox[nt][2 * hh],
                               o[nt][2 * hh + 1] * fo[hh] + ox[nt][2 * hh + 1]);
       }
     }

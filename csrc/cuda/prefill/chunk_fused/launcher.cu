@@ -51,11 +51,12 @@ const char* chunk_fwd_fused_declines(const Recurrence& r, const cula_chunk_fwd_a
 }
 
 void cuda_chunk_fwd_fused(const Recurrence& r, const cula_chunk_fwd_args& a) {
-  const FwdParams p = make_fwd_params(r, a);
   if (r.N == 0) return;
   const int dev = a.q->device_id;
   chunk::check(cudaSetDevice(dev), "cudaSetDevice");
   const cudaStream_t stream = static_cast<cudaStream_t>(a.opt.stream);
+  chunk::EngineInputs in(a, /*half_native=*/false, dev, stream);  // float16 / float32 q, k, v: bf16 copies
+  const FwdParams p = make_fwd_params(r, in.args());
   const int sms = cuda_sm_count(dev);
   const FusedPlan plan = plan_fused(r, a.cu_seqlens != nullptr, sms);
   if (plan.VB == 32)
@@ -63,6 +64,7 @@ void cuda_chunk_fwd_fused(const Recurrence& r, const cula_chunk_fwd_args& a) {
   else
     r.K == 64 ? run<64, 64>(r, p, plan.nseg, plan.nsub, dev, stream)
               : run<128, 64>(r, p, plan.nseg, plan.nsub, dev, stream);
+  in.release();
 }
 
 }  // namespace cula

@@ -40,7 +40,7 @@ const char* chunk_fwd_mma_declines(const Recurrence& r, const cula_chunk_fwd_arg
   }
   // Scalar and constant gates: the exponent is taken per pair (any decay); g is read per element.
   if (!head_size_supported(r.K)) return "key head size K other than 64, 128 and 256";
-  if (const char* why = chunk::tensor_core_declines(a, /*half=*/true)) return why;
+  if (const char* why = chunk::tensor_core_declines(a)) return why;
   // The scan's two stages must fit (at K = 128 the 32-column scans do on an A100, 163 KB per block)
   if (scan_bytes(r, 32) > cuda_smem_per_block(a.q->device_id)) return "the scan's shared memory exceeds the device's";
   return nullptr;
@@ -55,21 +55,23 @@ void run_family(const Recurrence& r, const FwdParams& p, int device, cudaStream_
   else run_vb<K, Kda>(r, p, device, stream, block_barriers_only);
 }
 
-void cuda_chunk_fwd_mma(const Recurrence& r, const cula_chunk_fwd_args& a) {
+void cuda_chunk_fwd_mma(const Recurrence& r, const cula_chunk_fwd_args& given) {
   // CULA_BLOCK_BARRIERS_ONLY=1 (read once per process): the debug instantiation whose named
   // barriers are block barriers, for compute-sanitizer's racecheck (DESIGN.md)
   static const bool block_barriers_only = [] {
     const char* e = std::getenv("CULA_BLOCK_BARRIERS_ONLY");
     return e && *e && *e != '0' ? 1 : 0;
   }();
-  const FwdParams p = make_fwd_params(r, a);
   if (r.N == 0) return;
-  const int dev = a.q->device_id;
+  const int dev = given.q->device_id;
   chunk::check(cudaSetDevice(dev), "cudaSetDevice");
-  const cudaStream_t stream = static_cast<cudaStream_t>(a.opt.stream);
+  const cudaStream_t stream = static_cast<cudaStream_t>(given.opt.stream);
+  chunk::EngineInputs in(given, /*half_native=*/true, dev, stream);  // float32 q, k, v: bf16 copies
+  const FwdParams p = make_fwd_params(r, in.args());
   if (r.K == 64) run_family<64>(r, p, dev, stream, block_barriers_only);
   else if (r.K == 128) run_family<128>(r, p, dev, stream, block_barriers_only);
   else run_family<256>(r, p, dev, stream, block_barriers_only);
+  in.release();
 }
 
 }  // namespace cula
