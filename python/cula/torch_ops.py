@@ -124,9 +124,16 @@ def _chunk_bwd(*args):
     a = _named(_BWD_ARGS, args)
     opts = _split_options(a)
     q = a["q"]
+    # bf16 inputs' token gradients written in bf16 by the kernels (the last rounding of their float32
+    # sums), not in float32 and cast afterwards: one pass over each fewer
+    bf16 = {n: torch.empty_like(a[src]) for n, src in _TOKEN_GRADS.items()
+            if a.get(src) is not None and a[src].dtype == torch.bfloat16}
     grads = ops.chunk_bwd(a.pop("family"), a.pop("q"), a.pop("k"), a.pop("v"), a.pop("g"), a.pop("beta"),
-                          a.pop("d_out"), options=opts, **a)
+                          a.pop("d_out"), options=opts, grads=bf16, **a)
     return [grads[n] if n in grads else q.new_empty(0, dtype=torch.float32) for n in _GRADS]
+
+
+_TOKEN_GRADS = {"dq": "q", "dk": "k", "dv": "v", "dg": "g", "dbeta": "beta"}
 
 
 _chunk_bwd = torch.library.custom_op(
@@ -136,19 +143,21 @@ _chunk_bwd = torch.library.custom_op(
            "-> Tensor[]")
 
 
-def _grad_like(x):
-    """The gradient buffer chunk_bwd allocates for input x (float32 for bfloat16 inputs)."""
+def _grad_like(x, token):
+    """The gradient buffer of input x: its own dtype for the token inputs (_chunk_bwd), else what
+    chunk_bwd allocates (float32 for bfloat16 inputs)."""
     if x is None:
         return None
-    return x.new_empty(x.shape, dtype=torch.float32 if x.dtype == torch.bfloat16 else x.dtype)
+    return x.new_empty(x.shape, dtype=torch.float32 if x.dtype == torch.bfloat16 and not token else x.dtype)
 
 
 @_chunk_bwd.register_fake
 def _chunk_bwd_fake(*args):
     a = _named(_BWD_ARGS, args)
     q = a["q"]
-    inputs = (a[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state"))
-    return [_grad_like(x) if x is not None else q.new_empty(0, dtype=torch.float32) for x in inputs]
+    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
+    return [_grad_like(a[n], n in _TOKEN_GRADS.values()) if a[n] is not None else q.new_empty(0, dtype=torch.float32)
+            for n in names]
 
 
 # the gradient of each differentiable input of chunk_fwd, and what its backward keeps
