@@ -15,7 +15,9 @@ namespace cula {
 namespace bwd {
 namespace {
 
+using dev::from_bits;
 using dev::ld;
+using dev::ld_bits;
 using dev::st;
 
 constexpr int kRowWarps = 8;  // rows (token, head) per CTA, one warp each
@@ -38,6 +40,23 @@ __global__ void __launch_bounds__(32 * kRowWarps) prepare_tokens_kernel(const Fw
   const int hv = static_cast<int>(row % p.HV), h = hv / G;
   const int64_t b = f / p.T, t = f % p.T;
   const float eA = p.gate_in_kernel && p.A_log ? expf(ld(p.A_log, p.A_log_dt, hv)) : 1.0f;
+  // every load of the row first (raw bits, no branch between them), then the arithmetic: loads
+  // taken one at a time behind their use left these kernels waiting on memory (ncu: chain_qk at
+  // 45% long-scoreboard stalls and 31% of DRAM bandwidth)
+  uint32_t gb[kMaxEpl];
+  const int64_t g_row = b * p.g_s[0] + t * p.g_s[1] + hv * p.g_s[2];
+  const bool per_channel = p.gate_kind == GateKind::PerChannel;
+  uint32_t bb[kMaxEpl];
+  const bool biased = p.gate_in_kernel && p.dt_bias;
+  if (p.gate_kind != GateKind::Constant) {
+#pragma unroll
+    for (int m = 0; m < kMaxEpl; ++m)
+      if (m < n) {
+        const int i = lane + 32 * m;
+        gb[m] = ld_bits(p.g, p.g_dt, per_channel ? g_row + i * p.g_s[3] : g_row);
+        if (biased) bb[m] = ld_bits(p.dt_bias, p.dt_bias_dt, p.dt_bias_per_channel ? hv * K + i : hv);
+      }
+  }
 #pragma unroll
   for (int m = 0; m < kMaxEpl; ++m) {
     if (m >= n) break;
@@ -46,10 +65,9 @@ __global__ void __launch_bounds__(32 * kRowWarps) prepare_tokens_kernel(const Fw
     if (p.gate_kind == GateKind::Constant) {
       a = -ld(p.decay, p.decay_dt, p.decay_heads == p.HV ? hv : h);
     } else {
-      a = p.gate_kind == GateKind::PerChannel ? ld(p.g, p.g_dt, b * p.g_s[0] + t * p.g_s[1] + hv * p.g_s[2] + i * p.g_s[3])
-                                              : ld(p.g, p.g_dt, b * p.g_s[0] + t * p.g_s[1] + hv * p.g_s[2]);
+      a = from_bits(gb[m], p.g_dt);
       if (p.gate_in_kernel) {
-        const float bias = p.dt_bias ? ld(p.dt_bias, p.dt_bias_dt, p.dt_bias_per_channel ? hv * K + i : hv) : 0.0f;
+        const float bias = biased ? from_bits(bb[m], p.dt_bias_dt) : 0.0f;
         a = dev::activate_gate(a + bias, eA, p.has_lb, p.lb);
       }
     }
@@ -65,12 +83,19 @@ __global__ void __launch_bounds__(32 * kRowWarps) prepare_tokens_kernel(const Fw
   }
   if (hv % G != 0) return;
   float q[kMaxEpl], k[kMaxEpl], sq = 0.0f, sk = 0.0f;
+  uint32_t qb[kMaxEpl], kb[kMaxEpl];
+  const int64_t q_row = b * p.q_s[0] + t * p.q_s[1] + h * p.q_s[2], k_row = b * p.k_s[0] + t * p.k_s[1] + h * p.k_s[2];
+#pragma unroll
+  for (int m = 0; m < kMaxEpl; ++m)
+    if (m < n) {
+      const int i = lane + 32 * m;
+      qb[m] = ld_bits(p.q, p.q_dt, q_row + i * p.q_s[3]);
+      kb[m] = ld_bits(p.k, p.k_dt, k_row + i * p.k_s[3]);
+    }
 #pragma unroll
   for (int m = 0; m < kMaxEpl; ++m) {
     if (m >= n) break;
-    const int i = lane + 32 * m;
-    q[m] = ld(p.q, p.q_dt, b * p.q_s[0] + t * p.q_s[1] + h * p.q_s[2] + i * p.q_s[3]);
-    k[m] = ld(p.k, p.k_dt, b * p.k_s[0] + t * p.k_s[1] + h * p.k_s[2] + i * p.k_s[3]);
+    q[m] = from_bits(qb[m], p.q_dt), k[m] = from_bits(kb[m], p.k_dt);
     sq += q[m] * q[m], sk += k[m] * k[m];
   }
   float qs = p.scale, ks = 1.0f;
@@ -119,16 +144,29 @@ __global__ void __launch_bounds__(32 * kRowWarps) chain_qk_kernel(const ChainPar
     const void* src = which == 0 ? c.q : c.k;
     const int64_t* s = which == 0 ? c.q_s : c.k_s;
     float dy[kMaxEpl], x[kMaxEpl], ss = 0.0f, xdy = 0.0f;
+    uint32_t xb[kMaxEpl];
+    const int dt = which == 0 ? c.q_dt : c.k_dt;
+    const int64_t x_row = b * s[0] + t * s[1] + h * s[2];
+    const float* first = c.part + (f * c.HV + h * G) * width + which * c.K + lane;
+    // the row's loads first (see prepare_tokens_kernel)
+#pragma unroll
+    for (int m = 0; m < kMaxEpl; ++m)
+      if (m < n) dy[m] = first[32 * m], xb[m] = ld_bits(src, dt, x_row + (lane + 32 * m) * s[3]);
+    if (c.tiles > 1 || G > 1) {
+#pragma unroll
+      for (int m = 0; m < kMaxEpl; ++m)
+        if (m < n) {
+          const int i = lane + 32 * m;
+          for (int tl = 0; tl < c.tiles; ++tl)
+            for (int g = tl == 0 ? 1 : 0; g < G; ++g)
+              dy[m] += c.part[((tl * c.BT + f) * c.HV + h * G + g) * width + which * c.K + i];
+        }
+    }
 #pragma unroll
     for (int m = 0; m < kMaxEpl; ++m) {
       if (m >= n) break;
-      const int i = lane + 32 * m;
-      float acc = c.part[(f * c.HV + h * G) * width + which * c.K + i];  // one load ahead of the rest
-      for (int tl = 0; tl < c.tiles; ++tl)
-        for (int g = tl == 0 ? 1 : 0; g < G; ++g) acc += c.part[((tl * c.BT + f) * c.HV + h * G + g) * width + which * c.K + i];
-      dy[m] = acc;
-      x[m] = ld(src, which == 0 ? c.q_dt : c.k_dt, b * s[0] + t * s[1] + h * s[2] + i * s[3]);
-      ss += x[m] * x[m], xdy += x[m] * acc;
+      x[m] = from_bits(xb[m], dt);
+      ss += x[m] * x[m], xdy += x[m] * dy[m];
     }
     float rinv = 1.0f;
     if (c.l2norm) ss = dev::warp_sum(ss), xdy = dev::warp_sum(xdy), rinv = rsqrtf(ss + 1e-6f);
@@ -179,12 +217,24 @@ __global__ void __launch_bounds__(32 * kRowWarps) chain_gate_kernel(const ChainP
   }
   if (!c.dg && !c.gate_in_kernel) return;
   float da[kMaxEpl], dsum = 0.0f;
+  uint32_t gb[kMaxEpl], bb[kMaxEpl];
+  const int64_t g_row = b * c.g_s[0] + t * c.g_s[1] + hv * c.g_s[2];
+  const float* first = c.part + (f * c.HV + hv) * width + 2 * c.K + lane;
+  // the row's loads first (see prepare_tokens_kernel)
+#pragma unroll
+  for (int m = 0; m < kMaxEpl; ++m)
+    if (m < n) {
+      da[m] = first[32 * m];
+      if (c.gate_in_kernel && c.per_channel) {
+        gb[m] = ld_bits(c.g, c.g_dt, g_row + (lane + 32 * m) * c.g_s[3]);
+        if (c.dt_bias) bb[m] = ld_bits(c.dt_bias, c.dt_bias_dt, c.dt_bias_per_channel ? hv * c.K + lane + 32 * m : hv);
+      }
+    }
 #pragma unroll
   for (int m = 0; m < kMaxEpl; ++m) {
     if (m >= n) break;
-    float acc = 0.0f;
-    for (int tl = 0; tl < c.tiles; ++tl) acc += c.part[((tl * c.BT + f) * c.HV + hv) * width + 2 * c.K + lane + 32 * m];
-    da[m] = acc, dsum += acc;
+    for (int tl = 1; tl < c.tiles; ++tl) da[m] += c.part[((tl * c.BT + f) * c.HV + hv) * width + 2 * c.K + lane + 32 * m];
+    dsum += da[m];
   }
   const int n_raw = c.per_channel ? c.K : 1;
   if (!c.per_channel) {  // a scalar gate: its gradient is the sum over the channels
@@ -208,8 +258,8 @@ __global__ void __launch_bounds__(32 * kRowWarps) chain_gate_kernel(const ChainP
     const int i = lane + 32 * m;
     float dg = da[m], alog = 0.0f;
     if (c.gate_in_kernel) {
-      float x = ld(c.g, c.g_dt, b * c.g_s[0] + t * c.g_s[1] + hv * c.g_s[2] + i * c.g_s[3]);
-      if (c.dt_bias) x += ld(c.dt_bias, c.dt_bias_dt, c.dt_bias_per_channel ? hv * c.K + i : hv);
+      float x = from_bits(gb[m], c.g_dt);
+      if (c.dt_bias) x += from_bits(bb[m], c.dt_bias_dt);
       gate_chain(c, da[m], x, hv, dg, alog);
       c.gate_raw[(f * c.HV + hv) * n_raw + i] = dg;
       alog_sum += alog;
