@@ -180,16 +180,19 @@ __global__ void __launch_bounds__(32 * kRowWarps) chain_qk_kernel(const ChainPar
   }
 }
 
-// dg (and the dA_log / d dt_bias terms) of one element of the gate, from d = dL/da.
-__device__ __forceinline__ void gate_chain(const ChainParams& c, float d, float x, int hv, float& dg, float& alog) {
+// e^{A_log} of value head hv (1 without A_log), once per row.
+__device__ __forceinline__ float gate_scale(const ChainParams& c, int hv) {
+  return c.A_log ? expf(ld(c.A_log, c.A_log_dt, hv)) : 1.0f;
+}
+
+// dg (and the dA_log / d dt_bias terms) of one element of the gate, from d = dL/da; e = gate_scale.
+__device__ __forceinline__ void gate_chain(const ChainParams& c, float d, float x, float e, float& dg, float& alog) {
   if (c.has_lb) {
-    const float e = c.A_log ? expf(ld(c.A_log, c.A_log_dt, hv)) : 1.0f;
     const float z = e * x, sg = 1.0f / (1.0f + expf(-z));
     const float dz = d * c.lb * sg * (1.0f - sg);
     dg = dz * e;
     alog = c.A_log ? dz * z : 0.0f;
   } else {
-    const float e = expf(ld(c.A_log, c.A_log_dt, hv));
     dg = -d * e / (1.0f + expf(-x));
     alog = -d * e * (x > 20.0f ? x : log1pf(expf(x)));
   }
@@ -244,7 +247,7 @@ __global__ void __launch_bounds__(32 * kRowWarps) chain_gate_kernel(const ChainP
     if (c.gate_in_kernel) {
       float x = ld(c.g, c.g_dt, b * c.g_s[0] + t * c.g_s[1] + hv * c.g_s[2]);
       if (c.dt_bias) x += ld(c.dt_bias, c.dt_bias_dt, hv);
-      gate_chain(c, d, x, hv, dg, alog);
+      gate_chain(c, d, x, gate_scale(c, hv), dg, alog);
       c.gate_raw[f * c.HV + hv] = dg;
       c.alog[f * c.HV + hv] = alog;
     }
@@ -252,6 +255,7 @@ __global__ void __launch_bounds__(32 * kRowWarps) chain_gate_kernel(const ChainP
     return;
   }
   float alog_sum = 0.0f;
+  const float e = c.gate_in_kernel ? gate_scale(c, hv) : 1.0f;
 #pragma unroll
   for (int m = 0; m < kMaxEpl; ++m) {
     if (m >= n) break;
@@ -260,7 +264,7 @@ __global__ void __launch_bounds__(32 * kRowWarps) chain_gate_kernel(const ChainP
     if (c.gate_in_kernel) {
       float x = from_bits(gb[m], c.g_dt);
       if (c.dt_bias) x += from_bits(bb[m], c.dt_bias_dt);
-      gate_chain(c, da[m], x, hv, dg, alog);
+      gate_chain(c, da[m], x, e, dg, alog);
       c.gate_raw[(f * c.HV + hv) * n_raw + i] = dg;
       alog_sum += alog;
     }
