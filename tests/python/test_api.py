@@ -17,6 +17,17 @@ def test_version_and_backends():
     assert cula.backend_for("chunk_bwd", "cpu") == "reference"
 
 
+def test_the_float32_cuda_backend_names_its_device(rng):
+    """backend="cuda_fp32" (the CUDA rows whose arithmetic is float32 throughout) is a CUDA backend:
+    host tensors are refused naming the argument; an unknown backend lists the known ones."""
+    q, k, v = (rng.standard_normal((1, 8, 2, 64)).astype(np.float32) for _ in range(3))
+    g, beta = -rng.uniform(0.01, 0.3, (1, 8, 2, 64)).astype(np.float32), rng.uniform(0.1, 0.9, (1, 8, 2)).astype(np.float32)
+    with pytest.raises(cula.CulaError, match="argument 'backend': expected a backend for host tensors, got CUDA_FP32"):
+        cula.chunk_fwd("kda", q, k, v, g, beta, backend="cuda_fp32")
+    with pytest.raises(cula.CulaError, match=r"argument 'backend': expected one of .*'cuda_fp32'"):
+        cula.chunk_fwd("kda", q, k, v, g, beta, backend="cuda_f32")
+
+
 def test_intermediate_states_are_states_before_each_chunk(rng):
     B, T, H, K, V = 1, 40, 1, 8, 4
     q, k = (rng.standard_normal((B, T, H, K)).astype(np.float32) for _ in range(2))
