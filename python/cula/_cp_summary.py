@@ -1,12 +1,14 @@
 """The affine summaries of slices of tokens, shared by context parallelism (cula.dist), its
 deterministic mode (_cp_segments) and the parallel segments of one device (_segments):
-diagonal_summary, diagonal_transition (diagonal_decays: of many pieces at once) and
+diagonal_summary, diagonal_decays (the transitions of many pieces at once) and
 diagonal_end_state, for the families without the delta rule, whose transitions are diagonal (the
 carried queries, the transition and a piece's own end state come from its gates, keys and values
 without an engine pass); precise_maps, the maps in float32 that the backwards fold their entering
 states from; cut, the pieces of packed sequences."""
 
 from __future__ import annotations
+
+import itertools
 
 from . import ops
 
@@ -81,18 +83,6 @@ def bmm_f32(a, b):
             out = torch.bmm(x, y, out_dtype=torch.float32) if out is None else \
                 torch.baddbmm(out, x, y, out_dtype=torch.float32)
     return out
-
-
-def diagonal_transition(family, g, decay, L, HV, K, device):
-    """M = diag(D_L) [HV, K, K] of a piece of L tokens of a family without the delta rule: the
-    product of its decays per key channel (diagonal_summary's transition, without its carried
-    queries)."""
-    import torch
-
-    if not L:
-        return torch.diag_embed(torch.ones(HV, K, dtype=torch.float32, device=device))
-    total = _cumulative(_log_decays(family, g, decay, L, HV, device))[..., -1]  # [HV, K or 1]
-    return torch.diag_embed(torch.exp(total).float().expand(HV, K))
 
 
 def diagonal_decays(family, g, decay, L, HV, K, starts, ends, device):
@@ -173,7 +163,7 @@ def precise_maps(family, q, k, v, g, beta, decay, spans, opts, h0=None):
     end from h0 or zero, M [S, HV, K, K]: its transition, X -> X M + A). Each span is walked in
     pieces of SUB_SEGMENT tokens that run as the sequences of one call (float32 q, k, v; on CUDA the
     backend "cuda_fp32": the recurrent kernels, no bf16 tiles), whose maps then compose in order; without the delta
-    rule M is the diagonal of the decays (diagonal_transition)."""
+    rule M is the diagonal of the decays (diagonal_decays, for all the pieces at once)."""
     import torch
 
     B, T, H, K = (int(s) for s in q.shape)
@@ -201,17 +191,19 @@ def precise_maps(family, q, k, v, g, beta, decay, spans, opts, h0=None):
         _, fw = ops.chunk_fwd(family, qs, ks, vs.contiguous(), gs, bs, decay, initial_state=init,
                               output_final_state=True, cu_seqlens=cu, state_layout="k_last", state_dtype="float32",
                               **opts)
-        at = 0
+        if diagonal:  # every sub-piece's decays from one running sum over the picked tokens
+            ends = list(itertools.accumulate(lengths))
+            d = diagonal_decays(family, None if gs is None else gs[0], decay, ends[-1], HV, K,
+                                [0] + ends[:-1], ends, dev).float().unsqueeze(2)  # [subs, HV, 1, K]
         for j, (i, s, e) in enumerate(subs):
             a_j = fw[j, :, :V, :]
-            if diagonal:
-                m_j = diagonal_transition(family, None if gs is None else gs[0, at:at + e - s], decay, e - s, HV, K,
-                                          dev)
+            if diagonal:  # X diag(d): the columns scaled
+                A[i] = A[i] * d[j] + a_j
+                M[i] = M[i] * d[j]
             else:
                 m_j = fw[j, :, V:, :]
-            A[i] = torch.matmul(A[i], m_j) + a_j
-            M[i] = torch.matmul(M[i], m_j)
-            at += e - s
+                A[i] = torch.matmul(A[i], m_j) + a_j
+                M[i] = torch.matmul(M[i], m_j)
     if h0 is not None:
         for i, h in enumerate(h0):
             if h is not None:

@@ -659,7 +659,7 @@ def test_bench_cp_harness_runs_on_host_ranks(tmp_path):
     assert "| kda 1x192 H2 | forward + backward |" in (tmp_path / "cp_x2.md").read_text()
 
 
-@pytest.mark.parametrize("family", ["kda", "gdn", "gla", "lightning"])
+@pytest.mark.parametrize("family", ["kda", "gdn", "gla", "simple_gla", "lightning"])
 def test_precise_maps_compose_their_sub_pieces(rng, family, monkeypatch):
     """_cp_summary.precise_maps with spans longer than its sub-pieces (16 tokens here): A and M of each
     span equal one call over the whole span (A: the end state from the given h0 or zero; M: the
