@@ -13,6 +13,7 @@
 
 #include "common/error.h"
 #include "cuda/prefill/chunk_common.cuh"
+#include "cuda/prefill/half_inputs.cuh"
 #include "cuda/runtime/runtime.h"
 
 namespace cula {
@@ -102,23 +103,13 @@ __global__ void __launch_bounds__(256) to_bf16_kernel(const In* src, int64_t s0,
     const int64_t row = i / per_row, c8 = (i - row * per_row) * 8;
     const int64_t b = row / (T * H), t = (row / H) % T, h = row % H;
     const In* x = src + b * s0 + t * s1 + h * s2 + c8;
-    float f[8];
+    uint4 out;
     if constexpr (sizeof(In) == 4) {
       const float4 lo = reinterpret_cast<const float4*>(x)[0], hi = reinterpret_cast<const float4*>(x)[1];
-      f[0] = lo.x, f[1] = lo.y, f[2] = lo.z, f[3] = lo.w, f[4] = hi.x, f[5] = hi.y, f[6] = hi.z, f[7] = hi.w;
+      out = make_uint4(mma::pack(lo.x, lo.y), mma::pack(lo.z, lo.w), mma::pack(hi.x, hi.y), mma::pack(hi.z, hi.w));
     } else {
-      const uint4 w = *reinterpret_cast<const uint4*>(x);
-      const __half2* h2 = reinterpret_cast<const __half2*>(&w);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 v = __half22float2(h2[j]);
-        f[2 * j] = v.x, f[2 * j + 1] = v.y;
-      }
+      out = half8_to_bf16(*reinterpret_cast<const uint4*>(x));
     }
-    uint4 out;
-    __nv_bfloat162* o2 = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) o2[j] = __floats2bfloat162_rn(f[2 * j], f[2 * j + 1]);
     *reinterpret_cast<uint4*>(dst + i * 8) = out;
   }
 }
