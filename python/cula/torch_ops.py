@@ -17,8 +17,12 @@ from .options import Options, schema_args
 
 __all__ = ["decode", "decode_to", "chunk_fwd"]
 
-# chunk_bwd's outputs, in order (an absent gradient is an empty tensor: custom ops return tensors)
-_GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "d_initial_state")
+# the gradient of each differentiable input of chunk_fwd; chunk_bwd's outputs are these, in this
+# order (an absent gradient is an empty tensor: custom ops return tensors)
+_GRAD_OF = {"q": "dq", "k": "dk", "v": "dv", "g": "dg", "beta": "dbeta", "A_log": "dA_log", "dt_bias": "ddt_bias",
+            "initial_state": "d_initial_state"}
+_GRADS = tuple(_GRAD_OF.values())
+_TOKEN_INPUTS = ("q", "k", "v", "g", "beta")  # the per-token inputs: gradients in their own dtype
 
 # The ops' arguments by position (their schemas, generated below with the options of cula.Options in
 # its field order), so that an option added there reaches every op without a signature restated here.
@@ -126,14 +130,15 @@ def _chunk_bwd(*args):
     q = a["q"]
     # bf16 inputs' token gradients written in bf16 by the kernels (the last rounding of their float32
     # sums), not in float32 and cast afterwards: one pass over each fewer
-    bf16 = {n: torch.empty_like(a[src]) for n, src in _TOKEN_GRADS.items()
-            if a.get(src) is not None and a[src].dtype == torch.bfloat16}
+    bf16 = {_GRAD_OF[n]: torch.empty_like(a[n]) for n in _TOKEN_INPUTS
+            if a.get(n) is not None and a[n].dtype == torch.bfloat16}
     grads = ops.chunk_bwd(a.pop("family"), a.pop("q"), a.pop("k"), a.pop("v"), a.pop("g"), a.pop("beta"),
                           a.pop("d_out"), options=opts, grads=bf16, **a)
     return [grads[n] if n in grads else q.new_empty(0, dtype=torch.float32) for n in _GRADS]
 
 
-_TOKEN_GRADS = {"dq": "q", "dk": "k", "dv": "v", "dg": "g", "dbeta": "beta"}
+# what chunk_fwd's backward keeps
+_SAVED = ("q", "k", "v", "g", "beta", "decay", "initial_state", "A_log", "dt_bias", "cu_seqlens")
 
 
 _chunk_bwd = torch.library.custom_op(
@@ -155,15 +160,8 @@ def _grad_like(x, token):
 def _chunk_bwd_fake(*args):
     a = _named(_BWD_ARGS, args)
     q = a["q"]
-    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
-    return [_grad_like(a[n], n in _TOKEN_GRADS.values()) if a[n] is not None else q.new_empty(0, dtype=torch.float32)
-            for n in names]
-
-
-# the gradient of each differentiable input of chunk_fwd, and what its backward keeps
-_GRAD_OF = {"q": "dq", "k": "dk", "v": "dv", "g": "dg", "beta": "dbeta", "A_log": "dA_log", "dt_bias": "ddt_bias",
-            "initial_state": "d_initial_state"}
-_SAVED = ("q", "k", "v", "g", "beta", "decay", "initial_state", "A_log", "dt_bias", "cu_seqlens")
+    return [_grad_like(a[n], n in _TOKEN_INPUTS) if a[n] is not None else q.new_empty(0, dtype=torch.float32)
+            for n in _GRAD_OF]
 
 
 def _setup_context(ctx, inputs, output):
