@@ -116,6 +116,16 @@ __device__ __forceinline__ bool chunk_at(const Params& bp, int cidx, ChunkAt& ch
   ch = chunk_in(bp.f, sq, ci);
   return true;
 }
+// The (chunk, value head, column slice) of a per-chunk CTA whose grid runs over slices of `width`
+// columns (of V or K), the slice fastest in blockIdx.x, then the value head.
+struct ChunkSlice {
+  int cidx, hv, col0;
+};
+__device__ __forceinline__ ChunkSlice chunk_slice(const FwdParams& p, int slices, int width) {
+  const unsigned b = blockIdx.x;
+  return {static_cast<int>(b / (static_cast<unsigned>(slices) * p.HV)), static_cast<int>((b / slices) % p.HV),
+          static_cast<int>(b % slices) * width};
+}
 
 // ---- loads -------------------------------------------------------------------------------------
 // Rows [0, valid) of a ROWS x COLS fp32 tile (row pitch src_ld floats, 16-byte aligned rows) into
@@ -407,9 +417,9 @@ __global__ void __launch_bounds__(NT, 2) scan_inputs_kernel(const Params bp) {
   extern __shared__ __align__(16) float sm[];
   float *Pm = sm + Ly::P, *Qg = sm + Ly::Qg, *Tm = sm + Ly::T, *dO = sm + Ly::dO, *bv = sm + Ly::bv, *bet = sm + Ly::beta;
   const FwdParams& p = bp.f;
-  const int tid = threadIdx.x, nve = p.V / VE;
-  const int v0 = static_cast<int>(blockIdx.x % nve) * VE, hv = static_cast<int>((blockIdx.x / nve) % p.HV);
-  const int cidx = static_cast<int>(blockIdx.x / (static_cast<unsigned>(nve) * p.HV));
+  const int tid = threadIdx.x;
+  const ChunkSlice cs = chunk_slice(p, p.V / VE, VE);
+  const int cidx = cs.cidx, hv = cs.hv, v0 = cs.col0;
   ChunkAt ch;
   if (!chunk_at(bp, cidx, ch)) return;
   const float* fac = bp.fac + (static_cast<int64_t>(cidx) * p.HV + hv) * F::size;
@@ -601,9 +611,10 @@ __global__ void __launch_bounds__(NT) value_grad_kernel(const Params bp) {
   float *Kg = sm + Ly::Kg, *S0 = sm + Ly::S0, *Tm = sm + Ly::T, *R = sm + Ly::R, *Bm = sm + Ly::B, *dD = sm + Ly::dD;
   float* bet = sm + Ly::beta;
   const FwdParams& p = bp.f;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, nve = p.V / VE;
-  const int v0 = static_cast<int>(blockIdx.x % nve) * VE, hv = static_cast<int>((blockIdx.x / nve) % p.HV);
-  const int cidx = static_cast<int>(blockIdx.x / (static_cast<unsigned>(nve) * p.HV)), h = hv / (p.HV / p.H);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const ChunkSlice cs = chunk_slice(p, p.V / VE, VE);
+  const int cidx = cs.cidx, hv = cs.hv, v0 = cs.col0;
+  const int h = hv / (p.HV / p.H);
   ChunkAt ch;
   if (!chunk_at(bp, cidx, ch)) return;
   const float* fac = bp.fac + (static_cast<int64_t>(cidx) * p.HV + hv) * F::size;
@@ -668,9 +679,10 @@ __global__ void __launch_bounds__(NT) key_grad_kernel(const Params bp) {
   float *dO = sm + Ly::dO, *dB = sm + Ly::dB, *Dl = sm + Ly::D, *S0 = sm + Ly::S0, *dSs = sm + Ly::dS;
   float *rs = sm + Ly::rs, *nbet = sm + Ly::nbeta;
   const FwdParams& p = bp.f;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, nke = K / VE;
-  const int c0 = static_cast<int>(blockIdx.x % nke) * VE, hv = static_cast<int>((blockIdx.x / nke) % p.HV);
-  const int cidx = static_cast<int>(blockIdx.x / (static_cast<unsigned>(nke) * p.HV)), h = hv / (p.HV / p.H);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const ChunkSlice cs = chunk_slice(p, K / VE, VE);
+  const int cidx = cs.cidx, hv = cs.hv, c0 = cs.col0;
+  const int h = hv / (p.HV / p.H);
   ChunkAt ch;
   if (!chunk_at(bp, cidx, ch)) return;
   const float* fac = bp.fac + (static_cast<int64_t>(cidx) * p.HV + hv) * F::size;
