@@ -43,33 +43,35 @@ __global__ void __launch_bounds__(32 * kRowWarps) prepare_tokens_kernel(const Fw
   // every load of the row first (raw bits, no branch between them), then the arithmetic: loads
   // taken one at a time behind their use left these kernels waiting on memory (ncu: chain_qk at
   // 45% long-scoreboard stalls and 31% of DRAM bandwidth)
-  uint32_t gb[kMaxEpl];
-  const int64_t g_row = b * p.g_s[0] + t * p.g_s[1] + hv * p.g_s[2];
   const bool per_channel = p.gate_kind == GateKind::PerChannel;
-  uint32_t bb[kMaxEpl];
-  const bool biased = p.gate_in_kernel && p.dt_bias;
-  if (p.gate_kind != GateKind::Constant) {
+  const bool biased = p.gate_in_kernel && p.dt_bias;  // (per channel exactly when the gate is)
+  const int64_t g_row = b * p.g_s[0] + t * p.g_s[1] + hv * p.g_s[2];
+  uint32_t gb[kMaxEpl], bb[kMaxEpl];
+  if (per_channel) {
 #pragma unroll
     for (int m = 0; m < kMaxEpl; ++m)
       if (m < n) {
         const int i = lane + 32 * m;
-        gb[m] = ld_bits(p.g, p.g_dt, per_channel ? g_row + i * p.g_s[3] : g_row);
-        if (biased) bb[m] = ld_bits(p.dt_bias, p.dt_bias_dt, p.dt_bias_per_channel ? hv * K + i : hv);
+        gb[m] = ld_bits(p.g, p.g_dt, g_row + i * p.g_s[3]);
+        if (biased) bb[m] = ld_bits(p.dt_bias, p.dt_bias_dt, hv * K + i);
       }
+  }
+  // a scalar or constant gate: one log-decay for the whole row, taken once
+  float row_a = 0.0f;
+  if (p.gate_kind == GateKind::Constant) {
+    row_a = -ld(p.decay, p.decay_dt, p.decay_heads == p.HV ? hv : h);
+  } else if (!per_channel) {
+    row_a = ld(p.g, p.g_dt, g_row);
+    if (p.gate_in_kernel) row_a = dev::activate_gate(row_a + (biased ? ld(p.dt_bias, p.dt_bias_dt, hv) : 0.0f), eA, p.has_lb, p.lb);
   }
 #pragma unroll
   for (int m = 0; m < kMaxEpl; ++m) {
     if (m >= n) break;
     const int i = lane + 32 * m;
-    float a;
-    if (p.gate_kind == GateKind::Constant) {
-      a = -ld(p.decay, p.decay_dt, p.decay_heads == p.HV ? hv : h);
-    } else {
+    float a = row_a;
+    if (per_channel) {
       a = from_bits(gb[m], p.g_dt);
-      if (p.gate_in_kernel) {
-        const float bias = biased ? from_bits(bb[m], p.dt_bias_dt) : 0.0f;
-        a = dev::activate_gate(a + bias, eA, p.has_lb, p.lb);
-      }
+      if (p.gate_in_kernel) a = dev::activate_gate(a + (biased ? from_bits(bb[m], p.dt_bias_dt) : 0.0f), eA, p.has_lb, p.lb);
     }
     x.dec[(f * p.HV + hv) * K + i] = log_decay ? a : expf(a);
   }
