@@ -186,13 +186,12 @@ def precise_maps(family, q, k, v, g, beta, decay, spans, opts, h0=None):
             vs = torch.cat([vs, vs.new_zeros(1, vs.shape[1], HV, K)], dim=-1)
         if q.is_cuda:
             opts = dict(opts, backend="cuda_fp32")
-        lengths = [e - s for _, s, e in subs]
-        cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32, device=dev)
+        ends = list(itertools.accumulate(e - s for _, s, e in subs))  # of each sub-piece in the picked tokens
+        cu = torch.tensor([0] + ends, dtype=torch.int32, device=dev)
         _, fw = ops.chunk_fwd(family, qs, ks, vs.contiguous(), gs, bs, decay, initial_state=init,
                               output_final_state=True, cu_seqlens=cu, state_layout="k_last", state_dtype="float32",
                               **opts)
         if diagonal:  # every sub-piece's decays from one running sum over the picked tokens
-            ends = list(itertools.accumulate(lengths))
             d = diagonal_decays(family, None if gs is None else gs[0], decay, ends[-1], HV, K,
                                 [0] + ends[:-1], ends, dev).float().unsqueeze(2)  # [subs, HV, 1, K]
         for j, (i, s, e) in enumerate(subs):
