@@ -159,12 +159,10 @@ def test_float32_inputs_on_the_engines_and_exact_on_the_fp32_backend(rng, family
              idt=torch.float32)
     d, cu, kw = chunk_inputs(rng, c)
     kw.pop("return_intermediate_states")
-    ref = cula.chunk_fwd(family, **d, cu_seqlens=cu, backend="reference", output_final_state=True,
-                         **{n: x for n, x in kw.items() if n != "output_final_state"})
+    ref = cula.chunk_fwd(family, **d, cu_seqlens=cu, backend="reference", **kw)  # (kw: output_final_state)
     dev = {n: x.cuda() for n, x in d.items()}
     for backend, kernel, tol in (("auto", KERNEL[family], TOL_FP16), ("cuda_fp32", "cuda", 1e-5)):
-        o, final = cula.chunk_fwd(family, **dev, cu_seqlens=cu.cuda(), backend=backend, output_final_state=True,
-                                  **{n: x for n, x in kw.items() if n != "output_final_state"})
+        o, final = cula.chunk_fwd(family, **dev, cu_seqlens=cu.cuda(), backend=backend, **kw)
         torch.cuda.synchronize()
         assert cula.last_kernel() == kernel, (backend, cula.last_kernel())
         assert o.dtype == torch.float32 and torch.isfinite(o).all()
