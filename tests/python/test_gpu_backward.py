@@ -104,10 +104,12 @@ def test_cuda_backward_matches_the_float64_reference(rng, family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_chunk_form_takes_training_shapes_and_matches_the_reference(rng, family):
-    """bf16 inputs, K = V = 128 or 64, GVA for the delta rule, varlen with a sequence below one chunk
-    and an empty one, states in and out: the chunk form runs (not the recurrent kernel) and matches."""
+    """bf16 inputs, K = 128, 64 and 256 (FLA's default GatedDeltaNet head), GVA for the delta rule,
+    varlen with a sequence below one chunk and an empty one, states in and out: the chunk form runs
+    (not the recurrent kernel) and matches."""
     t = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32))  # noqa: E731
-    for K, V, cu in ((128, 128, None), (64, 128, torch.tensor([0, 30, 30, 200, 333], dtype=torch.int32))):
+    varlen = torch.tensor([0, 30, 30, 200, 333], dtype=torch.int32)
+    for K, V, cu in ((128, 128, None), (64, 128, varlen), (256, 128, varlen)):
         B, T = (2, 150) if cu is None else (1, 333)
         N = B if cu is None else len(cu) - 1
         H, HV = (2, 4) if family in ("kda", "gdn") else (2, 2)
@@ -133,11 +135,11 @@ def test_the_chunk_form_takes_training_shapes_and_matches_the_reference(rng, fam
 def test_small_backward_matches_the_reference(rng, family):
     """Small shapes for compute-sanitizer: a varlen batch with an empty sequence and one over a chunk,
     V = 48 (the recurrent kernel; rows past V masked) and V = 64 (the chunk form), K = 64, 128 and
-    256, states in and out."""
+    256 (the chunk form's factor kernel in two channel slices), states in and out."""
     t = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32))  # noqa: E731
     cu = torch.tensor([0, 17, 17, 110], dtype=torch.int32)
     kernels = set()
-    for K, V in ((64, 48), (256, 48), (64, 64), (128, 64)):
+    for K, V in ((64, 48), (256, 48), (64, 64), (128, 64), (256, 64)):
         d = dict(q=t(1, 110, 2, K).bfloat16(), k=(t(1, 110, 2, K) * K ** -0.5).bfloat16(), v=t(1, 110, 4, V).bfloat16(),
                  d_out=t(1, 110, 4, V), initial_state=t(3, 4, V, K), d_final_state=t(3, 4, V, K))
         kw = dict(use_qk_l2norm_in_kernel=True)

@@ -190,18 +190,19 @@ def test_coverage_decode_rows_run_through_the_drop_ins():
 
 def test_train_rows_run_through_the_drop_ins():
     """`cula bench train`'s rows of every family: the inputs and the call built as the benchmark builds
-    them (a few tokens, on the host) give o and a gradient for every differentiable input."""
+    them (a few tokens, on the host), at every row's head sizes, give o and a gradient for every
+    differentiable input."""
     torch = pytest.importorskip("torch", reason="torch is not installed")
     from cula.bench import train
 
-    for family in train.FAMILIES:
-        kw = dict(scale=train.K ** -0.5, cu_seqlens=None)
+    for family, K, V in sorted({(c.family, c.K, c.V) for c in train.CONFIGS}):
+        kw = dict(scale=K ** -0.5, cu_seqlens=None)
         if family == "kda":
             from cula.bench.coverage import _kda_gate
 
-            kw.update(_kda_gate(torch, "softplus", 2, train.K, "cpu"))
-        x = train._leaves(torch, family, 1, 70, 2, 2, "cpu", kw)
+            kw.update(_kda_gate(torch, "softplus", 2, K, "cpu"))
+        x = train._leaves(torch, family, 1, 70, 2, 2, "cpu", kw, K, V)
         o = train._call(family, train._train_fns(family)[0], x, kw)
         grads = torch.autograd.grad(o, train._wrt(x, kw), torch.randn_like(o))
-        assert tuple(o.shape) == (1, 70, 2, train.V), family
-        assert all(g is not None and torch.isfinite(g).all() for g in grads), family
+        assert tuple(o.shape) == (1, 70, 2, V), (family, K, V)
+        assert all(g is not None and torch.isfinite(g).all() for g in grads), (family, K, V)

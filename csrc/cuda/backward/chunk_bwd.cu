@@ -37,6 +37,7 @@
 #include <cuda_runtime.h>
 
 #include <string>
+#include <type_traits>
 
 #include "cuda/backward/chain.h"
 #include "cuda/backward/recurrent_bwd.h"
@@ -216,6 +217,9 @@ __device__ __forceinline__ void slice_out(void* dst, int dt, const FwdParams& p,
 }
 
 // ---- 2. factors --------------------------------------------------------------------------------
+// Channels per slice of the factor kernel: its q^, k^ and G tiles of 128 channels take most of the
+// shared memory, so K = 256 runs as two slices.
+constexpr int factor_slice(int K) { return K > 128 ? 128 : K; }
 template <int K, bool DELTA>
 struct FactorsLayout {
   static constexpr int LK = K + 4, LA = C + 4, LB = K + 8;
@@ -229,6 +233,10 @@ struct FactorsLayout {
   static constexpr int bytes = floats * 4;
 };
 
+// The factor kernel's layout at key size K (its channel slices' tiles).
+template <int K, bool DELTA>
+using FactorsLayoutOf = FactorsLayout<factor_slice(K), DELTA>;
+
 __device__ __forceinline__ void tri_index(int pi, int& i, int& j) {  // pi = i (i + 1) / 2 + j, j <= i
   i = static_cast<int>((sqrtf(8.0f * pi + 1.0f) - 1.0f) * 0.5f);
   while ((i + 1) * (i + 2) / 2 <= pi) ++i;
@@ -238,40 +246,53 @@ __device__ __forceinline__ void tri_index(int pi, int& i, int& j) {  // pi = i (
 
 // P and KEK for the rows of block I (I >= 1) and the tokens before it, on tensor cores: both
 // operands through the last token before the block, r = 16 I - 1: (q_t e^{G_t - G_r}) (k_s
-// e^{G_r - G_s}), every factor <= 1.
-template <int K, bool DELTA, int I>
+// e^{G_r - G_s}), every factor <= 1. Channels of slice sl of NS (KC each): the products are added
+// to the slices before (P in the factor block, KEK in Am; each element owned by one thread in every
+// slice) and KEK goes out, with A = diag(beta) KEK in Am, after the last.
+template <int KC, int K, bool DELTA, int I>
 __device__ __forceinline__ void factors_block_row(const float* qs, const float* ks, const float* Gs, float* S, float* Am,
-                                                  const float* bet, float* fac, float* sc0, float* sc1) {
-  using Ly = FactorsLayout<K, DELTA>;
+                                                  const float* bet, float* fac, float* sc0, float* sc1, int sl, int NS) {
+  using Ly = FactorsLayout<KC, DELTA>;
   using F = Fac<K>;
   constexpr int LK = Ly::LK, LA = Ly::LA, r = 16 * I - 1;
   float *Lq = S, *Lk = S + 16 * LK, *R = S + (DELTA ? 32 : 16) * LK;
   __syncthreads();  // S free
-  for (int i = threadIdx.x; i < 16 * K; i += NT) {
-    const int t = 16 * I + i / K, c = i % K;
+  for (int i = threadIdx.x; i < 16 * KC; i += NT) {
+    const int t = 16 * I + i / KC, c = i % KC;
     const float e = fast_exp(Gs[t * LK + c] - Gs[r * LK + c]);
-    Lq[(i / K) * LK + c] = qs[t * LK + c] * e;
-    if (DELTA) Lk[(i / K) * LK + c] = ks[t * LK + c] * e;
+    Lq[(i / KC) * LK + c] = qs[t * LK + c] * e;
+    if (DELTA) Lk[(i / KC) * LK + c] = ks[t * LK + c] * e;
   }
-  for (int i = threadIdx.x; i < 16 * I * K; i += NT) {
-    const int s = i / K, c = i % K;
+  for (int i = threadIdx.x; i < 16 * I * KC; i += NT) {
+    const int s = i / KC, c = i % KC;
     R[s * LK + c] = ks[s * LK + c] * fast_exp(Gs[r * LK + c] - Gs[s * LK + c]);
   }
   __syncthreads();
-  static_assert(tf32::wide_scratch<16, 16 * I, K, NW>() <= Ly::SC, "scratch");
-  tf32::gemm_wide<16, 16 * I, K, NW>(rows(Lq, LK), cols(R, LK), sc0,
-                                     [&](int i, int j, float v) { fac[F::P + (16 * I + i) * C + j] = v; });
+  static_assert(tf32::wide_scratch<16, 16 * I, KC, NW>() <= Ly::SC, "scratch");
+  tf32::gemm_wide<16, 16 * I, KC, NW>(rows(Lq, LK), cols(R, LK), sc0, [&](int i, int j, float v) {
+    float& f = fac[F::P + (16 * I + i) * C + j];
+    f = sl == 0 ? v : f + v;
+  });
   if (DELTA)
-    tf32::gemm_wide<16, 16 * I, K, NW>(rows(Lk, LK), cols(R, LK), sc1, [&](int i, int j, float v) {
+    tf32::gemm_wide<16, 16 * I, KC, NW>(rows(Lk, LK), cols(R, LK), sc1, [&](int i, int j, float v) {
       const int t = 16 * I + i;
-      fac[F::KEK + t * C + j] = v;
-      Am[t * LA + j] = bet[t] * v;
+      float& a = Am[t * LA + j];
+      const float kek = sl == 0 ? v : a + v;
+      if (sl == NS - 1) {
+        fac[F::KEK + t * C + j] = kek;
+        a = bet[t] * kek;
+      } else {
+        a = kek;
+      }
     });
 }
 
 template <int K, bool DELTA>
 __global__ void __launch_bounds__(NT) chunk_factors_kernel(const Params bp) {
-  using Ly = FactorsLayout<K, DELTA>;
+  // the channels in slices of KC (K = 256: two; the pair matrices summed over the slices, T formed
+  // once they are complete, W by slices after it)
+  constexpr int KC = factor_slice(K), NS = K / KC;
+  using Ly = FactorsLayoutOf<K, DELTA>;
   using F = Fac<K>;
   constexpr int LK = Ly::LK, LA = Ly::LA, LB = Ly::LB;
   extern __shared__ __align__(16) float sm[];
@@ -286,45 +307,67 @@ __global__ void __launch_bounds__(NT) chunk_factors_kernel(const Params bp) {
   float* fac = bp.fac + (static_cast<int64_t>(cidx) * p.HV + hv) * F::size;
   const int Lc = ch.Lc;
 
-  rows_async<C, K>(qs, LK, bp.x.qh + (ch.f0 * p.H + h) * K, static_cast<int64_t>(p.H) * K, Lc);
-  rows_async<C, K>(ks, LK, bp.x.kh + (ch.f0 * p.H + h) * K, static_cast<int64_t>(p.H) * K, Lc);
-  rows_async<C, K>(Gs, LK, bp.x.dec + (ch.f0 * p.HV + hv) * K, static_cast<int64_t>(p.HV) * K, Lc);  // rows past: no decay
-  mma::cp_async_commit();
+  // channels c0 .. c0 + KC of k^ (and q^) and of the log-decay, G its cumulative sum over the chunk
+  auto load_slice = [&](int c0, bool with_q) {
+    if (with_q) rows_async<C, KC>(qs, LK, bp.x.qh + (ch.f0 * p.H + h) * K + c0, static_cast<int64_t>(p.H) * K, Lc);
+    rows_async<C, KC>(ks, LK, bp.x.kh + (ch.f0 * p.H + h) * K + c0, static_cast<int64_t>(p.H) * K, Lc);
+    rows_async<C, KC>(Gs, LK, bp.x.dec + (ch.f0 * p.HV + hv) * K + c0, static_cast<int64_t>(p.HV) * K, Lc);  // rows past: no decay
+    mma::cp_async_commit();
+  };
+  auto cumulate = [&]() {
+    mma::cp_async_wait_all();
+    __syncthreads();
+    for (int c = tid; c < KC; c += NT) {
+      float acc = 0.0f;
+      for (int t = 0; t < C; ++t) acc = Gs[t * LK + c] += acc;
+    }
+    __syncthreads();
+  };
+
   if (tid < C) bet[tid] = tid < Lc ? bp.x.beta[(ch.f0 + tid) * p.HV + hv] : 0.0f;
   for (int i = tid; i < C * C; i += NT) {
     const int t = i / C, s = i % C;
     if (s > t) fac[F::P + i] = 0.0f;
     if (DELTA && s >= t) fac[F::KEK + i] = 0.0f, Am[t * LA + s] = 0.0f;
   }
-  mma::cp_async_wait_all();
-  __syncthreads();
-  for (int c = tid; c < K; c += NT) {
-    float acc = 0.0f;
-    for (int t = 0; t < C; ++t) acc = Gs[t * LK + c] += acc;
-  }
-  __syncthreads();
-
-  // diagonal blocks, exact: one thread per pair (t, s), s <= t, in block 16 I; each lane starts its
-  // walk over the channels at its own lane (rows 4 words apart in the banks: no conflicts)
-  for (int e = tid; e < 4 * 136; e += NT) {
-    const int I = e / 136, pi = e % 136;
-    int i, j;
-    tri_index(pi, i, j);
-    const float *qt = qs + (16 * I + i) * LK, *kt = ks + (16 * I + i) * LK, *Gt = Gs + (16 * I + i) * LK;
-    const float *kv = ks + (16 * I + j) * LK, *Gv = Gs + (16 * I + j) * LK;
-    float ap = 0.0f, ak = 0.0f;
+  for (int sl = 0; sl < NS; ++sl) {
+    const int c0 = sl * KC;
+    __syncthreads();  // the slice before is done with q^, k^ and G
+    load_slice(c0, true);
+    cumulate();
+    // diagonal blocks, exact: one thread per pair (t, s), s <= t, in block 16 I, summed over the
+    // slices in D; each lane starts its walk over the channels at its own lane (rows 4 words apart in
+    // the banks: no conflicts)
+    for (int e = tid; e < 4 * 136; e += NT) {
+      const int I = e / 136, pi = e % 136;
+      int i, j;
+      tri_index(pi, i, j);
+      const float *qt = qs + (16 * I + i) * LK, *kt = ks + (16 * I + i) * LK, *Gt = Gs + (16 * I + i) * LK;
+      const float *kv = ks + (16 * I + j) * LK, *Gv = Gs + (16 * I + j) * LK;
+      float ap = 0.0f, ak = 0.0f;
 #pragma unroll 8
-    for (int m = 0; m < K; ++m) {
-      const int c = (m + lane) & (K - 1);
-      const float x = kv[c] * fast_exp(Gt[c] - Gv[c]);
-      ap += qt[c] * x;
-      if (DELTA) ak += kt[c] * x;
+      for (int m = 0; m < KC; ++m) {
+        const int c = (m + lane) & (KC - 1);
+        const float x = kv[c] * fast_exp(Gt[c] - Gv[c]);
+        ap += qt[c] * x;
+        if (DELTA) ak += kt[c] * x;
+      }
+      D[2 * e] = sl == 0 ? ap : D[2 * e] + ap;
+      D[2 * e + 1] = sl == 0 ? ak : D[2 * e + 1] + ak;
     }
-    D[2 * e] = ap, D[2 * e + 1] = ak;
+    factors_block_row<KC, K, DELTA, 1>(qs, ks, Gs, S, Am, bet, fac, sm + Ly::sc, sm + Ly::sc + Ly::SC, sl, NS);
+    factors_block_row<KC, K, DELTA, 2>(qs, ks, Gs, S, Am, bet, fac, sm + Ly::sc, sm + Ly::sc + Ly::SC, sl, NS);
+    factors_block_row<KC, K, DELTA, 3>(qs, ks, Gs, S, Am, bet, fac, sm + Ly::sc, sm + Ly::sc + Ly::SC, sl, NS);
+    // G, Qg = q^ e^G, Kr = k^ e^{G_C - G}, e^{G_C} of the slice's channels
+    for (int i = tid; i < C * KC; i += NT) {
+      const int t = i / KC, c = i % KC;
+      const float G = Gs[t * LK + c];
+      fac[F::G + t * K + c0 + c] = G;
+      fac[F::Q + t * K + c0 + c] = qs[t * LK + c] * fast_exp(G);
+      fac[F::R + t * K + c0 + c] = ks[t * LK + c] * fast_exp(Gs[(C - 1) * LK + c] - G);
+    }
+    for (int c = tid; c < KC; c += NT) fac[F::EG + c0 + c] = fast_exp(Gs[(C - 1) * LK + c]);
   }
-  factors_block_row<K, DELTA, 1>(qs, ks, Gs, S, Am, bet, fac, sm + Ly::sc, sm + Ly::sc + Ly::SC);
-  factors_block_row<K, DELTA, 2>(qs, ks, Gs, S, Am, bet, fac, sm + Ly::sc, sm + Ly::sc + Ly::SC);
-  factors_block_row<K, DELTA, 3>(qs, ks, Gs, S, Am, bet, fac, sm + Ly::sc, sm + Ly::sc + Ly::SC);
   __syncthreads();
   for (int e = tid; e < 4 * 136; e += NT) {
     const int I = e / 136;
@@ -337,60 +380,60 @@ __global__ void __launch_bounds__(NT) chunk_factors_kernel(const Params bp) {
       Am[t * LA + s] = bet[t] * D[2 * e + 1];
     }
   }
+  if (!DELTA) return;
 
-  if (DELTA) {
-    // T = (I + A)^-1, A strictly lower: diagonal 16 x 16 blocks by substitution (thread per
-    // column), then block diagonal d = 1..3: T_IJ = -T_II sum_{J <= L < I} A_IL T_LJ
-    float* X = S;
-    __syncthreads();
-    for (int i = tid; i < C * C; i += NT) {
-      const int rr = i / C, cc = i % C;
-      if (cc / 16 > rr / 16) Tm[rr * LA + cc] = 0.0f;
-    }
-    if (tid < C) {
-      const int b = 16 * (tid / 16), j = tid % 16;
-      for (int i = 0; i < 16; ++i) {
-        float v = i == j ? 1.0f : 0.0f;
-        for (int l = j; l < i; ++l) v -= Am[(b + i) * LA + b + l] * Tm[(b + l) * LA + b + j];
-        Tm[(b + i) * LA + b + j] = v;
-      }
-    }
-    __syncthreads();
-    for (int d = 1; d < 4; ++d) {
-      const int nb = 4 - d;
-      for (int e = tid; e < nb * 256; e += NT) {
-        const int I = d + e / 256, J = I - d, i = (e % 256) / 16, j = e % 16;
-        float v = 0.0f;
-        for (int l = 16 * J; l < 16 * I; ++l) v += Am[(16 * I + i) * LA + l] * Tm[l * LA + 16 * J + j];
-        X[e] = v;
-      }
-      __syncthreads();
-      for (int e = tid; e < nb * 256; e += NT) {
-        const int I = d + e / 256, J = I - d, i = (e % 256) / 16, j = e % 16;
-        const float* x = X + (e / 256) * 256;
-        float v = 0.0f;
-        for (int m = 0; m <= i; ++m) v -= Tm[(16 * I + i) * LA + 16 * I + m] * x[m * 16 + j];
-        Tm[(16 * I + i) * LA + 16 * J + j] = v;
-      }
-      __syncthreads();
+  // T = (I + A)^-1, A strictly lower: diagonal 16 x 16 blocks by substitution (thread per
+  // column), then block diagonal d = 1..3: T_IJ = -T_II sum_{J <= L < I} A_IL T_LJ
+  float* X = S;
+  __syncthreads();
+  for (int i = tid; i < C * C; i += NT) {
+    const int rr = i / C, cc = i % C;
+    if (cc / 16 > rr / 16) Tm[rr * LA + cc] = 0.0f;
+  }
+  if (tid < C) {
+    const int b = 16 * (tid / 16), j = tid % 16;
+    for (int i = 0; i < 16; ++i) {
+      float v = i == j ? 1.0f : 0.0f;
+      for (int l = j; l < i; ++l) v -= Am[(b + i) * LA + b + l] * Tm[(b + l) * LA + b + j];
+      Tm[(b + i) * LA + b + j] = v;
     }
   }
+  __syncthreads();
+  for (int d = 1; d < 4; ++d) {
+    const int nb = 4 - d;
+    for (int e = tid; e < nb * 256; e += NT) {
+      const int I = d + e / 256, J = I - d, i = (e % 256) / 16, j = e % 16;
+      float v = 0.0f;
+      for (int l = 16 * J; l < 16 * I; ++l) v += Am[(16 * I + i) * LA + l] * Tm[l * LA + 16 * J + j];
+      X[e] = v;
+    }
+    __syncthreads();
+    for (int e = tid; e < nb * 256; e += NT) {
+      const int I = d + e / 256, J = I - d, i = (e % 256) / 16, j = e % 16;
+      const float* x = X + (e / 256) * 256;
+      float v = 0.0f;
+      for (int m = 0; m <= i; ++m) v -= Tm[(16 * I + i) * LA + 16 * I + m] * x[m * 16 + j];
+      Tm[(16 * I + i) * LA + 16 * J + j] = v;
+    }
+    __syncthreads();
+  }
+  for (int i = tid; i < C * C; i += NT) fac[F::T + i] = Tm[(i / C) * LA + i % C];
 
-  // G, Qg = q^ e^G, Kr = k^ e^{G_C - G}, e^{G_C}; beta Kg for W
+  // W = T diag(beta) Kg by slices of channels, the last slice's k^ and G still in shared memory
   float* bKg = S + 3 * 256;
-  for (int i = tid; i < C * K; i += NT) {
-    const int t = i / K, c = i % K;
-    const float G = Gs[t * LK + c], e = fast_exp(G);
-    fac[F::G + i] = G;
-    fac[F::Q + i] = qs[t * LK + c] * e;
-    fac[F::R + i] = ks[t * LK + c] * fast_exp(Gs[(C - 1) * LK + c] - G);
-    if (DELTA) bKg[t * LB + c] = bet[t] * ks[t * LK + c] * e;
-  }
-  for (int c = tid; c < K; c += NT) fac[F::EG + c] = fast_exp(Gs[(C - 1) * LK + c]);
-  if (DELTA) {
-    for (int i = tid; i < C * C; i += NT) fac[F::T + i] = Tm[(i / C) * LA + i % C];
+  for (int sl = NS - 1; sl >= 0; --sl) {
+    const int c0 = sl * KC;
+    if (sl != NS - 1) {
+      __syncthreads();  // the slice after is done with k^, G and beta Kg
+      load_slice(c0, false);
+      cumulate();
+    }
+    for (int i = tid; i < C * KC; i += NT) {
+      const int t = i / KC, c = i % KC;
+      bKg[t * LB + c] = bet[t] * ks[t * LK + c] * fast_exp(Gs[t * LK + c]);
+    }
     __syncthreads();
-    tf32::gemm<C, K, C, NW>(rows(Tm, LA), rows(bKg, LB), [&](int i, int j, float v) { fac[F::W + i * K + j] = v; });
+    tf32::gemm<C, KC, C, NW>(rows(Tm, LA), rows(bKg, LB), [&](int i, int j, float v) { fac[F::W + i * K + c0 + j] = v; });
   }
 }
 
@@ -979,7 +1022,7 @@ constexpr int VS = 16;  // columns per scan CTA: the two roles' shared memory fi
 
 template <int K, bool DELTA>
 int max_smem() {
-  int b = FactorsLayout<K, DELTA>::bytes;
+  int b = FactorsLayoutOf<K, DELTA>::bytes;
   b = b > ScanInputsLayout<K>::bytes ? b : ScanInputsLayout<K>::bytes;
   b = b > ScanLayout<K, DELTA, VS>::bytes ? b : ScanLayout<K, DELTA, VS>::bytes;
   b = b > ValueLayout<K>::bytes ? b : ValueLayout<K>::bytes;
@@ -987,9 +1030,18 @@ int max_smem() {
   return b > PairLayout<K>::bytes ? b : PairLayout<K>::bytes;
 }
 
+// f(std::integral_constant<int, K>) for the key head sizes the chunk form takes (64, 128, 256)
+template <class F>
+auto with_key_size(int K, F&& f) {
+  if (K == 64) return f(std::integral_constant<int, 64>{});
+  if (K == 128) return f(std::integral_constant<int, 128>{});
+  return f(std::integral_constant<int, 256>{});
+}
+
 int smem_needed(const Recurrence& r) {
-  if (r.K == 64) return r.tr.delta ? max_smem<64, true>() : max_smem<64, false>();
-  return r.tr.delta ? max_smem<128, true>() : max_smem<128, false>();
+  return with_key_size(static_cast<int>(r.K), [&](auto k) {
+    return r.tr.delta ? max_smem<decltype(k)::value, true>() : max_smem<decltype(k)::value, false>();
+  });
 }
 
 template <int K, bool DELTA>
@@ -999,7 +1051,7 @@ void run_kernels(const Params& bp, int64_t chunks, int N, int HV, int V, cudaStr
     chunk::allow_smem(kernel, bytes);
     kernel<<<static_cast<unsigned>(grid), threads, bytes, stream>>>(bp);
   };
-  go(chunk_factors_kernel<K, DELTA>, chunks * HV, FactorsLayout<K, DELTA>::bytes);
+  go(chunk_factors_kernel<K, DELTA>, chunks * HV, FactorsLayoutOf<K, DELTA>::bytes);
   go(scan_inputs_kernel<K, DELTA>, chunks * HV * (V / VE), ScanInputsLayout<K>::bytes);
   go(state_scans_kernel<K, DELTA, VS>, 2 * static_cast<int64_t>(N) * HV * (V / VS), ScanLayout<K, DELTA, VS>::bytes, ST);
   if (DELTA) go(value_grad_kernel<K>, chunks * HV * (V / VE), ValueLayout<K>::bytes);
@@ -1012,7 +1064,7 @@ void run_kernels(const Params& bp, int64_t chunks, int N, int HV, int V, cudaStr
 Refusal cuda_chunk_bwd_declines(const Recurrence& r, const cula_chunk_bwd_args& a) {
   // the recurrent row's input rules first: what it refuses, this row refuses the same way
   if (Refusal why = cuda_recurrent_bwd_declines(r, a)) return why;
-  if (r.K != 64 && r.K != 128) return Refusal::prefers("the chunk form takes K in {64, 128}");
+  if (r.K != 64 && r.K != 128 && r.K != 256) return Refusal::prefers("the chunk form takes K in {64, 128, 256}");
   if (r.V % VE != 0) return Refusal::prefers("the chunk form takes V a multiple of 64");
   for (const cula_tensor* t : {a.v, a.d_out}) {
     const int dt = t->dtype;
@@ -1036,7 +1088,7 @@ void cuda_chunk_bwd(const Recurrence& r, const cula_chunk_bwd_args& a) {
   bp.f = make_fwd_params(r, bwd::forward_args(a));
   const int64_t chunks = chunk::max_chunks(bp.f);
   if (chunks * HV >= (int64_t{1} << 31) / 2) throw_unsupported(op, "too many chunks x heads for one launch");
-  const int64_t fac_floats = K == 64 ? Fac<64>::size : Fac<128>::size;
+  const int64_t fac_floats = with_key_size(static_cast<int>(K), [](auto k) { return int64_t{Fac<decltype(k)::value>::size}; });
   const int64_t state_bytes = align256(chunks * HV * K * V * 4), tok_v = align256(BT * HV * V * 4);
   const int64_t sizes[] = {
       chunk::base_bytes(bp.f),                             // chunk_base
@@ -1077,13 +1129,11 @@ void cuda_chunk_bwd(const Recurrence& r, const cula_chunk_bwd_args& a) {
   if (bp.chunk_base) chunk::launch_chunk_base(bp.f, bp.chunk_base, stream);
   bwd::launch_token_inputs(bp.f, bp.x, /*log_decay=*/true, stream);
   const int N = static_cast<int>(r.N);
-  if (K == 64) {
-    if (r.tr.delta) run_kernels<64, true>(bp, chunks, N, static_cast<int>(HV), static_cast<int>(V), stream);
-    else run_kernels<64, false>(bp, chunks, N, static_cast<int>(HV), static_cast<int>(V), stream);
-  } else {
-    if (r.tr.delta) run_kernels<128, true>(bp, chunks, N, static_cast<int>(HV), static_cast<int>(V), stream);
-    else run_kernels<128, false>(bp, chunks, N, static_cast<int>(HV), static_cast<int>(V), stream);
-  }
+  with_key_size(static_cast<int>(K), [&](auto k) {
+    constexpr int KK = decltype(k)::value;
+    if (r.tr.delta) run_kernels<KK, true>(bp, chunks, N, static_cast<int>(HV), static_cast<int>(V), stream);
+    else run_kernels<KK, false>(bp, chunks, N, static_cast<int>(HV), static_cast<int>(V), stream);
+  });
   bwd::check(cudaGetLastError(), "kernel launch");
   bwd::launch_chain(r, a, bp.f, bp.part, /*tiles=*/1, at[8], stream);
   const cudaError_t launched = cudaGetLastError();

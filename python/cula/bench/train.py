@@ -8,7 +8,8 @@ beta sigmoid in kernel): the anchor shape B=1 T=4096 H=16, B=1 T=8192 H=32 and 6
 grouped value heads and a varlen batch; GDN (q/k L2 norm in kernel): 16 q/k heads and 32 value
 heads over 32k tokens, B=1 T=8192 H=32, B=2 T=4096 H=32 and a varlen batch; GLA (per-channel
 log-sigmoid gate), simple GLA (per-head log-sigmoid gate) and Lightning (FLA's per-layer decay,
-layer 0 of 24): B=1 T=8192 H=32, B=2 T=4096 H=32 and a varlen batch. bf16, K = V = 128.
+layer 0 of 24): B=1 T=8192 H=32, B=2 T=4096 H=32 and a varlen batch. bf16, K = V = 128, and FLA's
+default GatedDeltaNet layer (head_dim 256, expand_v 2: K = 256, V = 512, 6 heads).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from collections import namedtuple
 
 from .common import QUEUED_METHOD, REPS, causal_sdpa, time_interleaved, write_report
 from .coverage import VARLEN, _fns, _inputs, _kda_gate
@@ -23,8 +25,9 @@ from .decode import _version, cuda_device
 from .. import _lib
 from ..cli.demo import Progress
 
-# (name, family, B, T, H, HV, seqlens)
-CONFIGS = [
+# one row: T is the sum of seqlens where given; K and V the head sizes
+Row = namedtuple("Row", "name family B T H HV seqlens K V", defaults=(128, 128))
+CONFIGS = [Row(*c) for c in [
     ("KDA 1x4096 H16", "kda", 1, 4096, 16, 16, None),
     ("KDA 1x8192 H32", "kda", 1, 8192, 32, 32, None),
     ("KDA 2x4096 H32", "kda", 2, 4096, 32, 32, None),
@@ -35,6 +38,7 @@ CONFIGS = [
     ("GDN 1x8192 H32", "gdn", 1, 8192, 32, 32, None),
     ("GDN 2x4096 H32", "gdn", 2, 4096, 32, 32, None),
     ("GDN varlen6 H16/HV32", "gdn", 1, None, 16, 32, VARLEN),
+    ("FLA-default GDN K=256 V=512 1x8192 H6", "gdn", 1, 8192, 6, 6, None, 256, 512),
     ("GLA 1x8192 H32", "gla", 1, 8192, 32, 32, None),
     ("GLA 2x4096 H32", "gla", 2, 4096, 32, 32, None),
     ("GLA varlen6 H32", "gla", 1, None, 32, 32, VARLEN),
@@ -44,10 +48,9 @@ CONFIGS = [
     ("Lightning 1x8192 H32", "lightning", 1, 8192, 32, 32, None),
     ("Lightning 2x4096 H32", "lightning", 2, 4096, 32, 32, None),
     ("Lightning varlen6 H32", "lightning", 1, None, 32, 32, VARLEN),
-]
+]]
 FAMILIES = ("kda", "gdn", "gla", "simple_gla", "lightning")
 LIGHTNING_LAYER = (0, 24)  # (layer_idx, num_layers): FLA's decay of the first of 24 layers
-K = V = 128
 TRAIN_REPS = 10
 
 
@@ -84,7 +87,7 @@ def _wrt(x, kw):
     return [x[n] for n in ("q", "k", "v", "g", "beta") if n in x] + [kw[n] for n in ("A_log", "dt_bias") if n in kw]
 
 
-def _leaves(torch, family, B, T, H, HV, dev, gate_kw):
+def _leaves(torch, family, B, T, H, HV, dev, gate_kw, K=128, V=128):
     import torch.nn.functional as F
 
     if family in ("kda", "gdn"):
@@ -133,7 +136,7 @@ def bench_train(out_dir: str, family: str, gpu_name: str | None = None, configs=
     import torch
 
     dev, props, bw = cuda_device(torch)
-    configs = [c for c in (configs or CONFIGS) if c[1] == family]
+    configs = [Row(*c) for c in (configs or CONFIGS) if c[1] == family]
     op = f"{family}_train"
     label = {"simple_gla": "Simple GLA", "lightning": "Lightning"}.get(family, family.upper())
     title = f"{label} training step (forward + backward): cula's drop-in against FLA Triton"
@@ -145,7 +148,7 @@ def bench_train(out_dir: str, family: str, gpu_name: str | None = None, configs=
                 queued_method=QUEUED_METHOD.replace(f"median of {REPS}", f"median of {TRAIN_REPS}"))
     records, rows, queued_rows, extra = [], [], [], []
     prog = Progress(len(configs), f"bench train {family}")
-    for name, fam, B, T, H, HV, seqlens in configs:
+    for name, fam, B, T, H, HV, seqlens, K, V in configs:
         if seqlens:
             T = sum(seqlens)
         cula_fn, fla_fn = _train_fns(fam)
@@ -157,7 +160,7 @@ def bench_train(out_dir: str, family: str, gpu_name: str | None = None, configs=
                 kw.update(_kda_gate(torch, "softplus", HV, K, dev))
             elif fam == "gdn":
                 kw.update(use_qk_l2norm_in_kernel=True)
-            x = _leaves(torch, fam, B, T, H, HV, dev, kw)
+            x = _leaves(torch, fam, B, T, H, HV, dev, kw, K, V)
             do = torch.randn(B, T, HV, V, device=dev, dtype=torch.bfloat16)
             sets.append((x, kw, do))
 
