@@ -1,5 +1,5 @@
 // Backward in chunk form on tensor cores (3xTF32 mma.sync, fp32 operands in shared memory): every
-// family and option, key head sizes 64 and 128, V a multiple of 64. The algebra is DESIGN.md's
+// family and option, key head sizes 64, 128 and 256, V a multiple of 64. The algebra is DESIGN.md's
 // (checked in float64 by tests/python/test_chunked_backward_algebra.py); chunks of C = 64 tokens, G
 // the inclusive cumulative log-decay inside a chunk, per channel (a scalar or constant gate repeated
 // over K), every exponent e^{G_t - G_s} with s <= t (or through a token between them), so no factor
@@ -8,8 +8,10 @@
 // Kernels, in stream order (one workspace, chunk::Workspace):
 //  1. prepare_tokens_kernel (chain.cu): q^, k^, the log-decay a and beta per token.
 //  2. chunk_factors_kernel, one CTA per (chunk, value head): G; the pair matrices
-//     P = tril(q^ E k^T) and KEK = stril(k^ E k^T) (diagonal 16 x 16 blocks exact, one thread per
-//     pair; the blocks below on tensor cores through the last token before the row block);
+//     P = tril(q^ E k^T) and KEK = stril(k^ E k^T) (per-channel decay: diagonal 16 x 16 blocks
+//     exact, one thread per pair, the blocks below on tensor cores through the last token before
+//     the row block; a scalar or constant decay: E_ts a number per pair, so (q^ k^T) o E whole on
+//     tensor cores); channels in slices of 128 (K = 256: two);
 //     T = (I + diag(beta) KEK)^-1 by 16-row blocks; W = T diag(beta) Kg; Qg, Kr, e^{G_C}.
 //  3. scan_inputs_kernel, per (chunk, value head, 64 columns): what the scans add without carrying
 //     it, U = T (beta v) (U = v without the delta rule), X = P^T dO and Y = Qg^T dO.
@@ -25,8 +27,9 @@
 //     dq^, dk^ and dG.
 //  7. pair_grad_kernel, per (chunk, value head): dP = tril(dO Delta^T), dA = -stril(dB Delta^T)
 //     over V, once; beta's KEK term; then by halves of 64 channels, the pair terms of dq^, dk^ and
-//     dG, accumulated in shared memory on top of the key kernel's and written back once (diagonal
-//     blocks exact per channel, the rest on tensor cores); da, the reverse cumulative sum of dG.
+//     dG, accumulated in shared memory on top of the key kernel's and written back once (per-channel
+//     decay: diagonal blocks exact per channel, the rest on tensor cores; a scalar decay: dP o E and
+//     w o E whole on tensor cores, three products); da, the reverse cumulative sum of dG.
 //  8. the chain kernels (chain.cu), as the recurrent form.
 // The scans stream the next chunk's tiles by cp.async one phase ahead. Deterministic: every
 // sum in a fixed order, no atomics. Barriers: __syncthreads between phases; an accumulating product
@@ -287,7 +290,7 @@ __device__ __forceinline__ void factors_block_row(const float* qs, const float* 
     });
 }
 
-template <int K, bool DELTA>
+template <int K, bool DELTA, bool SCALAR>
 __global__ void __launch_bounds__(NT) chunk_factors_kernel(const Params bp) {
   // the channels in slices of KC (K = 256: two; the pair matrices summed over the slices, T formed
   // once they are complete, W by slices after it)
@@ -335,29 +338,52 @@ __global__ void __launch_bounds__(NT) chunk_factors_kernel(const Params bp) {
     __syncthreads();  // the slice before is done with q^, k^ and G
     load_slice(c0, true);
     cumulate();
-    // diagonal blocks, exact: one thread per pair (t, s), s <= t, in block 16 I, summed over the
-    // slices in D; each lane starts its walk over the channels at its own lane (rows 4 words apart in
-    // the banks: no conflicts)
-    for (int e = tid; e < 4 * 136; e += NT) {
-      const int I = e / 136, pi = e % 136;
-      int i, j;
-      tri_index(pi, i, j);
-      const float *qt = qs + (16 * I + i) * LK, *kt = ks + (16 * I + i) * LK, *Gt = Gs + (16 * I + i) * LK;
-      const float *kv = ks + (16 * I + j) * LK, *Gv = Gs + (16 * I + j) * LK;
-      float ap = 0.0f, ak = 0.0f;
+    if (SCALAR) {
+      // one decay for every channel: P = (q^ k^T) o E and KEK = (k^ k^T) o E, E_ts = e^{G_t - G_s} <= 1
+      // for s <= t, whole on tensor cores, summed over the slices as the block rows below are
+      tf32::gemm<C, C, KC, NW>(rows(qs, LK), cols(ks, LK), [&](int t, int j, float v) {
+        if (j > t) return;
+        float& f = fac[F::P + t * C + j];
+        v *= fast_exp(Gs[t * LK] - Gs[j * LK]);
+        f = sl == 0 ? v : f + v;
+      });
+      if (DELTA)
+        tf32::gemm<C, C, KC, NW>(rows(ks, LK), cols(ks, LK), [&](int t, int j, float v) {
+          if (j >= t) return;
+          float& a = Am[t * LA + j];
+          const float kek = (sl == 0 ? 0.0f : a) + v * fast_exp(Gs[t * LK] - Gs[j * LK]);
+          if (sl == NS - 1) {
+            fac[F::KEK + t * C + j] = kek;
+            a = bet[t] * kek;
+          } else {
+            a = kek;
+          }
+        });
+    } else {
+      // diagonal blocks, exact: one thread per pair (t, s), s <= t, in block 16 I, summed over the
+      // slices in D; each lane starts its walk over the channels at its own lane (rows 4 words apart in
+      // the banks: no conflicts)
+      for (int e = tid; e < 4 * 136; e += NT) {
+        const int I = e / 136, pi = e % 136;
+        int i, j;
+        tri_index(pi, i, j);
+        const float *qt = qs + (16 * I + i) * LK, *kt = ks + (16 * I + i) * LK, *Gt = Gs + (16 * I + i) * LK;
+        const float *kv = ks + (16 * I + j) * LK, *Gv = Gs + (16 * I + j) * LK;
+        float ap = 0.0f, ak = 0.0f;
 #pragma unroll 8
-      for (int m = 0; m < KC; ++m) {
-        const int c = (m + lane) & (KC - 1);
-        const float x = kv[c] * fast_exp(Gt[c] - Gv[c]);
-        ap += qt[c] * x;
-        if (DELTA) ak += kt[c] * x;
+        for (int m = 0; m < KC; ++m) {
+          const int c = (m + lane) & (KC - 1);
+          const float x = kv[c] * fast_exp(Gt[c] - Gv[c]);
+          ap += qt[c] * x;
+          if (DELTA) ak += kt[c] * x;
+        }
+        D[2 * e] = sl == 0 ? ap : D[2 * e] + ap;
+        D[2 * e + 1] = sl == 0 ? ak : D[2 * e + 1] + ak;
       }
-      D[2 * e] = sl == 0 ? ap : D[2 * e] + ap;
-      D[2 * e + 1] = sl == 0 ? ak : D[2 * e + 1] + ak;
+      factors_block_row<KC, K, DELTA, 1>(qs, ks, Gs, S, Am, bet, fac, sm + Ly::sc, sm + Ly::sc + Ly::SC, sl, NS);
+      factors_block_row<KC, K, DELTA, 2>(qs, ks, Gs, S, Am, bet, fac, sm + Ly::sc, sm + Ly::sc + Ly::SC, sl, NS);
+      factors_block_row<KC, K, DELTA, 3>(qs, ks, Gs, S, Am, bet, fac, sm + Ly::sc, sm + Ly::sc + Ly::SC, sl, NS);
     }
-    factors_block_row<KC, K, DELTA, 1>(qs, ks, Gs, S, Am, bet, fac, sm + Ly::sc, sm + Ly::sc + Ly::SC, sl, NS);
-    factors_block_row<KC, K, DELTA, 2>(qs, ks, Gs, S, Am, bet, fac, sm + Ly::sc, sm + Ly::sc + Ly::SC, sl, NS);
-    factors_block_row<KC, K, DELTA, 3>(qs, ks, Gs, S, Am, bet, fac, sm + Ly::sc, sm + Ly::sc + Ly::SC, sl, NS);
     // G, Qg = q^ e^G, Kr = k^ e^{G_C - G}, e^{G_C} of the slice's channels
     for (int i = tid; i < C * KC; i += NT) {
       const int t = i / KC, c = i % KC;
@@ -369,7 +395,7 @@ __global__ void __launch_bounds__(NT) chunk_factors_kernel(const Params bp) {
     for (int c = tid; c < KC; c += NT) fac[F::EG + c0 + c] = fast_exp(Gs[(C - 1) * LK + c]);
   }
   __syncthreads();
-  for (int e = tid; e < 4 * 136; e += NT) {
+  for (int e = tid; e < (SCALAR ? 0 : 4 * 136); e += NT) {  // the diagonal blocks' sums
     const int I = e / 136;
     int i, j;
     tri_index(e % 136, i, j);
@@ -799,10 +825,12 @@ struct PairLayout {
   static constexpr int L = VE + 4, LC = C + 8, LK = PC + 4, LS = PC + 8;
   static constexpr int SC = tf32::wide_scratch<16, PC, 16, NW>();  // the block products' split (gemm_wide)
   static constexpr int dP = 0, dA = dP + C * LC, q = dA + C * LC, k = q + C * LK, G = k + C * LK, dG = G + C * LK,
-                       aq = dG + C * LK, ak = aq + C * LK, S = ak + C * LK, beta = S + 48 * LS, sc = beta + C,
+                       aq = dG + C * LK, ak = aq + C * LK, S = ak + C * LK, beta = S + 48 * LS, g = beta + C, sc = g + C,
                        floats = sc + 2 * SC;
   static constexpr int dO = q, dB = dO + C * L, D = dB + C * L;  // phase 1, in the q .. ak region
   static_assert(D + C * L <= S, "the products over V fit where q, k, G, dG and the accumulators go");
+  // one product over [dP; w] and [q^; k^] (the scalar-decay path): each pair adjacent
+  static_assert(dA == dP + C * LC && k == q + C * LK, "stacked operands");
   static constexpr int bytes = floats * 4;
 };
 
@@ -870,7 +898,7 @@ __device__ __forceinline__ void pair_block_cols(const PairCtx<K>& x) {
   }
 }
 
-template <int K, bool DELTA>
+template <int K, bool DELTA, bool SCALAR>
 __global__ void __launch_bounds__(NT) pair_grad_kernel(const Params bp) {
   using Ly = PairLayout<K>;
   using F = Fac<K>;
@@ -879,7 +907,7 @@ __global__ void __launch_bounds__(NT) pair_grad_kernel(const Params bp) {
   extern __shared__ __align__(16) float sm[];
   float *dP = sm + Ly::dP, *dA = sm + Ly::dA, *dO = sm + Ly::dO, *dB = sm + Ly::dB, *Dl = sm + Ly::D;
   float *qs = sm + Ly::q, *ks = sm + Ly::k, *Gs = sm + Ly::G, *dGs = sm + Ly::dG, *aq = sm + Ly::aq, *ak = sm + Ly::ak;
-  float* bet = sm + Ly::beta;
+  float *bet = sm + Ly::beta, *gs = sm + Ly::g;
   const FwdParams& p = bp.f;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int cidx = static_cast<int>(blockIdx.x / p.HV), hv = static_cast<int>(blockIdx.x % p.HV);
@@ -897,6 +925,7 @@ __global__ void __launch_bounds__(NT) pair_grad_kernel(const Params bp) {
   tf32::Acc<C, C, NW> aP, aA;
   aP.zero(), aA.zero();
   if (tid < C) bet[tid] = tid < Lc ? bp.x.beta[(ch.f0 + tid) * p.HV + hv] : 0.0f;
+  if (SCALAR && tid < C) gs[tid] = fac[F::G + tid * K];  // one decay for every channel
   for (int v0 = 0; v0 < p.V; v0 += VE) {
     __syncthreads();
     if (DELTA) {
@@ -928,16 +957,21 @@ __global__ void __launch_bounds__(NT) pair_grad_kernel(const Params bp) {
       part[t * row_ld + 3 * K] = DELTA ? s : 0.0f;
     }
   }
-  if (DELTA) {  // dA turns into w = beta_t dA_ts
+  if (DELTA || SCALAR) {  // dA turns into w = beta_t dA_ts; with one decay, dP and w take E_ts = e^{G_t - G_s}
     __syncthreads();
-    for (int i = tid; i < C * C; i += NT) dA[(i / C) * LC + i % C] *= bet[i / C];
+    for (int i = tid; i < C * C; i += NT) {
+      const int t = i / C, u = i % C;
+      const float e = SCALAR ? (u <= t ? fast_exp(gs[t] - gs[u]) : 0.0f) : 1.0f;
+      if (SCALAR) dP[t * LC + u] *= e;
+      if (DELTA) dA[t * LC + u] *= bet[t] * e;
+    }
   }
   // the channels in halves of PC: dP and w formed once above, for both
   for (int c0 = 0; c0 < K; c0 += PC) {
     __syncthreads();  // w scaled; the half before written back
     rows_async<C, PC>(qs, LK, bp.x.qh + (ch.f0 * p.H + h) * K + c0, static_cast<int64_t>(p.H) * K, Lc);
     rows_async<C, PC>(ks, LK, bp.x.kh + (ch.f0 * p.H + h) * K + c0, static_cast<int64_t>(p.H) * K, Lc);
-    rows_async<C, PC>(Gs, LK, fac + F::G + c0, K);
+    if (!SCALAR) rows_async<C, PC>(Gs, LK, fac + F::G + c0, K);
     mma::cp_async_commit();
     {  // the key kernel's terms of dq^, dk^ and dG: every load before the first store
       constexpr int PER = C * PC / NT;
@@ -959,47 +993,66 @@ __global__ void __launch_bounds__(NT) pair_grad_kernel(const Params bp) {
     mma::cp_async_wait_all();
     __syncthreads();
 
-    // diagonal blocks, exact: thread (channel c, group grp) owns rows t = grp (mod NG)
-    constexpr int NG = NT / PC;
-    const int c = tid % PC, grp = tid / PC;
-    // (all 16 tokens of the block, unrolled: dP and w are zero outside their triangles, and the
-    // exponent is clamped at 0 there so that no e^{+x} overflows)
-    for (int t = grp; t < Lc; t += NG) {
-      const int b = t & ~15;
-      const float Gt = Gs[t * LK + c];
-      float aqs = 0.0f, aks = 0.0f;
+    if (SCALAR) {
+      // dP o E and w o E whole on tensor cores: dq^_t += sum_s (dP o E)_ts k^_s, dk^_t += sum_s (w o E)_ts
+      // k^_s, and dk^_s += sum_t (dP o E)_ts q^_t + (w o E)_ts k^_t as one product over the stacked
+      // [dP; w] and [q^; k^]. The three products have one shape, so one thread owns an element in all.
+      tf32::gemm<C, PC, C, NW>(rows(dP, LC), rows(ks, LK), [&](int t, int c, float v) {
+        aq[t * LK + c] += v;
+        dGs[t * LK + c] += qs[t * LK + c] * v;
+      });
+      if (DELTA)
+        tf32::gemm<C, PC, C, NW>(rows(dA, LC), rows(ks, LK), [&](int t, int c, float v) {
+          ak[t * LK + c] += v;
+          dGs[t * LK + c] += ks[t * LK + c] * v;
+        });
+      tf32::gemm<C, PC, DELTA ? 2 * C : C, NW>(cols(dP, LC), rows(qs, LK), [&](int u, int c, float v) {
+        ak[u * LK + c] += v;
+        dGs[u * LK + c] -= ks[u * LK + c] * v;
+      });
+    } else {
+      // diagonal blocks, exact: thread (channel c, group grp) owns rows t = grp (mod NG)
+      constexpr int NG = NT / PC;
+      const int c = tid % PC, grp = tid / PC;
+      // (all 16 tokens of the block, unrolled: dP and w are zero outside their triangles, and the
+      // exponent is clamped at 0 there so that no e^{+x} overflows)
+      for (int t = grp; t < Lc; t += NG) {
+        const int b = t & ~15;
+        const float Gt = Gs[t * LK + c];
+        float aqs = 0.0f, aks = 0.0f;
 #pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const int s = b + j;
-        const float e = fast_exp(fminf(Gt - Gs[s * LK + c], 0.0f)) * ks[s * LK + c];
-        aqs += dP[t * LC + s] * e;
-        if (DELTA) aks += dA[t * LC + s] * e;
+        for (int j = 0; j < 16; ++j) {
+          const int s = b + j;
+          const float e = fast_exp(fminf(Gt - Gs[s * LK + c], 0.0f)) * ks[s * LK + c];
+          aqs += dP[t * LC + s] * e;
+          if (DELTA) aks += dA[t * LC + s] * e;
+        }
+        aq[t * LK + c] += aqs;
+        if (DELTA) ak[t * LK + c] += aks;
+        dGs[t * LK + c] += qs[t * LK + c] * aqs + ks[t * LK + c] * aks;
       }
-      aq[t * LK + c] += aqs;
-      if (DELTA) ak[t * LK + c] += aks;
-      dGs[t * LK + c] += qs[t * LK + c] * aqs + ks[t * LK + c] * aks;
-    }
-    for (int s = grp; s < Lc; s += NG) {
-      const int b = s & ~15;
-      const float Gv = Gs[s * LK + c];
-      float ap = 0.0f, ar = 0.0f;
+      for (int s = grp; s < Lc; s += NG) {
+        const int b = s & ~15;
+        const float Gv = Gs[s * LK + c];
+        float ap = 0.0f, ar = 0.0f;
 #pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const int t = b + j;
-        const float e = fast_exp(fminf(Gs[t * LK + c] - Gv, 0.0f));
-        ap += dP[t * LC + s] * e * qs[t * LK + c];
-        if (DELTA) ar += dA[t * LC + s] * e * ks[t * LK + c];
+        for (int j = 0; j < 16; ++j) {
+          const int t = b + j;
+          const float e = fast_exp(fminf(Gs[t * LK + c] - Gv, 0.0f));
+          ap += dP[t * LC + s] * e * qs[t * LK + c];
+          if (DELTA) ar += dA[t * LC + s] * e * ks[t * LK + c];
+        }
+        ak[s * LK + c] += ap + ar;
+        dGs[s * LK + c] -= ks[s * LK + c] * (ap + ar);
       }
-      ak[s * LK + c] += ap + ar;
-      dGs[s * LK + c] -= ks[s * LK + c] * (ap + ar);
+      // off the diagonal, on tensor cores
+      pair_block_rows<K, DELTA, 1>(x);
+      pair_block_rows<K, DELTA, 2>(x);
+      pair_block_rows<K, DELTA, 3>(x);
+      pair_block_cols<K, DELTA, 0>(x);
+      pair_block_cols<K, DELTA, 1>(x);
+      pair_block_cols<K, DELTA, 2>(x);
     }
-    // off the diagonal, on tensor cores
-    pair_block_rows<K, DELTA, 1>(x);
-    pair_block_rows<K, DELTA, 2>(x);
-    pair_block_rows<K, DELTA, 3>(x);
-    pair_block_cols<K, DELTA, 0>(x);
-    pair_block_cols<K, DELTA, 1>(x);
-    pair_block_cols<K, DELTA, 2>(x);
     __syncthreads();
     for (int i = tid; i < Lc * PC; i += NT) {  // dq^ and dk^ terms back, once
       const int t = i / PC, cc = i % PC;
@@ -1044,19 +1097,19 @@ int smem_needed(const Recurrence& r) {
   });
 }
 
-template <int K, bool DELTA>
+template <int K, bool DELTA, bool SCALAR>
 void run_kernels(const Params& bp, int64_t chunks, int N, int HV, int V, cudaStream_t stream) {
   auto go = [&](auto kernel, int64_t grid, int bytes, int threads = NT) {
     if (grid <= 0) return;
     chunk::allow_smem(kernel, bytes);
     kernel<<<static_cast<unsigned>(grid), threads, bytes, stream>>>(bp);
   };
-  go(chunk_factors_kernel<K, DELTA>, chunks * HV, FactorsLayoutOf<K, DELTA>::bytes);
+  go(chunk_factors_kernel<K, DELTA, SCALAR>, chunks * HV, FactorsLayoutOf<K, DELTA>::bytes);
   go(scan_inputs_kernel<K, DELTA>, chunks * HV * (V / VE), ScanInputsLayout<K>::bytes);
   go(state_scans_kernel<K, DELTA, VS>, 2 * static_cast<int64_t>(N) * HV * (V / VS), ScanLayout<K, DELTA, VS>::bytes, ST);
   if (DELTA) go(value_grad_kernel<K>, chunks * HV * (V / VE), ValueLayout<K>::bytes);
   go(key_grad_kernel<K, DELTA>, chunks * HV * (K / VE), KeyLayout::bytes);
-  go(pair_grad_kernel<K, DELTA>, chunks * HV, PairLayout<K>::bytes);
+  go(pair_grad_kernel<K, DELTA, SCALAR>, chunks * HV, PairLayout<K>::bytes);
 }
 
 }  // namespace
@@ -1131,8 +1184,14 @@ void cuda_chunk_bwd(const Recurrence& r, const cula_chunk_bwd_args& a) {
   const int N = static_cast<int>(r.N);
   with_key_size(static_cast<int>(K), [&](auto k) {
     constexpr int KK = decltype(k)::value;
-    if (r.tr.delta) run_kernels<KK, true>(bp, chunks, N, static_cast<int>(HV), static_cast<int>(V), stream);
-    else run_kernels<KK, false>(bp, chunks, N, static_cast<int>(HV), static_cast<int>(V), stream);
+    const int hv = static_cast<int>(HV), v = static_cast<int>(V);
+    if (r.tr.gate == GateKind::PerChannel) {
+      if (r.tr.delta) run_kernels<KK, true, false>(bp, chunks, N, hv, v, stream);
+      else run_kernels<KK, false, false>(bp, chunks, N, hv, v, stream);
+    } else {  // a scalar or constant decay: the pair matrices whole on tensor cores
+      if (r.tr.delta) run_kernels<KK, true, true>(bp, chunks, N, hv, v, stream);
+      else run_kernels<KK, false, true>(bp, chunks, N, hv, v, stream);
+    }
   });
   bwd::check(cudaGetLastError(), "kernel launch");
   bwd::launch_chain(r, a, bp.f, bp.part, /*tiles=*/1, at[8], stream);
