@@ -842,6 +842,46 @@ struct PairCtx {
   int Lc;
 };
 
+// The diagonal block at tokens b .. b + 15, channel c, rows t = 2 m + H of it: every pair (t, s <= t)
+// once, its factor e^{G_t - G_s} serving both the row sums (dq^_t += sum_s dP_ts e k^_s, dk^_t +=
+// sum_s w_ts e k^_s, added here: each row has one owner) and the column sums (dk^_s += sum_t e (dP_ts
+// q^_t + w_ts k^_t), returned in col: the two parities' threads add them in turn).
+template <int K, bool DELTA, int H>
+__device__ __forceinline__ void pair_diag_rows(const float* dP, const float* w, const float* qs, const float* ks,
+                                               const float* Gs, float* aq, float* ak, float* dGs, int c, int b,
+                                               float (&col)[16]) {
+  using Ly = PairLayout<K>;
+  constexpr int LC = Ly::LC, LK = Ly::LK;
+  float G[16], kk[16], qq[16];
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    G[j] = Gs[(b + j) * LK + c], kk[j] = ks[(b + j) * LK + c], qq[j] = qs[(b + j) * LK + c];
+    col[j] = 0.0f;
+  }
+#pragma unroll
+  for (int m = 0; m < 8; ++m) {
+    const int t = 2 * m + H;
+    const float *dpr = dP + (b + t) * LC + b, *wr = w + (b + t) * LC + b;
+    float aqs = 0.0f, aks = 0.0f;
+#pragma unroll
+    for (int u = 0; u <= t; ++u) {
+      const float e = fast_exp(G[t] - G[u]), dp = dpr[u], x = e * kk[u];
+      aqs += dp * x;
+      float cs = dp * qq[t];
+      if (DELTA) {
+        const float wv = wr[u];
+        aks += wv * x;
+        cs += wv * kk[t];
+      }
+      col[u] += e * cs;
+    }
+    const int r = (b + t) * LK + c;
+    aq[r] += aqs;
+    if (DELTA) ak[r] += aks;
+    dGs[r] += qq[t] * aqs + kk[t] * aks;
+  }
+}
+
 // Rows of block I (I >= 1) from the tokens before it, on tensor cores: through r = 16 I - 1,
 // dq_t += e^{G_t - G_r} sum_s dP_ts (k_s e^{G_r - G_s}), the same with w for dk_t.
 template <int K, bool DELTA, int I>
@@ -1011,39 +1051,20 @@ __global__ void __launch_bounds__(NT) pair_grad_kernel(const Params bp) {
         dGs[u * LK + c] -= ks[u * LK + c] * v;
       });
     } else {
-      // diagonal blocks, exact: thread (channel c, group grp) owns rows t = grp (mod NG)
-      constexpr int NG = NT / PC;
-      const int c = tid % PC, grp = tid / PC;
-      // (all 16 tokens of the block, unrolled: dP and w are zero outside their triangles, and the
-      // exponent is clamped at 0 there so that no e^{+x} overflows)
-      for (int t = grp; t < Lc; t += NG) {
-        const int b = t & ~15;
-        const float Gt = Gs[t * LK + c];
-        float aqs = 0.0f, aks = 0.0f;
+      // diagonal blocks, exact per channel: thread (channel c, block I, parity h), each pair once
+      const int c = tid % PC, b = 16 * ((tid / PC) % 4), par = tid / (4 * PC);
+      float col[16];
+      if (par == 0) pair_diag_rows<K, DELTA, 0>(dP, dA, qs, ks, Gs, aq, ak, dGs, c, b, col);
+      else pair_diag_rows<K, DELTA, 1>(dP, dA, qs, ks, Gs, aq, ak, dGs, c, b, col);
+      for (int ph = 0; ph < 2; ++ph) {  // the column sums of the two parities, in this order
+        __syncthreads();  // (the row sums written)
+        if (par == ph)
 #pragma unroll
-        for (int j = 0; j < 16; ++j) {
-          const int s = b + j;
-          const float e = fast_exp(fminf(Gt - Gs[s * LK + c], 0.0f)) * ks[s * LK + c];
-          aqs += dP[t * LC + s] * e;
-          if (DELTA) aks += dA[t * LC + s] * e;
-        }
-        aq[t * LK + c] += aqs;
-        if (DELTA) ak[t * LK + c] += aks;
-        dGs[t * LK + c] += qs[t * LK + c] * aqs + ks[t * LK + c] * aks;
-      }
-      for (int s = grp; s < Lc; s += NG) {
-        const int b = s & ~15;
-        const float Gv = Gs[s * LK + c];
-        float ap = 0.0f, ar = 0.0f;
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-          const int t = b + j;
-          const float e = fast_exp(fminf(Gs[t * LK + c] - Gv, 0.0f));
-          ap += dP[t * LC + s] * e * qs[t * LK + c];
-          if (DELTA) ar += dA[t * LC + s] * e * ks[t * LK + c];
-        }
-        ak[s * LK + c] += ap + ar;
-        dGs[s * LK + c] -= ks[s * LK + c] * (ap + ar);
+          for (int j = 0; j < 16; ++j) {
+            const int u = (b + j) * Ly::LK + c;
+            ak[u] += col[j];
+            dGs[u] -= ks[u] * col[j];
+          }
       }
       // off the diagonal, on tensor cores
       pair_block_rows<K, DELTA, 1>(x);
