@@ -14,8 +14,11 @@ states S0 and state gradients dS where the per-chunk products read them by `stat
 themselves accumulate in float64 here). Errors are FLA's ratio (rms of the difference over rms of
 the float64 values).
 
-Run: python3 tools/analysis/bwd_rounding.py [T ...] (default 4096 16384). Read it for which
+Run: python3 tools/analysis/bwd_rounding.py [--gdn] [T ...] (default 4096 16384). Read it for which
 roundings matter and how they grow with T, calibrated against the 1xTF32 measurement above.
+--gdn: Gated DeltaNet as Qwen3-Next runs it instead: one log-decay per token (the same softplus gate,
+scalar), its gradient dg the sum of da over the channels, and no dA_log (FLA's GDN takes g computed
+outside the kernel, so A_log's gradient comes from dg through autograd, at dg's tolerance).
 """
 
 import sys
@@ -27,7 +30,7 @@ K = V = 128
 C = 64
 
 
-def problem(T, seed):
+def problem(T, seed, scalar=False):
     """Kimi-Linear's KDA as the backward sees it: q, k L2-normalised (bf16 inputs), v bf16, beta after
     its sigmoid, a = -exp(A_log) softplus(raw + dt_bias)."""
     rng = np.random.default_rng(seed)
@@ -36,6 +39,8 @@ def problem(T, seed):
     v = bf16(rng.standard_normal((T, V)))
     beta = 1 / (1 + np.exp(-rng.standard_normal(T)))
     raw, dt_bias, A_log = rng.standard_normal((T, K)), 0.5 * rng.standard_normal(K), 0.5 * rng.standard_normal()
+    if scalar:  # one decay per token, repeated over the channels
+        raw, dt_bias = np.repeat(raw[:, :1], K, axis=1), np.full(K, dt_bias[0])
     a = -np.exp(A_log) * np.logaddexp(0.0, raw + dt_bias)
     dO, dST = bf16(rng.standard_normal((T, V))), rng.standard_normal((K, V))
     return q * K ** -0.5, k, v, beta, a, dO, dST
@@ -134,21 +139,28 @@ VARIANTS = [
     ("bf16 in the pair kernel's products only", dict(op=dict(_F32, pair=bf16), fac=f32, state=f32)),
 ]
 TOL = dict(dq=8e-3, dk=8e-3, dv=8e-3, dbeta=2e-2, da=2e-2, dA_log=3e-3)
+TOL_GDN = dict(dq=8e-3, dk=8e-3, dv=8e-3, dbeta=2e-2, dg=2e-2)
 
 
 def main():
-    lengths = [int(x) for x in sys.argv[1:]] or [4096, 16384]
+    scalar = "--gdn" in sys.argv
+    lengths = [int(x) for x in sys.argv[1:] if x != "--gdn"] or [4096, 16384]
+    tol = TOL_GDN if scalar else TOL
     for T in lengths:
-        q, k, v, beta, a, dO, dST = problem(T, seed=T)
+        q, k, v, beta, a, dO, dST = problem(T, seed=T, scalar=scalar)
         starts = states(q, k, v, beta, a)
         ref = backward(q, k, v, beta, a, dO, dST, starts)
-        print(f"T = {T}: error / FLA's tolerance (dq dk dv dbeta da dA_log)")
+        if scalar:
+            ref["dg"] = ref["da"].sum(axis=1)
+        print(f"T = {T}: error / FLA's tolerance ({' '.join(tol)})")
         for name, kw in VARIANTS:
             got = backward(q, k, v, beta, a, dO, dST, starts, **kw)
+            if scalar:
+                got["dg"] = got["da"].sum(axis=1)
             ratios = []
-            for n, tol in TOL.items():
+            for n, t in tol.items():
                 err = np.sqrt(((got[n] - ref[n]) ** 2).mean() / (ref[n] ** 2).mean())
-                ratios.append(err / tol)
+                ratios.append(err / t)
             print(f"  {name:48s} " + " ".join(f"{r:6.3f}" for r in ratios), flush=True)
 
 
