@@ -9,12 +9,21 @@
 //
 // Bank conflicts: a row-major operand read as A (rows i, columns k) or a transposed operand read as
 // B is conflict-free with a pitch of 4 mod 32 floats; a row-major B or a transposed A with 8 mod 32.
+//
+// Precision (template argument P): kThreeTF32, about fp32's; kOneTF32, one TF32 product (10-bit
+// mantissas); kBF16, one bf16 m16n8k16 product per 16 deep (8-bit mantissas, operands converted from
+// the fp32 views as they are read). The output layout, and so the ownership of each element, is the
+// same for all three.
 #pragma once
 
 #include <cstdint>
 
+#include "cuda/kerutils/mma.cuh"
+
 namespace cula {
 namespace tf32 {
+
+enum Precision : int { kThreeTF32 = 0, kOneTF32 = 1, kBF16 = 2 };
 
 __device__ __forceinline__ uint32_t to_tf32(float x) {
   uint32_t r;
@@ -82,6 +91,34 @@ __device__ __forceinline__ void kstep(const VA& a, const VB& b, int m0, int n0, 
   }
 }
 
+// One k-step (16 deep) of the 16 x 8NB tile at (m0, n0) on bf16 operands: acc += A B.
+template <int NB, class VA, class VB>
+__device__ __forceinline__ void kstep_bf16(const VA& a, const VB& b, int m0, int n0, int k0, int g, int t,
+                                           float (&acc)[NB][4]) {
+  const int k = k0 + 2 * t;
+  const uint32_t af[4] = {mma::pack(a(m0 + g, k), a(m0 + g, k + 1)), mma::pack(a(m0 + g + 8, k), a(m0 + g + 8, k + 1)),
+                          mma::pack(a(m0 + g, k + 8), a(m0 + g, k + 9)),
+                          mma::pack(a(m0 + g + 8, k + 8), a(m0 + g + 8, k + 9))};
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    const int n = n0 + nb * 8 + g;
+    mma::mma16816(acc[nb], af, mma::pack(b(k, n), b(k + 1, n)), mma::pack(b(k + 8, n), b(k + 9, n)));
+  }
+}
+
+// The k range [k_begin, k_end) of one tile at precision P into acc (cor: 3xTF32's correction chain).
+template <int NB, int P, class VA, class VB>
+__device__ __forceinline__ void ksteps(const VA& a, const VB& b, int m0, int n0, int k_begin, int k_end, int g, int t,
+                                       float (&acc)[NB][4], float (&cor)[NB][4]) {
+  if constexpr (P == kBF16) {
+#pragma unroll 2
+    for (int k0 = k_begin; k0 < k_end; k0 += 16) kstep_bf16<NB>(a, b, m0, n0, k0, g, t, acc);
+  } else {
+#pragma unroll 4
+    for (int k0 = k_begin; k0 < k_end; k0 += 8) kstep<NB, P == kThreeTF32>(a, b, m0, n0, k0, g, t, acc, cor);
+  }
+}
+
 // The tile's elements to epi(i, j, value), each once (the mma accumulator layout).
 template <int NB, class Epi>
 __device__ __forceinline__ void emit(int m0, int n0, int g, int t, const float (&acc)[NB][4], Epi& epi) {
@@ -96,10 +133,10 @@ __device__ __forceinline__ void emit(int m0, int n0, int g, int t, const float (
 }
 
 // C = A B with A M x KD and B KD x N (views), over NW warps: warp w takes the 16 x 8NB output
-// tiles w, w + NW, ...; epi(i, j, value) receives every element of C once. kPrecise: 3xTF32.
-template <int M, int N, int KD, int NW, int NB = 2, bool kPrecise = true, class VA, class VB, class Epi>
+// tiles w, w + NW, ...; epi(i, j, value) receives every element of C once. P: the precision.
+template <int M, int N, int KD, int NW, int NB = 2, int P = kThreeTF32, class VA, class VB, class Epi>
 __device__ __forceinline__ void gemm(const VA a, const VB b, Epi&& epi) {
-  static_assert(M % 16 == 0 && N % (8 * NB) == 0 && KD % 8 == 0, "tile multiples");
+  static_assert(M % 16 == 0 && N % (8 * NB) == 0 && KD % (P == kBF16 ? 16 : 8) == 0, "tile multiples");
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   constexpr int TN = N / (8 * NB), TILES = (M / 16) * TN;
   for (int tile = warp; tile < TILES; tile += NW) {
@@ -109,9 +146,8 @@ __device__ __forceinline__ void gemm(const VA a, const VB b, Epi&& epi) {
     for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
       for (int r = 0; r < 4; ++r) acc[nb][r] = cor[nb][r] = 0.0f;
-#pragma unroll 4
-    for (int k0 = 0; k0 < KD; k0 += 8) kstep<NB, kPrecise>(a, b, m0, n0, k0, g, t, acc, cor);
-    if (kPrecise)
+    ksteps<NB, P>(a, b, m0, n0, 0, KD, g, t, acc, cor);
+    if (P == kThreeTF32)
 #pragma unroll
       for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
@@ -135,12 +171,13 @@ constexpr int split_for(int tiles, int nw, int ksteps) {
 // every element to epi. Every thread of the block calls it (a __syncthreads inside when SPLIT > 1),
 // and two calls with no barrier between them need scratch buffers of their own. Ownership as gemm's:
 // same shape, same thread.
-template <int M, int N, int KD, int NW, bool kPrecise = true, class VA, class VB, class Epi>
+template <int M, int N, int KD, int NW, int P = kThreeTF32, class VA, class VB, class Epi>
 __device__ __forceinline__ void gemm_wide(const VA a, const VB b, float* scratch, Epi&& epi) {
-  static_assert(M % 16 == 0 && N % 8 == 0 && KD % 8 == 0, "tile multiples");
-  constexpr int TN = N / 8, TILES = (M / 16) * TN, SPLIT = split_for(TILES, NW, KD / 8);
+  constexpr int KS_DEPTH = P == kBF16 ? 16 : 8;  // one k-step
+  static_assert(M % 16 == 0 && N % 8 == 0 && KD % KS_DEPTH == 0, "tile multiples");
+  constexpr int TN = N / 8, TILES = (M / 16) * TN, SPLIT = split_for(TILES, NW, KD / KS_DEPTH);
   if constexpr (SPLIT == 1) {
-    gemm<M, N, KD, NW, 1, kPrecise>(a, b, epi);
+    gemm<M, N, KD, NW, 1, P>(a, b, epi);
   } else {
     constexpr int KS = KD / SPLIT;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -148,9 +185,8 @@ __device__ __forceinline__ void gemm_wide(const VA a, const VB b, float* scratch
     const int tile = warp % TILES, part = warp / TILES, m0 = (tile / TN) * 16, n0 = (tile % TN) * 8;
     float acc[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}}, cor[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
     if (active) {
-#pragma unroll 4
-      for (int k0 = part * KS; k0 < (part + 1) * KS; k0 += 8) kstep<1, kPrecise>(a, b, m0, n0, k0, g, t, acc, cor);
-      if (kPrecise)
+      ksteps<1, P>(a, b, m0, n0, part * KS, (part + 1) * KS, g, t, acc, cor);
+      if (P == kThreeTF32)
 #pragma unroll
         for (int r = 0; r < 4; ++r) acc[0][r] += cor[0][r];
       if (part > 0) {
@@ -176,7 +212,7 @@ __device__ __forceinline__ void gemm_wide(const VA a, const VB b, float* scratch
   }
 }
 
-// The scratch floats gemm_wide needs for a shape.
+// The scratch floats gemm_wide needs for a shape (at most: the TF32 k-steps, the finer split).
 template <int M, int N, int KD, int NW>
 constexpr int wide_scratch() {
   return (split_for((M / 16) * (N / 8), NW, KD / 8) - 1) * M * N;
@@ -198,15 +234,14 @@ struct Acc {
       for (int nb = 0; nb < NB; ++nb) v[u][nb][0] = v[u][nb][1] = v[u][nb][2] = v[u][nb][3] = 0.0f;
   }
 
-  template <int KD, bool kPrecise = true, class VA, class VB>
+  template <int KD, int P = kThreeTF32, class VA, class VB>
   __device__ __forceinline__ void add(const VA a, const VB b) {
-    static_assert(KD % 8 == 0, "k steps of 8");
+    static_assert(KD % (P == kBF16 ? 16 : 8) == 0, "whole k steps");
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int u = 0; u < TPW; ++u) {
       const int tile = warp + u * NW, m0 = (tile / TN) * 16, n0 = (tile % TN) * 8 * NB;
-#pragma unroll 4
-      for (int k0 = 0; k0 < KD; k0 += 8) kstep<NB, kPrecise>(a, b, m0, n0, k0, g, t, v[u], v[u]);
+      ksteps<NB, P>(a, b, m0, n0, 0, KD, g, t, v[u], v[u]);
     }
   }
 
