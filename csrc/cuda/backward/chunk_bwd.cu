@@ -1092,9 +1092,9 @@ __global__ void __launch_bounds__(NT) pair_grad_kernel(const Params bp) {
 }
 
 // ---- host --------------------------------------------------------------------------------------
-// The products of calls whose gate is not activated in the kernel (no dA_log or d dt_bias, the sums
-// that cancel over every token): bf16 operands, which the error model (DESIGN.md, bwd_rounding.py)
-// puts at 0.42x FLA's tolerances at most, as FLA's own bf16 backward.
+// The products of calls on 16-bit inputs whose gate is not activated in the kernel (no dA_log or
+// d dt_bias, the sums that cancel over every token): bf16 operands, which the error model (DESIGN.md,
+// bwd_rounding.py) puts at 0.42x FLA's tolerances at most, as FLA's own bf16 backward.
 constexpr int kFastProducts = tf32::kBF16;
 constexpr int VS = 16;  // columns per scan CTA: the two roles' shared memory fits two CTAs per SM
 
@@ -1211,10 +1211,12 @@ void cuda_chunk_bwd(const Recurrence& r, const cula_chunk_bwd_args& a) {
     constexpr int KK = decltype(k)::value;
     const int hv = static_cast<int>(HV), v = static_cast<int>(V);
     // the products' precision: 3xTF32 where the gate is activated in the kernel, whose parameter
-    // gradients (dA_log, d dt_bias) sum terms that cancel over every token; kFastProducts elsewhere
+    // gradients (dA_log, d dt_bias) sum terms that cancel over every token, and for float32 inputs
+    // (whose callers ask for more than bf16's precision); kFastProducts elsewhere
+    const bool precise = r.gate_in_kernel || a.q->dtype == CULA_FLOAT32 || a.v->dtype == CULA_FLOAT32;
     auto run = [&](auto delta, auto scalar) {
       constexpr bool D = decltype(delta)::value, SC = decltype(scalar)::value;
-      if (r.gate_in_kernel) run_kernels<KK, D, SC, tf32::kThreeTF32>(bp, chunks, N, hv, v, stream);
+      if (precise) run_kernels<KK, D, SC, tf32::kThreeTF32>(bp, chunks, N, hv, v, stream);
       else run_kernels<KK, D, SC, kFastProducts>(bp, chunks, N, hv, v, stream);
     };
     using yes = std::true_type;
