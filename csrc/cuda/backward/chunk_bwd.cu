@@ -240,6 +240,20 @@ struct FactorsLayout {
 template <int K, bool DELTA>
 using FactorsLayoutOf = FactorsLayout<factor_slice(K), DELTA>;
 
+// The pair matrices summed over the channel slices (slice sl of NS): P_tj in the factor block as it
+// goes; KEK_tj in Am until the last slice, which writes it out and leaves A_tj = beta_t KEK_tj in Am.
+// Each element is owned by one thread in every slice.
+__device__ __forceinline__ void add_p(float& f, float v, int sl) { f = sl == 0 ? v : f + v; }
+__device__ __forceinline__ void add_kek(float& a, float& kek_out, float beta_t, float v, int sl, int NS) {
+  const float kek = sl == 0 ? v : a + v;
+  if (sl == NS - 1) {
+    kek_out = kek;
+    a = beta_t * kek;
+  } else {
+    a = kek;
+  }
+}
+
 __device__ __forceinline__ void tri_index(int pi, int& i, int& j) {  // pi = i (i + 1) / 2 + j, j <= i
   i = static_cast<int>((sqrtf(8.0f * pi + 1.0f) - 1.0f) * 0.5f);
   while ((i + 1) * (i + 2) / 2 <= pi) ++i;
@@ -272,21 +286,12 @@ __device__ __forceinline__ void factors_block_row(const float* qs, const float* 
   }
   __syncthreads();
   static_assert(tf32::wide_scratch<16, 16 * I, KC, NW>() <= Ly::SC, "scratch");
-  tf32::gemm_wide<16, 16 * I, KC, NW, PREC>(rows(Lq, LK), cols(R, LK), sc0, [&](int i, int j, float v) {
-    float& f = fac[F::P + (16 * I + i) * C + j];
-    f = sl == 0 ? v : f + v;
-  });
+  tf32::gemm_wide<16, 16 * I, KC, NW, PREC>(rows(Lq, LK), cols(R, LK), sc0,
+                                      [&](int i, int j, float v) { add_p(fac[F::P + (16 * I + i) * C + j], v, sl); });
   if (DELTA)
     tf32::gemm_wide<16, 16 * I, KC, NW, PREC>(rows(Lk, LK), cols(R, LK), sc1, [&](int i, int j, float v) {
       const int t = 16 * I + i;
-      float& a = Am[t * LA + j];
-      const float kek = sl == 0 ? v : a + v;
-      if (sl == NS - 1) {
-        fac[F::KEK + t * C + j] = kek;
-        a = bet[t] * kek;
-      } else {
-        a = kek;
-      }
+      add_kek(Am[t * LA + j], fac[F::KEK + t * C + j], bet[t], v, sl, NS);
     });
 }
 
@@ -342,22 +347,11 @@ __global__ void __launch_bounds__(NT) chunk_factors_kernel(const Params bp) {
       // one decay for every channel: P = (q^ k^T) o E and KEK = (k^ k^T) o E, E_ts = e^{G_t - G_s} <= 1
       // for s <= t, whole on tensor cores, summed over the slices as the block rows below are
       tf32::gemm<C, C, KC, NW, 2, PREC>(rows(qs, LK), cols(ks, LK), [&](int t, int j, float v) {
-        if (j > t) return;
-        float& f = fac[F::P + t * C + j];
-        v *= fast_exp(Gs[t * LK] - Gs[j * LK]);
-        f = sl == 0 ? v : f + v;
+        if (j <= t) add_p(fac[F::P + t * C + j], v * fast_exp(Gs[t * LK] - Gs[j * LK]), sl);
       });
       if (DELTA)
         tf32::gemm<C, C, KC, NW, 2, PREC>(rows(ks, LK), cols(ks, LK), [&](int t, int j, float v) {
-          if (j >= t) return;
-          float& a = Am[t * LA + j];
-          const float kek = (sl == 0 ? 0.0f : a) + v * fast_exp(Gs[t * LK] - Gs[j * LK]);
-          if (sl == NS - 1) {
-            fac[F::KEK + t * C + j] = kek;
-            a = bet[t] * kek;
-          } else {
-            a = kek;
-          }
+          if (j < t) add_kek(Am[t * LA + j], fac[F::KEK + t * C + j], bet[t], v * fast_exp(Gs[t * LK] - Gs[j * LK]), sl, NS);
         });
     } else {
       // diagonal blocks, exact: one thread per pair (t, s), s <= t, in block 16 I, summed over the
@@ -395,15 +389,17 @@ __global__ void __launch_bounds__(NT) chunk_factors_kernel(const Params bp) {
     for (int c = tid; c < KC; c += NT) fac[F::EG + c0 + c] = fast_exp(Gs[(C - 1) * LK + c]);
   }
   __syncthreads();
-  for (int e = tid; e < (SCALAR ? 0 : 4 * 136); e += NT) {  // the diagonal blocks' sums
-    const int I = e / 136;
-    int i, j;
-    tri_index(e % 136, i, j);
-    const int t = 16 * I + i, s = 16 * I + j;
-    fac[F::P + t * C + s] = D[2 * e];
-    if (DELTA && j < i) {
-      fac[F::KEK + t * C + s] = D[2 * e + 1];
-      Am[t * LA + s] = bet[t] * D[2 * e + 1];
+  if (!SCALAR) {
+    for (int e = tid; e < 4 * 136; e += NT) {  // the diagonal blocks' sums
+      const int I = e / 136;
+      int i, j;
+      tri_index(e % 136, i, j);
+      const int t = 16 * I + i, s = 16 * I + j;
+      fac[F::P + t * C + s] = D[2 * e];
+      if (DELTA && j < i) {
+        fac[F::KEK + t * C + s] = D[2 * e + 1];
+        Am[t * LA + s] = bet[t] * D[2 * e + 1];
+      }
     }
   }
   if (!DELTA) return;
