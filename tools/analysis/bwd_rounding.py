@@ -142,25 +142,30 @@ TOL = dict(dq=8e-3, dk=8e-3, dv=8e-3, dbeta=2e-2, da=2e-2, dA_log=3e-3)
 TOL_GDN = dict(dq=8e-3, dk=8e-3, dv=8e-3, dbeta=2e-2, dg=2e-2)
 
 
+def with_dg(grads):
+    """GDN's gradients: dg of its one decay per token, the sum of da over the channels, added."""
+    grads["dg"] = grads["da"].sum(axis=1)
+    return grads
+
+
+def error(got, ref, n):
+    """FLA's error ratio of gradient n: rms of the difference over rms of the reference."""
+    return np.sqrt(((got[n] - ref[n]) ** 2).mean() / (ref[n] ** 2).mean())
+
+
 def main():
     scalar = "--gdn" in sys.argv
     lengths = [int(x) for x in sys.argv[1:] if x != "--gdn"] or [4096, 16384]
     tol = TOL_GDN if scalar else TOL
+    finish = with_dg if scalar else (lambda grads: grads)
     for T in lengths:
         q, k, v, beta, a, dO, dST = problem(T, seed=T, scalar=scalar)
         starts = states(q, k, v, beta, a)
-        ref = backward(q, k, v, beta, a, dO, dST, starts)
-        if scalar:
-            ref["dg"] = ref["da"].sum(axis=1)
+        ref = finish(backward(q, k, v, beta, a, dO, dST, starts))
         print(f"T = {T}: error / FLA's tolerance ({' '.join(tol)})")
         for name, kw in VARIANTS:
-            got = backward(q, k, v, beta, a, dO, dST, starts, **kw)
-            if scalar:
-                got["dg"] = got["da"].sum(axis=1)
-            ratios = []
-            for n, t in tol.items():
-                err = np.sqrt(((got[n] - ref[n]) ** 2).mean() / (ref[n] ** 2).mean())
-                ratios.append(err / t)
+            got = finish(backward(q, k, v, beta, a, dO, dST, starts, **kw))
+            ratios = [error(got, ref, n) / t for n, t in tol.items()]
             print(f"  {name:48s} " + " ".join(f"{r:6.3f}" for r in ratios), flush=True)
 
 
