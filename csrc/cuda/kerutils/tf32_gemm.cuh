@@ -10,26 +10,18 @@
 // Bank conflicts: a row-major operand read as A (rows i, columns k) or a transposed operand read as
 // B is conflict-free with a pitch of 4 mod 32 floats; a row-major B or a transposed A with 8 mod 32.
 //
-// Precision (template argument P): kThreeTF32, about fp32's; kOneTF32, one TF32 product (10-bit
-// mantissas); kBF16, one bf16 m16n8k16 product per 16 deep (8-bit mantissas, operands converted from
-// the fp32 views as they are read). The output layout, and so the ownership of each element, is the
-// same for all three.
+// Precision (template argument P): kThreeTF32, about fp32's; kOneTF32, one TF32 product (operands
+// rounded to 10-bit mantissas by an integer add; the tensor core ignores the low 13 bits). bf16
+// operands (m16n8k16, converted as read) were tried: slower than one TF32, since the fp32 views are
+// converted and packed per k-step, and past FLA's dg tolerance in a test case.
 #pragma once
 
 #include <cstdint>
 
-#include "cuda/kerutils/mma.cuh"
-
 namespace cula {
 namespace tf32 {
 
-enum Precision : int { kThreeTF32 = 0, kOneTF32 = 1, kBF16 = 2 };
-
-__device__ __forceinline__ uint32_t to_tf32(float x) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
-  return r;
-}
+enum Precision : int { kThreeTF32 = 0, kOneTF32 = 1 };
 
 // d += a b: a 16 x 8 (row), b 8 x 8 (column), d 16 x 8.
 __device__ __forceinline__ void mma1688(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -61,6 +53,10 @@ __device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo) {
   lo = __float_as_uint(x - __uint_as_float(hi));
 }
 
+// x rounded to TF32 for one product: half a unit of TF32's last place added to the magnitude's bits;
+// the tensor core reads the top 19 bits, so the low 13 need no clearing (as split's hi, one add).
+__device__ __forceinline__ uint32_t round_tf32(float x) { return __float_as_uint(x) + 0x1000u; }
+
 // One k-step (8 deep) of the 16 x 8NB tile at (m0, n0), lane (g, t): acc += A B. kPrecise
 // (3xTF32): the correction products go to cor, which may be acc itself (one chain) or an
 // accumulator of its own (two shorter chains, added at the end).
@@ -72,7 +68,7 @@ __device__ __forceinline__ void kstep(const VA& a, const VB& b, int m0, int n0, 
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
     if (kPrecise) split(ax[r], ah[r], al[r]);
-    else ah[r] = to_tf32(ax[r]);
+    else ah[r] = round_tf32(ax[r]);
   }
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
@@ -86,23 +82,8 @@ __device__ __forceinline__ void kstep(const VA& a, const VB& b, int m0, int n0, 
       mma1688(cor[nb], ah, l0, l1);
       mma1688(acc[nb], ah, h0, h1);
     } else {
-      mma1688(acc[nb], ah, to_tf32(b0), to_tf32(b1));
+      mma1688(acc[nb], ah, round_tf32(b0), round_tf32(b1));
     }
-  }
-}
-
-// One k-step (16 deep) of the 16 x 8NB tile at (m0, n0) on bf16 operands: acc += A B.
-template <int NB, class VA, class VB>
-__device__ __forceinline__ void kstep_bf16(const VA& a, const VB& b, int m0, int n0, int k0, int g, int t,
-                                           float (&acc)[NB][4]) {
-  const int k = k0 + 2 * t;
-  const uint32_t af[4] = {mma::pack(a(m0 + g, k), a(m0 + g, k + 1)), mma::pack(a(m0 + g + 8, k), a(m0 + g + 8, k + 1)),
-                          mma::pack(a(m0 + g, k + 8), a(m0 + g, k + 9)),
-                          mma::pack(a(m0 + g + 8, k + 8), a(m0 + g + 8, k + 9))};
-#pragma unroll
-  for (int nb = 0; nb < NB; ++nb) {
-    const int n = n0 + nb * 8 + g;
-    mma::mma16816(acc[nb], af, mma::pack(b(k, n), b(k + 1, n)), mma::pack(b(k + 8, n), b(k + 9, n)));
   }
 }
 
@@ -110,13 +91,8 @@ __device__ __forceinline__ void kstep_bf16(const VA& a, const VB& b, int m0, int
 template <int NB, int P, class VA, class VB>
 __device__ __forceinline__ void ksteps(const VA& a, const VB& b, int m0, int n0, int k_begin, int k_end, int g, int t,
                                        float (&acc)[NB][4], float (&cor)[NB][4]) {
-  if constexpr (P == kBF16) {
-#pragma unroll 2
-    for (int k0 = k_begin; k0 < k_end; k0 += 16) kstep_bf16<NB>(a, b, m0, n0, k0, g, t, acc);
-  } else {
 #pragma unroll 4
-    for (int k0 = k_begin; k0 < k_end; k0 += 8) kstep<NB, P == kThreeTF32>(a, b, m0, n0, k0, g, t, acc, cor);
-  }
+  for (int k0 = k_begin; k0 < k_end; k0 += 8) kstep<NB, P == kThreeTF32>(a, b, m0, n0, k0, g, t, acc, cor);
 }
 
 // The tile's elements to epi(i, j, value), each once (the mma accumulator layout).
@@ -136,7 +112,7 @@ __device__ __forceinline__ void emit(int m0, int n0, int g, int t, const float (
 // tiles w, w + NW, ...; epi(i, j, value) receives every element of C once. P: the precision.
 template <int M, int N, int KD, int NW, int NB = 2, int P = kThreeTF32, class VA, class VB, class Epi>
 __device__ __forceinline__ void gemm(const VA a, const VB b, Epi&& epi) {
-  static_assert(M % 16 == 0 && N % (8 * NB) == 0 && KD % (P == kBF16 ? 16 : 8) == 0, "tile multiples");
+  static_assert(M % 16 == 0 && N % (8 * NB) == 0 && KD % 8 == 0, "tile multiples");
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   constexpr int TN = N / (8 * NB), TILES = (M / 16) * TN;
   for (int tile = warp; tile < TILES; tile += NW) {
@@ -173,9 +149,8 @@ constexpr int split_for(int tiles, int nw, int ksteps) {
 // same shape, same thread.
 template <int M, int N, int KD, int NW, int P = kThreeTF32, class VA, class VB, class Epi>
 __device__ __forceinline__ void gemm_wide(const VA a, const VB b, float* scratch, Epi&& epi) {
-  constexpr int KS_DEPTH = P == kBF16 ? 16 : 8;  // one k-step
-  static_assert(M % 16 == 0 && N % 8 == 0 && KD % KS_DEPTH == 0, "tile multiples");
-  constexpr int TN = N / 8, TILES = (M / 16) * TN, SPLIT = split_for(TILES, NW, KD / KS_DEPTH);
+  static_assert(M % 16 == 0 && N % 8 == 0 && KD % 8 == 0, "tile multiples");
+  constexpr int TN = N / 8, TILES = (M / 16) * TN, SPLIT = split_for(TILES, NW, KD / 8);
   if constexpr (SPLIT == 1) {
     gemm<M, N, KD, NW, 1, P>(a, b, epi);
   } else {
@@ -212,7 +187,7 @@ __device__ __forceinline__ void gemm_wide(const VA a, const VB b, float* scratch
   }
 }
 
-// The scratch floats gemm_wide needs for a shape (at most: the TF32 k-steps, the finer split).
+// The scratch floats gemm_wide needs for a shape.
 template <int M, int N, int KD, int NW>
 constexpr int wide_scratch() {
   return (split_for((M / 16) * (N / 8), NW, KD / 8) - 1) * M * N;
@@ -236,7 +211,7 @@ struct Acc {
 
   template <int KD, int P = kThreeTF32, class VA, class VB>
   __device__ __forceinline__ void add(const VA a, const VB b) {
-    static_assert(KD % (P == kBF16 ? 16 : 8) == 0, "whole k steps");
+    static_assert(KD % 8 == 0, "k steps of 8");
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int u = 0; u < TPW; ++u) {
