@@ -9,6 +9,11 @@
 //
 // Bank conflicts: a row-major operand read as A (rows i, columns k) or a transposed operand read as
 // B is conflict-free with a pitch of 4 mod 32 floats; a row-major B or a transposed A with 8 mod 32.
+//
+// Precision (template argument P): kThreeTF32, about fp32's; kOneTF32, one TF32 product (operands
+// rounded to 10-bit mantissas by an integer add; the tensor core ignores the low 13 bits). bf16
+// operands (m16n8k16, converted as read) were tried: slower than one TF32, since the fp32 views are
+// converted and packed per k-step, and past FLA's dg tolerance in a test case.
 #pragma once
 
 #include <cstdint>
@@ -16,11 +21,7 @@
 namespace cula {
 namespace tf32 {
 
-__device__ __forceinline__ uint32_t to_tf32(float x) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
-  return r;
-}
+enum Precision : int { kThreeTF32 = 0, kOneTF32 = 1 };
 
 // d += a b: a 16 x 8 (row), b 8 x 8 (column), d 16 x 8.
 __device__ __forceinline__ void mma1688(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -52,6 +53,10 @@ __device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo) {
   lo = __float_as_uint(x - __uint_as_float(hi));
 }
 
+// x rounded to TF32 for one product: half a unit of TF32's last place added to the magnitude's bits;
+// the tensor core reads the top 19 bits, so the low 13 need no clearing (as split's hi, one add).
+__device__ __forceinline__ uint32_t round_tf32(float x) { return __float_as_uint(x) + 0x1000u; }
+
 // One k-step (8 deep) of the 16 x 8NB tile at (m0, n0), lane (g, t): acc += A B. kPrecise
 // (3xTF32): the correction products go to cor, which may be acc itself (one chain) or an
 // accumulator of its own (two shorter chains, added at the end).
@@ -63,7 +68,7 @@ __device__ __forceinline__ void kstep(const VA& a, const VB& b, int m0, int n0, 
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
     if (kPrecise) split(ax[r], ah[r], al[r]);
-    else ah[r] = to_tf32(ax[r]);
+    else ah[r] = round_tf32(ax[r]);
   }
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
@@ -77,9 +82,17 @@ __device__ __forceinline__ void kstep(const VA& a, const VB& b, int m0, int n0, 
       mma1688(cor[nb], ah, l0, l1);
       mma1688(acc[nb], ah, h0, h1);
     } else {
-      mma1688(acc[nb], ah, to_tf32(b0), to_tf32(b1));
+      mma1688(acc[nb], ah, round_tf32(b0), round_tf32(b1));
     }
   }
+}
+
+// The k range [k_begin, k_end) of one tile at precision P into acc (cor: 3xTF32's correction chain).
+template <int NB, int P, class VA, class VB>
+__device__ __forceinline__ void ksteps(const VA& a, const VB& b, int m0, int n0, int k_begin, int k_end, int g, int t,
+                                       float (&acc)[NB][4], float (&cor)[NB][4]) {
+#pragma unroll 4
+  for (int k0 = k_begin; k0 < k_end; k0 += 8) kstep<NB, P == kThreeTF32>(a, b, m0, n0, k0, g, t, acc, cor);
 }
 
 // The tile's elements to epi(i, j, value), each once (the mma accumulator layout).
@@ -96,8 +109,8 @@ __device__ __forceinline__ void emit(int m0, int n0, int g, int t, const float (
 }
 
 // C = A B with A M x KD and B KD x N (views), over NW warps: warp w takes the 16 x 8NB output
-// tiles w, w + NW, ...; epi(i, j, value) receives every element of C once. kPrecise: 3xTF32.
-template <int M, int N, int KD, int NW, int NB = 2, bool kPrecise = true, class VA, class VB, class Epi>
+// tiles w, w + NW, ...; epi(i, j, value) receives every element of C once. P: the precision.
+template <int M, int N, int KD, int NW, int NB = 2, int P = kThreeTF32, class VA, class VB, class Epi>
 __device__ __forceinline__ void gemm(const VA a, const VB b, Epi&& epi) {
   static_assert(M % 16 == 0 && N % (8 * NB) == 0 && KD % 8 == 0, "tile multiples");
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -109,9 +122,8 @@ __device__ __forceinline__ void gemm(const VA a, const VB b, Epi&& epi) {
     for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
       for (int r = 0; r < 4; ++r) acc[nb][r] = cor[nb][r] = 0.0f;
-#pragma unroll 4
-    for (int k0 = 0; k0 < KD; k0 += 8) kstep<NB, kPrecise>(a, b, m0, n0, k0, g, t, acc, cor);
-    if (kPrecise)
+    ksteps<NB, P>(a, b, m0, n0, 0, KD, g, t, acc, cor);
+    if (P == kThreeTF32)
 #pragma unroll
       for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
@@ -135,12 +147,12 @@ constexpr int split_for(int tiles, int nw, int ksteps) {
 // every element to epi. Every thread of the block calls it (a __syncthreads inside when SPLIT > 1),
 // and two calls with no barrier between them need scratch buffers of their own. Ownership as gemm's:
 // same shape, same thread.
-template <int M, int N, int KD, int NW, bool kPrecise = true, class VA, class VB, class Epi>
+template <int M, int N, int KD, int NW, int P = kThreeTF32, class VA, class VB, class Epi>
 __device__ __forceinline__ void gemm_wide(const VA a, const VB b, float* scratch, Epi&& epi) {
   static_assert(M % 16 == 0 && N % 8 == 0 && KD % 8 == 0, "tile multiples");
   constexpr int TN = N / 8, TILES = (M / 16) * TN, SPLIT = split_for(TILES, NW, KD / 8);
   if constexpr (SPLIT == 1) {
-    gemm<M, N, KD, NW, 1, kPrecise>(a, b, epi);
+    gemm<M, N, KD, NW, 1, P>(a, b, epi);
   } else {
     constexpr int KS = KD / SPLIT;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -148,9 +160,8 @@ __device__ __forceinline__ void gemm_wide(const VA a, const VB b, float* scratch
     const int tile = warp % TILES, part = warp / TILES, m0 = (tile / TN) * 16, n0 = (tile % TN) * 8;
     float acc[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}}, cor[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
     if (active) {
-#pragma unroll 4
-      for (int k0 = part * KS; k0 < (part + 1) * KS; k0 += 8) kstep<1, kPrecise>(a, b, m0, n0, k0, g, t, acc, cor);
-      if (kPrecise)
+      ksteps<1, P>(a, b, m0, n0, part * KS, (part + 1) * KS, g, t, acc, cor);
+      if (P == kThreeTF32)
 #pragma unroll
         for (int r = 0; r < 4; ++r) acc[0][r] += cor[0][r];
       if (part > 0) {
@@ -198,15 +209,14 @@ struct Acc {
       for (int nb = 0; nb < NB; ++nb) v[u][nb][0] = v[u][nb][1] = v[u][nb][2] = v[u][nb][3] = 0.0f;
   }
 
-  template <int KD, bool kPrecise = true, class VA, class VB>
+  template <int KD, int P = kThreeTF32, class VA, class VB>
   __device__ __forceinline__ void add(const VA a, const VB b) {
     static_assert(KD % 8 == 0, "k steps of 8");
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int u = 0; u < TPW; ++u) {
       const int tile = warp + u * NW, m0 = (tile / TN) * 16, n0 = (tile % TN) * 8 * NB;
-#pragma unroll 4
-      for (int k0 = 0; k0 < KD; k0 += 8) kstep<NB, kPrecise>(a, b, m0, n0, k0, g, t, v[u], v[u]);
+      ksteps<NB, P>(a, b, m0, n0, 0, KD, g, t, v[u], v[u]);
     }
   }
 
