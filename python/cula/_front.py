@@ -124,8 +124,8 @@ _DELTA_RULE = ("kda", "gdn")
 _FUSED = ("simple_gla", "lightning")
 _FUSED_MAX_K = 128
 _CALLER_BUFFERS = ("state_pool", "out", "final_state_out", "intermediate_states_out")
-# The input types the tensor-core engines take (float32, and float16 in the fused engine, through a
-# bf16 copy: chunk::EngineInputs).
+# The input types the tensor-core engines take (bf16 and fp16 as they are, float32 through a bf16
+# copy: chunk::EngineInputs).
 _ENGINE_DTYPES = ("torch.bfloat16", "torch.float16", "torch.float32")
 
 

@@ -1,5 +1,7 @@
-// Tensor-core building blocks for the sm_80 path (mma.sync m16n8k16, bf16 in, fp32 accumulate),
-// ldmatrix and cp.async. These run unchanged on sm_90 and sm_100.
+// Tensor-core building blocks for the sm_80 path (mma.sync m16n8k16, bf16 or fp16 in, fp32
+// accumulate), ldmatrix and cp.async. These run unchanged on sm_90 and sm_100. The element type E of
+// pack, unpack and mma16816 is __nv_bfloat16 unless given (__half for engines that read fp16 inputs
+// as they are: both operands of a product have one type).
 //
 // Fragment layouts (lane = 4 * g + t):
 //   A 16x16 (row-major m x k): a0 = (m g, k 2t..2t+1), a1 = (m g+8, k 2t..), a2 = (m g, k 2t+8..), a3 = (m g+8, k 2t+8..)
@@ -11,25 +13,45 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace cula {
 namespace mma {
 
+template <class E>
+constexpr bool kIsHalf = std::is_same_v<E, __half>;
+
+template <class E = __nv_bfloat16>
 __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
+  if constexpr (kIsHalf<E>) {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  } else {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
 }
+template <class E = __nv_bfloat16>
 __device__ __forceinline__ float2 unpack(uint32_t x) {
-  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x));
+  if constexpr (kIsHalf<E>) return __half22float2(*reinterpret_cast<const __half2*>(&x));
+  else return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x));
 }
 
+template <class E = __nv_bfloat16>
 __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  if constexpr (kIsHalf<E>)
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {

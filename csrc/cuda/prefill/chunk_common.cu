@@ -93,41 +93,33 @@ const char* chunk::tensor_core_declines(const cula_chunk_fwd_args& a) {
 
 namespace chunk {
 namespace {
-// One thread per 8 elements of a row [b, t, h, :] (D a multiple of 8, 16-byte aligned rows:
+// One thread per 8 elements of a float32 row [b, t, h, :] (D a multiple of 8, 16-byte aligned rows:
 // tensor_core_declines) into a contiguous bf16 [B, T, H, D].
-template <typename In>
-__global__ void __launch_bounds__(256) to_bf16_kernel(const In* src, int64_t s0, int64_t s1, int64_t s2, int64_t T,
+__global__ void __launch_bounds__(256) to_bf16_kernel(const float* src, int64_t s0, int64_t s1, int64_t s2, int64_t T,
                                                       int64_t H, int64_t D, int64_t items, __nv_bfloat16* dst) {
   const int64_t per_row = D / 8;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < items; i += int64_t{gridDim.x} * blockDim.x) {
     const int64_t row = i / per_row, c8 = (i - row * per_row) * 8;
     const int64_t b = row / (T * H), t = (row / H) % T, h = row % H;
-    const In* x = src + b * s0 + t * s1 + h * s2 + c8;
-    uint4 out;
-    if constexpr (sizeof(In) == 4) {
-      const float4 lo = reinterpret_cast<const float4*>(x)[0], hi = reinterpret_cast<const float4*>(x)[1];
-      out = make_uint4(mma::pack(lo.x, lo.y), mma::pack(lo.z, lo.w), mma::pack(hi.x, hi.y), mma::pack(hi.z, hi.w));
-    } else {
-      out = half8_to_bf16(*reinterpret_cast<const uint4*>(x));
-    }
-    *reinterpret_cast<uint4*>(dst + i * 8) = out;
+    const float* x = src + b * s0 + t * s1 + h * s2 + c8;
+    const float4 lo = reinterpret_cast<const float4*>(x)[0], hi = reinterpret_cast<const float4*>(x)[1];
+    *reinterpret_cast<uint4*>(dst + i * 8) =
+        make_uint4(mma::pack(lo.x, lo.y), mma::pack(lo.z, lo.w), mma::pack(hi.x, hi.y), mma::pack(hi.z, hi.w));
   }
 }
 
-bool copied(const cula_tensor* t, bool half_native) {
-  return t->dtype == CULA_FLOAT32 || (t->dtype == CULA_FLOAT16 && !half_native);
-}
+bool copied(const cula_tensor* t) { return t->dtype == CULA_FLOAT32; }
 int64_t copy_bytes(const cula_tensor* t) { return (numel(*t) * 2 + 255) / 256 * 256; }
 }  // namespace
 
-int64_t EngineInputs::bytes_needed(const cula_chunk_fwd_args& a, bool half_native) {
-  if (!copied(a.q, half_native)) return 0;
+int64_t EngineInputs::bytes_needed(const cula_chunk_fwd_args& a) {
+  if (!copied(a.q)) return 0;
   return copy_bytes(a.q) + copy_bytes(a.k) + copy_bytes(a.v);
 }
 
-EngineInputs::EngineInputs(const cula_chunk_fwd_args& a, bool half_native, int device, cudaStream_t stream)
-    : args_(a), copies_{}, ws_(bytes_needed(a, half_native), device, stream, "chunk_fwd") {
-  if (!copied(a.q, half_native)) return;
+EngineInputs::EngineInputs(const cula_chunk_fwd_args& a, int device, cudaStream_t stream)
+    : args_(a), copies_{}, ws_(bytes_needed(a), device, stream, "chunk_fwd") {
+  if (!copied(a.q)) return;
   unsigned char* at = static_cast<unsigned char*>(ws_.get());
   const cula_tensor* given[3] = {a.q, a.k, a.v};
   const cula_tensor** slots[3] = {&args_.q, &args_.k, &args_.v};
@@ -143,14 +135,9 @@ EngineInputs::EngineInputs(const cula_chunk_fwd_args& a, bool half_native, int d
     const int64_t items = numel(x) / 8;
     if (items > 0) {
       const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((items + 255) / 256, int64_t{sms} * 32));
-      auto* dst = static_cast<__nv_bfloat16*>(c.data);
-      if (x.dtype == CULA_FLOAT32)
-        to_bf16_kernel<float><<<blocks, 256, 0, stream>>>(static_cast<const float*>(x.data), x.strides[0], x.strides[1],
-                                                          x.strides[2], x.shape[1], x.shape[2], x.shape[3], items, dst);
-      else
-        to_bf16_kernel<__half><<<blocks, 256, 0, stream>>>(static_cast<const __half*>(x.data), x.strides[0],
-                                                           x.strides[1], x.strides[2], x.shape[1], x.shape[2],
-                                                           x.shape[3], items, dst);
+      to_bf16_kernel<<<blocks, 256, 0, stream>>>(static_cast<const float*>(x.data), x.strides[0], x.strides[1],
+                                                 x.strides[2], x.shape[1], x.shape[2], x.shape[3], items,
+                                                 static_cast<__nv_bfloat16*>(c.data));
       check(cudaGetLastError(), "input conversion launch");
     }
     *slots[i] = &c;

@@ -157,20 +157,19 @@ inline bool aligned16(const cula_tensor* t) {
 // come in its declines predicate.
 const char* tensor_core_declines(const cula_chunk_fwd_args& a);
 
-// q, k, v as an engine reads them: the caller's tensors, or contiguous bf16 copies in a workspace
-// of the types the engine does not load itself (float32 in both engines; float16 in the fused
-// engine, half_native = false). The engines compute on bf16 tiles, so the copy rounds where their
-// own loads would round; it costs one pass over q, k, v. out stays the caller's (float32 for
-// float32 inputs: the accumulators unrounded; float16 for float16 ones). release() after the
+// q, k, v as an engine reads them: the caller's 16-bit tensors (bf16 or fp16, which both engines
+// load), or contiguous bf16 copies of float32 ones in a workspace. The engines compute on 16-bit
+// tiles, so the copy rounds where their own loads would round; it costs one pass over q, k, v. out
+// stays the caller's (float32 for float32 inputs: the accumulators unrounded). release() after the
 // engine's launches (the copies are freed in stream order).
 class EngineInputs {
  public:
-  EngineInputs(const cula_chunk_fwd_args& a, bool half_native, int device, cudaStream_t stream);
+  EngineInputs(const cula_chunk_fwd_args& a, int device, cudaStream_t stream);
   const cula_chunk_fwd_args& args() const { return args_; }
   void release() { ws_.release(); }
 
  private:
-  static int64_t bytes_needed(const cula_chunk_fwd_args& a, bool half_native);
+  static int64_t bytes_needed(const cula_chunk_fwd_args& a);
   cula_chunk_fwd_args args_;
   cula_tensor copies_[3];
   Workspace ws_;

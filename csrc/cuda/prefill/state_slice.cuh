@@ -133,8 +133,10 @@ struct StateSlice {
         for (int r = 0; r < 4; ++r) dev::st(dst, dt, base + channel(mt, r) * sc + column(nt, r) * sj, s[mt][nt][r]);
   }
 
-  // bf16 copy for the products of the chunk: s_s[channel][column - v0], leading dimension ld.
-  __device__ void to_smem(__nv_bfloat16* s_s, int ld) const {
+  // 16-bit copy (E: bf16 or fp16, the type of the products that read it) for the products of the
+  // chunk: s_s[channel][column - v0], leading dimension ld.
+  template <class E>
+  __device__ void to_smem(E* s_s, int ld) const {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -142,7 +144,7 @@ struct StateSlice {
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
           *reinterpret_cast<uint32_t*>(s_s + (cbase(mt) + g + 8 * hh) * ld + hc0 + nt * 8 + 2 * t) =
-              mma::pack(s[mt][nt][2 * hh], s[mt][nt][2 * hh + 1]);
+              mma::pack<E>(s[mt][nt][2 * hh], s[mt][nt][2 * hh + 1]);
   }
 
   // sm_90a: the bf16 copy transposed, S^T[column - v0][channel] as a K-major 128-byte-swizzled tile
@@ -154,9 +156,10 @@ struct StateSlice {
 
   // S = d S + (diag(f) A)^T B over the 64 tokens of a chunk, A stored [token][channel] (lda), B
   // stored [token][column - v0] (ldb): token j's row of A scaled by f[j] in registers (no scaled
-  // copy in shared memory); each B fragment loaded once for all of the warp's channel tiles.
-  __device__ void update_token_scaled(const __nv_bfloat16* a_s, int lda, const __nv_bfloat16* b_s, int ldb, float d,
-                                      const float* f, int lane) {
+  // copy in shared memory); each B fragment loaded once for all of the warp's channel tiles. E: the
+  // tiles' element type (bf16 or fp16).
+  template <class E>
+  __device__ void update_token_scaled(const E* a_s, int lda, const E* b_s, int ldb, float d, const float* f, int lane) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -174,9 +177,9 @@ struct StateSlice {
         mma::ldsm_x4_t(a[mt], a_s + (16 * kj + mma::at_row(lane)) * lda + cbase(mt) + mma::at_col(lane));
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
-          const float2 x = mma::unpack(a[mt][r]);
+          const float2 x = mma::unpack<E>(a[mt][r]);
           const float2 s2 = r < 2 ? f0 : f8;
-          a[mt][r] = mma::pack(x.x * s2.x, x.y * s2.y);
+          a[mt][r] = mma::pack<E>(x.x * s2.x, x.y * s2.y);
         }
       }
 #pragma unroll
@@ -185,8 +188,8 @@ struct StateSlice {
         mma::ldsm_x4_t(b, b_s + (16 * kj + mma::bk_row(lane)) * ldb + hc0 + 16 * np + mma::bk_col(lane));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-          mma::mma16816(s[mt][2 * np], a[mt], b[0], b[1]);
-          mma::mma16816(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+          mma::mma16816<E>(s[mt][2 * np], a[mt], b[0], b[1]);
+          mma::mma16816<E>(s[mt][2 * np + 1], a[mt], b[2], b[3]);
         }
       }
     }
@@ -204,9 +207,10 @@ struct StateSlice {
     }
   }
   // S = diag(decay) S + A^T B with load_a(cb, kj, a) giving the A fragment of channels cb.. (tile
-  // mt) and tokens 16 kj.. (A^T: channels x tokens), B stored [token][column - v0] (ldb).
-  template <typename LoadA, typename Decay>
-  __device__ void update_from(LoadA load_a, const __nv_bfloat16* b_s, int ldb, Decay decay, int lane) {
+  // mt) and tokens 16 kj.. (A^T: channels x tokens), B stored [token][column - v0] (ldb); E the
+  // element type of both.
+  template <typename LoadA, class E, typename Decay>
+  __device__ void update_from(LoadA load_a, const E* b_s, int ldb, Decay decay, int lane) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       const int cb = cbase(mt);
@@ -219,8 +223,8 @@ struct StateSlice {
         for (int np = 0; np < NTH / 2; ++np) {
           uint32_t b[4];
           mma::ldsm_x4_t(b, b_s + (16 * kj + mma::bk_row(lane)) * ldb + hc0 + 16 * np + mma::bk_col(lane));
-          mma::mma16816(s[mt][2 * np], a, b[0], b[1]);
-          mma::mma16816(s[mt][2 * np + 1], a, b[2], b[3]);
+          mma::mma16816<E>(s[mt][2 * np], a, b[0], b[1]);
+          mma::mma16816<E>(s[mt][2 * np + 1], a, b[2], b[3]);
         }
       }
     }
@@ -229,8 +233,8 @@ struct StateSlice {
   // S = diag(decay) S + A^T B over the 64 tokens of a chunk: A stored [token][channel] (k side,
   // leading dimension lda), B stored [token][column - v0] (v side, ldb); decay(c) is channel c's
   // factor.
-  template <typename Decay>
-  __device__ void update(const __nv_bfloat16* a_s, int lda, const __nv_bfloat16* b_s, int ldb, Decay decay, int lane) {
+  template <class E, typename Decay>
+  __device__ void update(const E* a_s, int lda, const E* b_s, int ldb, Decay decay, int lane) {
     update_from(
         [&](int cb, int kj, uint32_t (&a)[4]) {
           mma::ldsm_x4_t(a, a_s + (16 * kj + mma::at_row(lane)) * lda + cb + mma::at_col(lane));

@@ -52,7 +52,11 @@ struct SplitState {
   int nseg, nsub;
 };
 
-__device__ __forceinline__ uint32_t& u32at(bf16* p) { return *reinterpret_cast<uint32_t*>(p); }
+// The 16-bit pair at p (bf16 or fp16) as one word.
+template <class E>
+__device__ __forceinline__ uint32_t& u32at(E* p) {
+  return *reinterpret_cast<uint32_t*>(p);
+}
 
 // Warp-specialized kernel: output warps, state warps (DESIGN.md).
 constexpr int kWsOutWarps = 8, kWsStateWarps = 4, kWsThreads = 32 * (kWsOutWarps + kWsStateWarps);

@@ -39,13 +39,15 @@ __global__ void __launch_bounds__(32 * kFactorWarps)
       if (p.l2norm) {
         const bf16* qr = static_cast<const bf16*>(p.q) + sq.b_row * p.q_s[0] + tok * p.q_s[1] + h * p.q_s[2];
         const bf16* kr = static_cast<const bf16*>(p.k) + sq.b_row * p.k_s[0] + tok * p.k_s[1] + h * p.k_s[2];
+        const bool half_in = p.q_dt == CULA_FLOAT16;  // else bf16 (16-bit element pairs either way)
         float q2 = 0.0f, k2 = 0.0f;
         for (int c8 = 0; c8 < p.K; c8 += 8) {
           const uint4 qv = *reinterpret_cast<const uint4*>(qr + c8), kv = *reinterpret_cast<const uint4*>(kr + c8);
           const uint32_t *qw = reinterpret_cast<const uint32_t*>(&qv), *kw = reinterpret_cast<const uint32_t*>(&kv);
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
-            const float2 u = unpack(qw[j]), w = unpack(kw[j]);
+            const float2 u = half_in ? mma::unpack<__half>(qw[j]) : unpack(qw[j]);
+            const float2 w = half_in ? mma::unpack<__half>(kw[j]) : unpack(kw[j]);
             q2 += u.x * u.x + u.y * u.y;
             k2 += w.x * w.x + w.y * w.y;
           }

@@ -20,8 +20,9 @@ namespace chunk_fused {
 
 // kLocal: the local pass of a split sequence, one CTA per (sequence, value head, V slice, part
 // before the last segment); otherwise one CTA per (sequence, value head, V slice, segment).
-// kOwnFactors (fac == nullptr): the row factors are written here (constant_decay_factors).
-template <int K, int VB, bool kLocal, bool kOwnFactors>
+// kOwnFactors (fac == nullptr): the row factors are written here (constant_decay_factors). E: the
+// element type of q, k, v (bf16 or fp16) and of every 16-bit operand formed from them (S, Vd, A).
+template <class E, int K, int VB, bool kLocal, bool kOwnFactors>
 __global__ void __launch_bounds__(kThreads, kLocal ? 3 : 1)  // the local pass: ~65 KB, three CTAs per SM
     chunk_fused_kernel(const FwdParams p, const int32_t* __restrict__ chunk_base, const float* __restrict__ fac,
                        const SplitState sp) {
@@ -31,8 +32,8 @@ __global__ void __launch_bounds__(kThreads, kLocal ? 3 : 1)  // the local pass: 
   constexpr int NT = VB / 8;
   constexpr int NTH = NT / 2;  // n-tiles per warp: warps 4..7 take the second half of the columns
   extern __shared__ __align__(16) unsigned char smem[];
-  bf16* s_s = reinterpret_cast<bf16*>(smem + Ly::oS);
-  bf16* vd_s = reinterpret_cast<bf16*>(smem + Ly::oVD);
+  E* s_s = reinterpret_cast<E*>(smem + Ly::oS);
+  E* vd_s = reinterpret_cast<E*>(smem + Ly::oVD);
   float* xo_s = reinterpret_cast<float*>(smem + Ly::oX);
   constexpr int LDX = Ly::LDX;
 
@@ -80,9 +81,9 @@ __global__ void __launch_bounds__(kThreads, kLocal ? 3 : 1)  // the local pass: 
   using CopyV = chunk::TileCopy<kBT, VB, kThreads>;  // v slice
   const CopyK ck(tid);
   const CopyV cv(tid);
-  const bf16* q_in = static_cast<const bf16*>(p.q) + sq.b_row * p.q_s[0] + sq.bos * p.q_s[1] + h * p.q_s[2] + ck.c8;
-  const bf16* k_in = static_cast<const bf16*>(p.k) + sq.b_row * p.k_s[0] + sq.bos * p.k_s[1] + h * p.k_s[2] + ck.c8;
-  const bf16* v_in = static_cast<const bf16*>(p.v) + sq.b_row * p.v_s[0] + sq.bos * p.v_s[1] + hv * p.v_s[2] + v0 + cv.c8;
+  const E* q_in = static_cast<const E*>(p.q) + sq.b_row * p.q_s[0] + sq.bos * p.q_s[1] + h * p.q_s[2] + ck.c8;
+  const E* k_in = static_cast<const E*>(p.k) + sq.b_row * p.k_s[0] + sq.bos * p.k_s[1] + h * p.k_s[2] + ck.c8;
+  const E* v_in = static_cast<const E*>(p.v) + sq.b_row * p.v_s[0] + sq.bos * p.v_s[1] + hv * p.v_s[2] + v0 + cv.c8;
   const float own_a = kOwnFactors ? dev::chunk_log_decay(constant_log_decay(p, hv, h)) : 0.0f;
   auto stage_in = [&](int c, int st) {
     if (c < c_end) {
@@ -92,8 +93,8 @@ __global__ void __launch_bounds__(kThreads, kLocal ? 3 : 1)  // the local pass: 
 #pragma unroll
       for (int j = 0; j < CopyK::J; ++j) {
         const int r = ck.row(j);
-        bf16* dq = reinterpret_cast<bf16*>(dst + Ly::sQ) + r * LDK + ck.c8;
-        bf16* dk = reinterpret_cast<bf16*>(dst + Ly::sK) + r * LDK + ck.c8;
+        E* dq = reinterpret_cast<E*>(dst + Ly::sQ) + r * LDK + ck.c8;
+        E* dk = reinterpret_cast<E*>(dst + Ly::sK) + r * LDK + ck.c8;
         if (r < Lc) {
           if (!kLocal) mma::cp_async16(dq, q_in + (t0 + r) * p.q_s[1]);
           mma::cp_async16(dk, k_in + (t0 + r) * p.k_s[1]);
@@ -105,7 +106,7 @@ __global__ void __launch_bounds__(kThreads, kLocal ? 3 : 1)  // the local pass: 
 #pragma unroll
       for (int j = 0; j < CopyV::J; ++j) {
         const int r = cv.row(j);
-        bf16* d = reinterpret_cast<bf16*>(dst + Ly::sV) + r * LDV + cv.c8;
+        E* d = reinterpret_cast<E*>(dst + Ly::sV) + r * LDV + cv.c8;
         if (r < Lc)
           mma::cp_async16(d, v_in + (t0 + r) * p.v_s[1]);
         else
@@ -129,14 +130,14 @@ __global__ void __launch_bounds__(kThreads, kLocal ? 3 : 1)  // the local pass: 
   for (int c = c_begin; c < c_end; ++c) {
     const int st = (c - c_begin) & 1;
     const unsigned char* base = smem + st * Ly::stage;
-    const bf16* q_s = reinterpret_cast<const bf16*>(base + Ly::sQ);
-    const bf16* k_s = reinterpret_cast<const bf16*>(base + Ly::sK);
-    const bf16* v_s = reinterpret_cast<const bf16*>(base + Ly::sV);
+    const E* q_s = reinterpret_cast<const E*>(base + Ly::sQ);
+    const E* k_s = reinterpret_cast<const E*>(base + Ly::sK);
+    const E* v_s = reinterpret_cast<const E*>(base + Ly::sV);
     const float* F = reinterpret_cast<const float*>(base + Ly::sF);
     const int64_t t0 = sq.bos + static_cast<int64_t>(c) * kBT;
     const int Lc = static_cast<int>(min(int64_t{kBT}, sq.eos - t0));
 
-    // S (bf16) for the products; intermediate state (chunk start)
+    // S (16-bit, E) for the products; intermediate state (chunk start)
     if (!kLocal) {
       S.to_smem(s_s, LDV);
       if (p.inter) S.store(p, p.inter, p.inter_dt, cbase + c, hv);
@@ -152,8 +153,8 @@ __global__ void __launch_bounds__(kThreads, kLocal ? 3 : 1)  // the local pass: 
 #pragma unroll
       for (int nt = 0; nt < NTH; ++nt) {
         const int col = hc0 + nt * 8 + 2 * t;
-        const float2 x = unpack(*reinterpret_cast<const uint32_t*>(v_s + row * LDV + col));
-        u32at(vd_s + row * LDV + col) = pack(x.x * f, x.y * f);
+        const float2 x = unpack<E>(*reinterpret_cast<const uint32_t*>(v_s + row * LDV + col));
+        u32at(vd_s + row * LDV + col) = pack<E>(x.x * f, x.y * f);
       }
     }
 
@@ -173,8 +174,8 @@ __global__ void __launch_bounds__(kThreads, kLocal ? 3 : 1)  // the local pass: 
         for (int np = 0; np < NTH / 2; ++np) {
           uint32_t b[4];
           mma::ldsm_x4_t(b, s_s + (16 * kk + mma::bk_row(lane)) * LDV + hc0 + 16 * np + mma::bk_col(lane));
-          mma::mma16816(o[2 * np], qf[kk], b[0], b[1]);
-          mma::mma16816(o[2 * np + 1], qf[kk], b[2], b[3]);
+          mma::mma16816<E>(o[2 * np], qf[kk], b[0], b[1]);
+          mma::mma16816<E>(o[2 * np + 1], qf[kk], b[2], b[3]);
         }
       float gi[2], qi[2];
 #pragma unroll
@@ -187,7 +188,7 @@ __global__ void __launch_bounds__(kThreads, kLocal ? 3 : 1)  // the local pass: 
       }
 
       // o += A v block by block: A = (q k^T) scaled per pair, lower triangle only, kept in
-      // registers as bf16 hi + lo A fragments. The blocks Jb <= I are split between the two warps of
+      // registers as E (bf16 or fp16) hi + lo A fragments. The blocks Jb <= I are split between the two warps of
       // row block I by parity and each is applied to all VB columns (the longest row block costs
       // two blocks, not four); the partial for the partner's half goes through xo_s behind B2.
       // Unrolled (two accumulator chains over the k-steps) so the blocks of a warp overlap.
@@ -197,27 +198,27 @@ __global__ void __launch_bounds__(kThreads, kLocal ? 3 : 1)  // the local pass: 
       for (int Jb = 0; Jb < 4; ++Jb) {
         if (Jb > I || (Jb & 1) != hw) continue;
         float x[2][2][2];
-        masked_qk_block<KS, LDK>(qf, k_s, Jb, bI, lane, F, gi, qi, x);
+        masked_qk_block<KS, LDK, E>(qf, k_s, Jb, bI, lane, F, gi, qi, x);
         uint32_t ahi[4], alo[4];
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
           for (int hh = 0; hh < 2; ++hh) {
             const float x0 = x[nt][hh][0], x1 = x[nt][hh][1];
-            const uint32_t hi = pack(x0, x1);
-            const float2 h2 = unpack(hi);
+            const uint32_t hi = pack<E>(x0, x1);
+            const float2 h2 = unpack<E>(hi);
             ahi[2 * nt + hh] = hi;  // fragment a0..a3 = (row g, k lo), (row g+8, k lo), (row g, k hi), (row g+8, k hi)
-            alo[2 * nt + hh] = pack(x0 - h2.x, x1 - h2.y);
+            alo[2 * nt + hh] = pack<E>(x0 - h2.x, x1 - h2.y);
           }
         }
 #pragma unroll
         for (int np = 0; np < NT / 2; ++np) {
           uint32_t b[4];
           mma::ldsm_x4_t(b, v_s + (16 * Jb + mma::bk_row(lane)) * LDV + 16 * np + mma::bk_col(lane));
-          mma::mma16816(ox[2 * np], ahi, b[0], b[1]);
-          mma::mma16816(ox[2 * np + 1], ahi, b[2], b[3]);
-          mma::mma16816(ox[2 * np], alo, b[0], b[1]);
-          mma::mma16816(ox[2 * np + 1], alo, b[2], b[3]);
+          mma::mma16816<E>(ox[2 * np], ahi, b[0], b[1]);
+          mma::mma16816<E>(ox[2 * np + 1], ahi, b[2], b[3]);
+          mma::mma16816<E>(ox[2 * np], alo, b[0], b[1]);
+          mma::mma16816<E>(ox[2 * np + 1], alo, b[2], b[3]);
         }
       }
       // own half into o, the partner's half to shared memory (n-tile indices stay compile-time)

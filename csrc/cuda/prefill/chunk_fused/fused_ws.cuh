@@ -19,8 +19,9 @@ namespace cula {
 namespace chunk_fused {
 
 // kOwnFactors (fac == nullptr): the row factors are written here (constant_decay_factors), not
-// copied from the factor kernel's output.
-template <int K, int VB, bool kOwnFactors>
+// copied from the factor kernel's output. E: the element type of q, k, v (bf16 or fp16) and of the
+// 16-bit operands formed from them (the S ring, A).
+template <class E, int K, int VB, bool kOwnFactors>
 __global__ void __launch_bounds__(kWsThreads, 1)
     chunk_fused_ws_kernel(const FwdParams p, const int32_t* __restrict__ chunk_base, const float* __restrict__ fac,
                           const SplitState sp) {
@@ -53,7 +54,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   }
   __syncthreads();
   auto stage_at = [&](int i) { return smem + (i % D) * Ly::stage; };
-  auto ring_at = [&](int i) { return reinterpret_cast<bf16*>(smem + Ly::oS) + (i & 1) * K * LDV; };
+  auto ring_at = [&](int i) { return reinterpret_cast<E*>(smem + Ly::oS) + (i & 1) * K * LDV; };
 
   if (warp >= kWsOutWarps) {
     // state chain and copies
@@ -62,10 +63,10 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     using CopyV = chunk::TileCopy<kBT, VB, 32 * kWsStateWarps>;
     const CopyK ck(ts);
     const CopyV cv(ts);
-    const bf16* q_in = static_cast<const bf16*>(p.q) + sq.b_row * p.q_s[0] + sq.bos * p.q_s[1] + h * p.q_s[2] + ck.c8;
-    const bf16* k_in = static_cast<const bf16*>(p.k) + sq.b_row * p.k_s[0] + sq.bos * p.k_s[1] + h * p.k_s[2] + ck.c8;
-    const bf16* v_in =
-        static_cast<const bf16*>(p.v) + sq.b_row * p.v_s[0] + sq.bos * p.v_s[1] + hv * p.v_s[2] + v0 + cv.c8;
+    const E* q_in = static_cast<const E*>(p.q) + sq.b_row * p.q_s[0] + sq.bos * p.q_s[1] + h * p.q_s[2] + ck.c8;
+    const E* k_in = static_cast<const E*>(p.k) + sq.b_row * p.k_s[0] + sq.bos * p.k_s[1] + h * p.k_s[2] + ck.c8;
+    const E* v_in =
+        static_cast<const E*>(p.v) + sq.b_row * p.v_s[0] + sq.bos * p.v_s[1] + hv * p.v_s[2] + v0 + cv.c8;
     const float own_a = kOwnFactors ? dev::chunk_log_decay(constant_log_decay(p, hv, h)) : 0.0f;
     // Chunk c_begin + i into stage i % D; the stage's full barrier completes when the copies land.
     auto produce = [&](int i) {
@@ -140,7 +141,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       mbar::wait(&full[i % D], (i / D) & 1);
       const unsigned char* base = stage_at(i);
       const float* F = reinterpret_cast<const float*>(base + Ly::sF);
-      S.update_token_scaled(reinterpret_cast<const bf16*>(base + Ly::sK), LDK, reinterpret_cast<const bf16*>(base + Ly::sV),
+      S.update_token_scaled(reinterpret_cast<const E*>(base + Ly::sK), LDK, reinterpret_cast<const E*>(base + Ly::sV),
                             LDV, F[kFL], F + kFV, lane);
       __syncwarp();
       if (lane == 0) mbar::arrive(&empty[i % D]);
@@ -166,9 +167,9 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       const int Lc = static_cast<int>(min(int64_t{kBT}, sq.eos - t0));
       mbar::wait(&full[i % D], (i / D) & 1);
       const unsigned char* base = stage_at(i);
-      const bf16* q_s = reinterpret_cast<const bf16*>(base + Ly::sQ);
-      const bf16* k_s = reinterpret_cast<const bf16*>(base + Ly::sK);
-      const bf16* v_s = reinterpret_cast<const bf16*>(base + Ly::sV);
+      const E* q_s = reinterpret_cast<const E*>(base + Ly::sQ);
+      const E* k_s = reinterpret_cast<const E*>(base + Ly::sK);
+      const E* v_s = reinterpret_cast<const E*>(base + Ly::sV);
       const float* F = reinterpret_cast<const float*>(base + Ly::sF);
 
       uint32_t qf[KS][4];
@@ -178,7 +179,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) gi[hh] = F[kFG + bI + g + 8 * hh], qi[hh] = F[kFQS + bI + g + 8 * hh];
 
-      // The blocks Jb <= I of q k^T with parity hw, as bf16 A fragments (one plane, as FLA's
+      // The blocks Jb <= I of q k^T with parity hw, as E (16-bit) A fragments (one plane, as FLA's
       // chunk_simple_gla keeps A); each also goes to the partner warp of row block I.
       uint32_t af[4][4];
       uint4* ax = reinterpret_cast<uint4*>(smem + Ly::oA) + (i & 1) * Ly::kABlocks * 32;
@@ -187,11 +188,11 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       for (int Jb = 0; Jb < 4; ++Jb) {
         if (Jb > I || (Jb & 1) != hw) continue;
         float x[2][2][2];
-        masked_qk_block<KS, LDK>(qf, k_s, Jb, bI, lane, F, gi, qi, x);
+        masked_qk_block<KS, LDK, E>(qf, k_s, Jb, bI, lane, F, gi, qi, x);
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-          for (int hh = 0; hh < 2; ++hh) af[Jb][2 * nt + hh] = pack(x[nt][hh][0], x[nt][hh][1]);
+          for (int hh = 0; hh < 2; ++hh) af[Jb][2 * nt + hh] = pack<E>(x[nt][hh][0], x[nt][hh][1]);
         ax[(tri + Jb) * 32 + lane] = make_uint4(af[Jb][0], af[Jb][1], af[Jb][2], af[Jb][3]);
       }
       mbar::named_sync(1 + I, 64);  // warps I and I + 4: the partner's blocks written
@@ -213,14 +214,14 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         for (int np = 0; np < NTH / 2; ++np) {
           uint32_t b[4];
           mma::ldsm_x4_t(b, v_s + (16 * Jb + mma::bk_row(lane)) * LDV + hc0 + 16 * np + mma::bk_col(lane));
-          mma::mma16816(ox[2 * np], a4, b[0], b[1]);
-          mma::mma16816(ox[2 * np + 1], a4, b[2], b[3]);
+          mma::mma16816<E>(ox[2 * np], a4, b[0], b[1]);
+          mma::mma16816<E>(ox[2 * np + 1], a4, b[2], b[3]);
         }
       }
 
       // o = qs_i e^{G_i} (q_i S_c)
       mbar::wait(&sready[i & 1], (i >> 1) & 1);
-      const bf16* s_s = ring_at(i);
+      const E* s_s = ring_at(i);
       float o[NTH][4] = {};
 #pragma unroll
       for (int kk = 0; kk < KS; ++kk)
@@ -228,8 +229,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         for (int np = 0; np < NTH / 2; ++np) {
           uint32_t b[4];
           mma::ldsm_x4_t(b, s_s + (16 * kk + mma::bk_row(lane)) * LDV + hc0 + 16 * np + mma::bk_col(lane));
-          mma::mma16816(o[2 * np], qf[kk], b[0], b[1]);
-          mma::mma16816(o[2 * np + 1], qf[kk], b[2], b[3]);
+          mma::mma16816<E>(o[2 * np], qf[kk], b[0], b[1]);
+          mma::mma16816<E>(o[2 * np + 1], qf[kk], b[2], b[3]);
         }
       float fo[2];
 #pragma unroll

@@ -51,29 +51,38 @@ void run(const Recurrence& r, const FwdParams& p, int nseg, int nsub, int device
   if (p.cu) chunk::launch_chunk_base(p, chunk_base, stream);
   if (!own_factors) launch_chunk_factors(p, chunk_base, fac, pairs, stream);
   const dim3 grid(static_cast<unsigned>(fused_blocks), static_cast<unsigned>(nseg));
-  auto launch = [&](auto own) {  // the kernels of one factor source (own: std::bool_constant)
+  // the kernels of one factor source and element type (own: std::bool_constant; elem: an E* null)
+  auto launch = [&](auto own, auto elem) {
     constexpr bool kOwn = decltype(own)::value;
+    using E = std::remove_pointer_t<decltype(elem)>;
     if constexpr (VB == 64) {  // segments only with 64-column slices (plan_fused)
       if (nseg > 1) {
-        chunk::allow_smem(chunk_fused_kernel<K, VB, true, kOwn>, FusedLayout<K, VB, true>::bytes);
-        chunk_fused_kernel<K, VB, true, kOwn>
+        chunk::allow_smem(chunk_fused_kernel<E, K, VB, true, kOwn>, FusedLayout<K, VB, true>::bytes);
+        chunk_fused_kernel<E, K, VB, true, kOwn>
             <<<dim3(static_cast<unsigned>(fused_blocks), static_cast<unsigned>(local_parts)), kThreads,
                FusedLayout<K, VB, true>::bytes, stream>>>(p, chunk_base, fac, sp);
       }
     }
     if (ws) {
-      chunk::allow_smem(chunk_fused_ws_kernel<K, VB, kOwn>, WsLayout<K, VB>::bytes);
-      chunk_fused_ws_kernel<K, VB, kOwn><<<grid, kWsThreads, WsLayout<K, VB>::bytes, stream>>>(p, chunk_base, fac, sp);
+      chunk::allow_smem(chunk_fused_ws_kernel<E, K, VB, kOwn>, WsLayout<K, VB>::bytes);
+      chunk_fused_ws_kernel<E, K, VB, kOwn><<<grid, kWsThreads, WsLayout<K, VB>::bytes, stream>>>(p, chunk_base, fac, sp);
     } else {  // e.g. K = 128, VB = 64 on sm_80 (164 KB): the 8-warp kernel
-      chunk::allow_smem(chunk_fused_kernel<K, VB, false, kOwn>, FusedLayout<K, VB, false>::bytes);
-      chunk_fused_kernel<K, VB, false, kOwn>
+      chunk::allow_smem(chunk_fused_kernel<E, K, VB, false, kOwn>, FusedLayout<K, VB, false>::bytes);
+      chunk_fused_kernel<E, K, VB, false, kOwn>
           <<<grid, kThreads, FusedLayout<K, VB, false>::bytes, stream>>>(p, chunk_base, fac, sp);
     }
   };
+  // q, k and v share one type, bf16 or fp16 (float32 inputs arrive as bf16 copies: EngineInputs)
+  auto with_elem = [&](auto own) {
+    if (p.q_dt == CULA_FLOAT16)
+      launch(own, static_cast<__half*>(nullptr));
+    else
+      launch(own, static_cast<bf16*>(nullptr));
+  };
   if (own_factors)
-    launch(std::true_type{});
+    with_elem(std::true_type{});
   else
-    launch(std::false_type{});
+    with_elem(std::false_type{});
   const cudaError_t launched = cudaGetLastError();
   workspace.release();
   chunk::check(launched, "kernel launch");

@@ -55,7 +55,7 @@ void cuda_chunk_fwd_fused(const Recurrence& r, const cula_chunk_fwd_args& a) {
   const int dev = a.q->device_id;
   chunk::check(cudaSetDevice(dev), "cudaSetDevice");
   const cudaStream_t stream = static_cast<cudaStream_t>(a.opt.stream);
-  chunk::EngineInputs in(a, /*half_native=*/false, dev, stream);  // float16 / float32 q, k, v: bf16 copies
+  chunk::EngineInputs in(a, dev, stream);  // float32 q, k, v: bf16 copies
   const FwdParams p = make_fwd_params(r, in.args());
   const int sms = cuda_sm_count(dev);
   const FusedPlan plan = plan_fused(r, a.cu_seqlens != nullptr, sms);

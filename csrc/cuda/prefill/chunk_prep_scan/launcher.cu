@@ -66,7 +66,7 @@ void cuda_chunk_fwd_mma(const Recurrence& r, const cula_chunk_fwd_args& given) {
   const int dev = given.q->device_id;
   chunk::check(cudaSetDevice(dev), "cudaSetDevice");
   const cudaStream_t stream = static_cast<cudaStream_t>(given.opt.stream);
-  chunk::EngineInputs in(given, /*half_native=*/true, dev, stream);  // float32 q, k, v: bf16 copies
+  chunk::EngineInputs in(given, dev, stream);  // float32 q, k, v: bf16 copies
   const FwdParams p = make_fwd_params(r, in.args());
   if (r.K == 64) run_family<64>(r, p, dev, stream, block_barriers_only);
   else if (r.K == 128) run_family<128>(r, p, dev, stream, block_barriers_only);
