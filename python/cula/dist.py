@@ -586,10 +586,11 @@ def _cp_pieces(family, q, k, v, g, beta, decay, dist, group, rank, pieces, packe
     o = ow[..., :V] if crossing_in else ow  # (a view: the correction adds in place, the rounding copies once)
     for i, (n, lo, hi, _, _) in ((i, p) for i, p in enumerate(pieces) if p[3]):
         b, x = (0, X[0]) if packed else (n, X[n])  # x: [HV, V, K]
-        # Q~: q^ through this piece's transitions [L, HV, K]; per head Q~ x^T [L, V], one float32 product
-        # on strided views (no copies). Not bmm_f32: its output is as large as o, and the bf16 split's
-        # three passes over it took longer than the float32 product (0.45 ms at 32k tokens, H16).
-        o[b, lo:hi] += torch.bmm(ow[b, lo:hi, :, V:].transpose(0, 1), x.transpose(1, 2)).transpose(0, 1)
+        # Q~: q^ through this piece's transitions [L, HV, K]; per head o += Q~ x^T [L, V], one float32
+        # product accumulated into o's strided view (baddbmm_: the GEMM reads and writes o, no
+        # temporary and no separate add). Not bmm_f32: its output is as large as o, and the bf16
+        # split's three passes over it took longer than the float32 product.
+        o[b, lo:hi].transpose(0, 1).baddbmm_(ow[b, lo:hi, :, V:].transpose(0, 1), x.transpose(1, 2))
     o = o.to(v.dtype)
     final = {}
     for i, (n, _, _, cin, cout) in enumerate(pieces):
