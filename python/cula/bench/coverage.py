@@ -10,7 +10,8 @@ kernel), dense, with grouped value heads, and varlen; KDA with lower bound -5 (s
 K = V = 64; Qwen3-Next GDN (16 q/k heads, 32 value heads, K = V = 128); GDN with V = 2K = 256
 (a GatedDeltaNet layer with head_dim 128 and FLA's expand_v = 2); FLA's default GatedDeltaNet layer
 (head_dim 256, expand_v 2: K = 256, V = 512, 6 heads); fp16 and fp32 inputs (simple GLA too, whose
-scalar log-decay is a log-sigmoid). bf16 unless the row says fp16 or fp32.
+scalar log-decay is a log-sigmoid); simple GLA with K = 256 (over the fused engine's 128). bf16 unless
+the row says fp16 or fp32.
 Timing as ``cula bench kda``: single synchronized calls, then queued calls (the GPU's time per call).
 Then decode with each of these (DECODE_CONFIGS: one token for each of N sequences through FLA's public
 fused_recurrent functions), written to decode_coverage.{json,md}.
@@ -49,6 +50,9 @@ CONFIGS = [
     ("Qwen3-Next GDN fp32 1x8192 H16/HV32", "gdn", 1, 8192, 16, 32, 128, 128, None, "float32", None),
     ("Simple GLA fp16 1x8192 H32", "simple_gla", 1, 8192, 32, 32, 128, 128, None, "float16", None),
     ("Simple GLA fp32 1x8192 H32", "simple_gla", 1, 8192, 32, 32, 128, 128, None, "float32", None),
+    # K over the fused engine's 128: key slices run as heads of one call (FLA's tests use K = 256)
+    ("Simple GLA K=256 1x8192 H16", "simple_gla", 1, 8192, 16, 16, 256, 128, None, "bfloat16", None),
+    ("Simple GLA K=256 2x4096 H32", "simple_gla", 2, 4096, 32, 32, 256, 128, None, "bfloat16", None),
 ]
 
 
