@@ -26,6 +26,17 @@ TOL_FP16 = 8e-3
 KERNEL = dict(kda="cuda_mma", gdn="cuda_mma", gla="cuda_mma", simple_gla="cuda_fused", lightning="cuda_fused")
 
 
+def _rounded_inputs(family, dtype):
+    """Which of q, k, v the engine rounds to bf16 where they land: all of fp32 ones (a bf16 copy); fp16
+    q and k in the delta-rule / per-channel engine, and v too except GDN's (read exactly into Y's fp32
+    sum); none of bf16 ones, nor of fp16 ones in the fused engine (fp16 tiles, fp16 mma)."""
+    if dtype == torch.float32:
+        return "qkv"
+    if dtype == torch.float16 and KERNEL[family] != "cuda_fused":
+        return "qk" if family == "gdn" else "qkv"
+    return ""
+
+
 def _check(rng, c, fp16_as_read=False):
     """fp16_as_read: fp16 and fp32 q, k, v reach the reference as the engine reads them (rounded to bf16;
     GDN's fp16 v exact), held to the bf16 tolerance: the kernel's own error, apart from the input rounding.
@@ -34,12 +45,8 @@ def _check(rng, c, fp16_as_read=False):
     the fp16 inputs."""
     d, cu, kw = chunk_inputs(rng, c)
     fam = c.get("family", "kda")
-    # inputs the engine rounds to bf16: fp32 (a bf16 copy) everywhere; fp16 q and k in the delta-rule /
-    # per-channel engine, and v too except GDN's (read exactly into Y's fp32 sum); no fp16 input in the
-    # fused engine (fp16 tiles, fp16 mma)
-    half = d["v"].dtype == torch.float16
-    rounded = "" if half and KERNEL[fam] == "cuda_fused" else "qk" if half and fam == "gdn" else "qkv"
-    wide = d["v"].dtype == torch.float32 or (half and rounded != "")
+    rounded = _rounded_inputs(fam, d["v"].dtype)
+    wide = rounded != ""
     as_read = fp16_as_read and wide
     ref = cula.chunk_fwd(fam, **{n: ((x.bfloat16() if as_read and n in rounded else x).float() if n in "qkv" else x)
                                  for n, x in d.items()}, cu_seqlens=cu, backend="reference", **kw)
@@ -147,7 +154,7 @@ def test_fused_families_at_k256_run_as_two_fused_slices(rng, family, idt):
     assert cula.last_kernel() == "cuda_fused", f"dispatch chose {cula.last_kernel()!r}"
     errs = [rel(o.float().cpu().numpy(), ref[0].numpy()), rel(final.float().cpu().numpy(), ref[1].numpy())]
     assert o.dtype == idt
-    assert worst(errs) < (TOL_FP16 if idt == torch.float32 else TOL), errs
+    assert worst(errs) < (TOL_FP16 if _rounded_inputs(family, idt) else TOL), errs
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -563,8 +570,7 @@ def test_float32_output_is_the_unrounded_accumulator(rng, family, idt, monkeypat
         assert torch.isfinite(o32).all(), "unwritten or non-finite output"
         assert torch.equal(o32.to(idt), outs[idt]), (family, idt, eight_warps)
         err = rel(o32.cpu().numpy(), ref[0].float().numpy())
-        read_as_given = idt == torch.bfloat16 or (idt == torch.float16 and KERNEL[family] == "cuda_fused")
-        assert err < (TOL if read_as_given else TOL_FP16), (family, idt, eight_warps, err)
+        assert err < (TOL_FP16 if _rounded_inputs(family, idt) else TOL), (family, idt, eight_warps, err)
 
 
 @pytest.mark.parametrize("family", ["kda", "gdn", "gla", "simple_gla"])

@@ -11,9 +11,7 @@
 // B is conflict-free with a pitch of 4 mod 32 floats; a row-major B or a transposed A with 8 mod 32.
 //
 // Precision (template argument P): kThreeTF32, about fp32's; kOneTF32, one TF32 product (operands
-// rounded to 10-bit mantissas by an integer add; the tensor core ignores the low 13 bits). bf16
-// operands (m16n8k16, converted as read) were tried: slower than one TF32, since the fp32 views are
-// converted and packed per k-step, and past FLA's dg tolerance in a test case.
+// rounded to 10-bit mantissas by an integer add; the tensor core ignores the low 13 bits).
 #pragma once
 
 #include <cstdint>

@@ -188,9 +188,10 @@ __global__ void __launch_bounds__(kThreads, kLocal ? 3 : 1)  // the local pass: 
       }
 
       // o += A v block by block: A = (q k^T) scaled per pair, lower triangle only, kept in
-      // registers as E (bf16 or fp16) hi + lo A fragments. The blocks Jb <= I are split between the two warps of
-      // row block I by parity and each is applied to all VB columns (the longest row block costs
-      // two blocks, not four); the partial for the partner's half goes through xo_s behind B2.
+      // registers as E (bf16 or fp16) hi + lo A fragments. The blocks Jb <= I are split between
+      // the two warps of row block I by parity and each is applied to all VB columns (the longest
+      // row block costs two blocks, not four); the partial for the partner's half goes through xo_s
+      // behind B2.
       // Unrolled (two accumulator chains over the k-steps) so the blocks of a warp overlap.
       const int hw = warp >> 2;
       float ox[NT][4] = {};
