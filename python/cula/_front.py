@@ -110,7 +110,7 @@ def _segment_len(q, k, v, g, beta, A_log, dt_bias, initial_state, opts):
 # gate (a zero log-gate, or a raw gate of zero activated with zero dt_bias: finite either way, and
 # the chunked kernels floor the log-decay, so no zero is scaled by an overflowing exponential). For the
 # families without the delta rule, whose state rows are independent, a K over 256 runs as slices
-# of at most 256 whose outputs add (_key_slice: 128 for the fused engine's families). Value columns
+# of at most 256 whose outputs add (_key_slice). Value columns
 # are independent in every family: calls whose V is not a multiple of 64 (which the
 # tensor-core engines' column slices need) run with V zero-padded to one, instead of on the
 # recurrent kernel.
@@ -118,11 +118,9 @@ _CUDA_HEAD_SIZES = (64, 128, 256)
 _V_MULTIPLE = 64
 _KEY_GATED = ("kda", "gla")  # the families whose gate has a K axis
 _DELTA_RULE = ("kda", "gdn")
-# The fused engine of simple GLA and Lightning takes K up to 128; a wider K runs there as
-# slices of 128 whose outputs add (exact: no delta rule, the state rows are independent) instead of
-# on the recurrent kernel.
+# Simple GLA and Lightning (the fused engine) run a K over 256 as slices of 256 that are heads of
+# one call (_key_slices_as_heads), not one call per slice.
 _FUSED = ("simple_gla", "lightning")
-_FUSED_MAX_K = 128
 _CALLER_BUFFERS = ("state_pool", "out", "final_state_out", "intermediate_states_out")
 # The input types the tensor-core engines take (bf16 and fp16 as they are, float32 through a bf16
 # copy: chunk::EngineInputs).
@@ -137,8 +135,7 @@ def _padded_v(q, V: int) -> int:
 
 
 def _fit_needed(family, q, v, opts) -> bool:
-    """A CUDA call with a K the kernels are not built for (for simple GLA and Lightning: over
-    the fused engine's 128), or a call whose V the tensor-core engines do not take, and no
+    """A CUDA call with a K the kernels are not built for, or a call whose V the tensor-core engines do not take, and no
     caller buffer (those are written in place, at the caller's sizes: the op's error names the head
     sizes then)."""
     if not (is_torch(q) and q.is_cuda and len(q.shape) == 4 and len(v.shape) == 4 and q.shape[-1] > 0
@@ -150,10 +147,8 @@ def _fit_needed(family, q, v, opts) -> bool:
 
 
 def _key_slice(family, q) -> int:
-    """The widest K slice a call runs in: the fused engine's for simple GLA and Lightning,
-    else the largest head size the CUDA kernels take."""
-    if family in _FUSED and str(q.dtype) in _ENGINE_DTYPES:
-        return _FUSED_MAX_K
+    """The widest K slice a call runs in: the largest head size the CUDA kernels take (every engine
+    takes K = 256)."""
     return _CUDA_HEAD_SIZES[-1]
 
 

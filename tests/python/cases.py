@@ -52,8 +52,7 @@ FAMILIES = ("kda", "gdn", "gla", "simple_gla", "lightning")
 
 def draw_chunk_config(rng, family="kda"):
     """One random configuration of everything the kernel takes."""
-    # K = 256 on the prep + scan engine (KDA, GDN, GLA); the fused engine takes 64 and 128
-    K = int(rng.choice([64, 128, 256], p=[0.4, 0.4, 0.2])) if family in ("kda", "gdn", "gla") else int(rng.choice([64, 128]))
+    K = int(rng.choice([64, 128, 256], p=[0.4, 0.4, 0.2]))
     varlen = bool(rng.random() < 0.4)
     seqlens = [int(x) for x in rng.choice([0, 1, 63, 64, 65, 130, 200], size=int(rng.integers(2, 5)))]
     if sum(seqlens) == 0:

@@ -441,20 +441,17 @@ def test_head_size_fit_is_exact_on_the_reference(rng, family, K, gate, opts):
 @pytest.mark.parametrize("family,K,layout,group", [("simple_gla", 256, "k_last", 1), ("lightning", 256, "k_first", 1),
                                                      ("simple_gla", 192, "k_first", 1), ("simple_gla", 384, "k_last", 2),
                                                      ("lightning", 256, "k_last", 2)])
-def test_fused_families_run_wide_keys_as_slices_of_128(rng, monkeypatch, family, K, layout, group):
-    """Simple GLA and Lightning on CUDA (bf16, fp16, fp32) take K over 128 as slices of 128 (the fused engine's
-    widest), run as heads of one call, instead of the recurrent kernel: the sliced run computes the
-    same function, forward and gradients (forced here on float64 host tensors, with the bf16 slice
-    width), with grouped value heads too (group value heads per q/k head; Lightning's decay then
-    per q/k head)."""
+def test_fused_families_run_wide_keys_as_slices(rng, monkeypatch, family, K, layout, group):
+    """Simple GLA and Lightning on CUDA take K over 256 as slices of 256 (the widest K of every engine),
+    run as heads of one call: the sliced run computes the same function, forward and gradients
+    (forced here on float64 host tensors with slices of 128, so that small K exercise it), with
+    grouped value heads too (group value heads per q/k head; Lightning's decay then per q/k head)."""
     torch = pytest.importorskip("torch", reason="torch is not installed")
     from cula import _front
 
-    assert _front._key_slice(family, torch.zeros(1, dtype=torch.bfloat16)) == 128
-    assert _front._key_slice(family, torch.zeros(1, dtype=torch.float16)) == 128
-    assert _front._key_slice(family, torch.zeros(1, dtype=torch.float32)) == 128
-    assert _front._key_slice(family, torch.zeros(1, dtype=torch.float64)) == 256  # (host only: the reference)
-    assert _front._key_slice("gla", torch.zeros(1, dtype=torch.bfloat16)) == 256
+    for fam in (family, "gla"):
+        for dt in (torch.bfloat16, torch.float16, torch.float32):
+            assert _front._key_slice(fam, torch.zeros(1, dtype=dt)) == 256
     monkeypatch.setattr(_front, "_key_slice", lambda fam, q: 128)
     x = _fit_inputs(torch, rng, family, K, "head" if family == "simple_gla" else None)
     HV = 2 * group
@@ -484,8 +481,8 @@ def test_fused_families_run_wide_keys_as_slices_of_128(rng, monkeypatch, family,
 @pytest.mark.parametrize("family", ["simple_gla", "lightning"])
 def test_wide_key_slices_as_heads_keep_varlen(rng, monkeypatch, family):
     """The slices-as-heads run of a packed batch (an empty sequence, one over a chunk) with initial
-    and final states: the same outputs and gradients as the direct call (float64 host tensors, the
-    bf16 slice width forced)."""
+    and final states: the same outputs and gradients as the direct call (float64 host tensors,
+    slices of 128 forced)."""
     torch = pytest.importorskip("torch", reason="torch is not installed")
     from cula import _front
 

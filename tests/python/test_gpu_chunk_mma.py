@@ -91,8 +91,6 @@ def test_mma_forward_gdn_single_token_within_tolerance():
                                  (256, 512)])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_mma_forward_head_sizes_with_varlen_and_gva(rng, family, K, V):
-    if K == 256 and KERNEL[family] == "cuda_fused":
-        pytest.skip("the fused engine (simple GLA, Lightning) takes K = 64 and 128")
     _check(rng, dict(family=family, gin=True, K=K, V=V, H=2, group=2, seqlens=[65, 0, 1, 200, 64], B=1, T=0, layout="k_last",
                      sdt=torch.float32, gdt=torch.bfloat16, l2=True, bsig=True, lb=-5.0, h0=True, inter=False))
 
@@ -135,23 +133,28 @@ def test_mma_forward_fp16_gdn_within_fla_tolerance(rng, decay):
 
 
 @pytest.mark.parametrize("idt", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("K", [256, 512])
 @pytest.mark.parametrize("family", ["simple_gla", "lightning"])
-def test_fused_families_at_k256_run_as_two_fused_slices(rng, family, idt):
-    """Simple GLA and Lightning with K = 256 through the front (FLA's drop-ins, Level 1): two
-    slices of 128 on the fused engine, not the recurrent kernel, within SPEC's tolerance of the
-    float64 reference (varlen, an initial state, K-first states); fp16 inputs read as they are (SPEC's
-    tolerance), fp32 through the engine's bf16 copy, within the tolerance of that rounding."""
+def test_fused_families_at_wide_keys_through_the_front(rng, monkeypatch, family, K, idt):
+    """Simple GLA and Lightning with K = 256 and 512 through the front (FLA's drop-ins, Level 1): one
+    call of the fused engine (K = 512 as two slices of 256 that are heads of that call), within
+    SPEC's tolerance of the float64 reference (varlen, an initial state, K-first states); fp16
+    inputs read as they are (SPEC's tolerance), fp32 through the engine's bf16 copy, within the
+    tolerance of that rounding."""
     from cula import _front
 
-    c = dict(family=family, gin=False, K=256, V=128, H=2, group=1, seqlens=[300, 0, 65], B=1, T=0, layout="k_first",
+    c = dict(family=family, gin=False, K=K, V=128, H=2, group=1, seqlens=[300, 0, 65], B=1, T=0, layout="k_first",
              sdt=torch.float32, gdt=torch.float32, l2=False, bsig=False, lb=-5.0, h0=True, inter=False, idt=idt)
     d, cu, kw = chunk_inputs(rng, c)
     kw.pop("return_intermediate_states")
     ref = cula.chunk_fwd(family, **{n: (x.float() if n in "qkv" else x) for n, x in d.items()}, cu_seqlens=cu,
                          backend="reference", **kw)
-    o, final = _front.chunk(family, **{n: x.cuda() for n, x in d.items()}, cu_seqlens=cu.cuda(), **kw)
+    calls, chunk = [], _front.chunk  # the front's inner calls (the slices of K = 512)
+    monkeypatch.setattr(_front, "chunk", lambda fam, q, *a, **kw: calls.append(q.shape[-2:]) or chunk(fam, q, *a, **kw))
+    o, final = chunk(family, **{n: x.cuda() for n, x in d.items()}, cu_seqlens=cu.cuda(), **kw)
     torch.cuda.synchronize()
     assert cula.last_kernel() == "cuda_fused", f"dispatch chose {cula.last_kernel()!r}"
+    assert calls == ([] if K == 256 else [(2 * 2, 256)]), calls
     errs = [rel(o.float().cpu().numpy(), ref[0].numpy()), rel(final.float().cpu().numpy(), ref[1].numpy())]
     assert o.dtype == idt
     assert worst(errs) < (TOL_FP16 if _rounded_inputs(family, idt) else TOL), errs
@@ -367,7 +370,7 @@ def test_mma_steep_and_gentle_blocks(rng, family, span):
 
 
 @pytest.mark.parametrize("idt", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("K,V", [(64, 64), (128, 128)])
+@pytest.mark.parametrize("K,V", [(64, 64), (128, 128), (256, 64)])
 @pytest.mark.parametrize("family", ["simple_gla", "lightning"])
 def test_fused_eight_warp_kernel(rng, family, K, V, idt, monkeypatch):
     """The 8-warp fused kernel, which devices whose blocks cannot hold the warp-specialized kernel's
@@ -413,7 +416,8 @@ def test_mma_forward_all_columns_scan(rng, family, K):
 
 
 @pytest.mark.parametrize("idt", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("layout", ["batch", "varlen", "slots", pytest.param("short", marks=pytest.mark.sanitize), "long"])
+@pytest.mark.parametrize("layout", ["batch", "varlen", "slots", pytest.param("short", marks=pytest.mark.sanitize), "long",
+                                    "k256"])
 @pytest.mark.parametrize("family", ["simple_gla", "lightning"])
 def test_fused_split_sequences(rng, family, layout, idt):
     """Few long sequences: the fused kernel splits each sequence into segments that start from
@@ -421,12 +425,13 @@ def test_fused_split_sequences(rng, family, layout, idt):
     2 parts; 8 takes >= 64 SMs). Gentle decays, so every segment's initial state matters; against float64 with an
     initial state, final and intermediate states, uneven, short and empty varlen sequences, and a
     state pool updated in place ("slots"); "short" is the smallest split (K = V = 64, 4200 tokens) for
-    the sanitizer, "long" one sequence of 16384 tokens in 8 segments. bf16 and fp16 inputs, the latter
-    read as they are."""
-    H, group, K, V = 1, 2, (64 if layout == "short" else 128), (64 if layout == "short" else 128)
+    the sanitizer, "long" one sequence of 16384 tokens in 8 segments, "k256" the same at K = 256 (the 8-warp
+    kernel's segments). bf16 and fp16 inputs, the latter read as they are."""
+    H, group = 1, 2
+    K, V = {"short": (64, 64), "k256": (256, 128)}.get(layout, (128, 128))
     HV = H * group
     seqlens = {"varlen": [10000, 0, 7000, 100], "slots": [9000, 8100]}.get(layout)
-    B, T = {"batch": (2, 8192), "short": (1, 4200), "long": (1, 16384)}.get(layout, (1, sum(seqlens or [])))
+    B, T = {"batch": (2, 8192), "short": (1, 4200), "long": (1, 16384), "k256": (1, 16384)}.get(layout, (1, sum(seqlens or [])))
     N = B if seqlens is None else len(seqlens)
     t = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32))  # noqa: E731
     q, k, v = t(B, T, H, K).to(idt), (t(B, T, H, K) * K ** -0.5).to(idt), t(B, T, HV, V).to(idt)

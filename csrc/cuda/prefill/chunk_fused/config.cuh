@@ -78,8 +78,12 @@ struct WsLayout {
 
 // Key head sizes with kernels (the instantiations/ folder holds one translation unit per K and VB).
 // The value head size is cut into VB-column slices, one CTA each, so any multiple of 64 runs
-// (chunk::tensor_core_declines).
-constexpr bool head_size_supported(int64_t n) { return n == 64 || n == 128; }
+// (chunk::tensor_core_declines). K = 256 runs the 8-warp kernel with slices of 64 columns
+// (DESIGN.md: why not the warp-specialized one).
+constexpr bool head_size_supported(int64_t n) { return n == 64 || n == 128 || n == 256; }
+
+// The most shared memory a block may take on the devices the kernels are built for (sm_80, sm_90).
+constexpr int kMaxBlockSmem = 227 * 1024;
 
 }  // namespace chunk_fused
 }  // namespace cula

@@ -23,7 +23,7 @@ namespace chunk_fused {
 // kOwnFactors (fac == nullptr): the row factors are written here (constant_decay_factors). E: the
 // element type of q, k, v (bf16 or fp16) and of every 16-bit operand formed from them (S, Vd, A).
 template <class E, int K, int VB, bool kLocal, bool kOwnFactors>
-__global__ void __launch_bounds__(kThreads, kLocal ? 3 : 1)  // the local pass: ~65 KB, three CTAs per SM
+__global__ void __launch_bounds__(kThreads, kLocal ? (K > 128 ? 2 : 3) : 1)  // the local pass: ~65 KB at K = 128, three CTAs per SM
     chunk_fused_kernel(const FwdParams p, const int32_t* __restrict__ chunk_base, const float* __restrict__ fac,
                        const SplitState sp) {
   using Ly = FusedLayout<K, VB, kLocal>;

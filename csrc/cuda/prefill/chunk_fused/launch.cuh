@@ -26,7 +26,9 @@ void run(const Recurrence& r, const FwdParams& p, int nseg, int nsub, int device
   const int64_t local_parts = static_cast<int64_t>(nseg - 1) * nsub;
   const int64_t slice_floats = int64_t{K} * VB, slices = fused_blocks;  // one per (sequence, head, V slice)
   // CULA_FUSED_8WARP set: the 8-warp kernel on any device (tests of the path small devices take)
-  const bool ws = WsLayout<K, VB>::bytes <= cuda_smem_per_block(device) && !std::getenv("CULA_FUSED_8WARP");
+  // (a kernel whose layout exceeds every device's budget is not instantiated: K = 256)
+  constexpr bool kWsFits = WsLayout<K, VB>::bytes <= kMaxBlockSmem;
+  const bool ws = kWsFits && WsLayout<K, VB>::bytes <= cuda_smem_per_block(device) && !std::getenv("CULA_FUSED_8WARP");
   // Lightning without l2norm: the fused kernels write their row factors themselves, which saves
   // the factor kernel and, for one pass over dense inputs, the whole workspace (an allocation, a
   // launch and a release: ~25 us of host time per call when the host's caches are cold)
@@ -63,10 +65,14 @@ void run(const Recurrence& r, const FwdParams& p, int nseg, int nsub, int device
                FusedLayout<K, VB, true>::bytes, stream>>>(p, chunk_base, fac, sp);
       }
     }
-    if (ws) {
-      chunk::allow_smem(chunk_fused_ws_kernel<E, K, VB, kOwn>, WsLayout<K, VB>::bytes);
-      chunk_fused_ws_kernel<E, K, VB, kOwn><<<grid, kWsThreads, WsLayout<K, VB>::bytes, stream>>>(p, chunk_base, fac, sp);
-    } else {  // e.g. K = 128, VB = 64 on sm_80 (164 KB): the 8-warp kernel
+    if constexpr (kWsFits) {
+      if (ws) {
+        chunk::allow_smem(chunk_fused_ws_kernel<E, K, VB, kOwn>, WsLayout<K, VB>::bytes);
+        chunk_fused_ws_kernel<E, K, VB, kOwn><<<grid, kWsThreads, WsLayout<K, VB>::bytes, stream>>>(p, chunk_base, fac, sp);
+        return;
+      }
+    }
+    {  // the 8-warp kernel: K = 256, or e.g. K = 128, VB = 64 on sm_80 (164 KB)
       chunk::allow_smem(chunk_fused_kernel<E, K, VB, false, kOwn>, FusedLayout<K, VB, false>::bytes);
       chunk_fused_kernel<E, K, VB, false, kOwn>
           <<<grid, kThreads, FusedLayout<K, VB, false>::bytes, stream>>>(p, chunk_base, fac, sp);

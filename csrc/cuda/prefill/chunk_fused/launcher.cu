@@ -36,7 +36,8 @@ FusedPlan plan_fused(const Recurrence& r, bool varlen, int sms) {
     while (nsub < 8 && chains * (nseg - 1) * nsub < sms && chunks_per_seq / (nseg * nsub * 2) >= 16) nsub *= 2;
     return {64, nseg, nsub};
   }
-  return {r.N * r.HV * (r.V / 32) <= sms ? 32 : 64, 1, 1};
+  // (K = 256: 64 columns only, as q k^T, half of a chunk's work there, is formed per slice)
+  return {r.K <= 128 && r.N * r.HV * (r.V / 32) <= sms ? 32 : 64, 1, 1};
 }
 
 }  // namespace
@@ -46,8 +47,12 @@ using namespace chunk_fused;
 
 const char* chunk_fwd_fused_declines(const Recurrence& r, const cula_chunk_fwd_args& a) {
   if (r.tr.delta || r.tr.gate == GateKind::PerChannel) return "the delta rule or a per-channel gate (chunk_prep_scan)";
-  if (!head_size_supported(r.K)) return "key head size K other than 64 and 128";
-  return chunk::tensor_core_declines(a);
+  if (!head_size_supported(r.K)) return "key head size K other than 64, 128 and 256";
+  if (const char* why = chunk::tensor_core_declines(a)) return why;
+  // K = 256 runs the 8-warp kernel (215.5 KB): not on 164 KB devices
+  if (r.K == 256 && FusedLayout<256, 64, false>::bytes > cuda_smem_per_block(a.q->device_id))
+    return "K = 256: the fused kernel's shared memory exceeds the device's";
+  return nullptr;
 }
 
 void cuda_chunk_fwd_fused(const Recurrence& r, const cula_chunk_fwd_args& a) {
@@ -59,7 +64,9 @@ void cuda_chunk_fwd_fused(const Recurrence& r, const cula_chunk_fwd_args& a) {
   const FwdParams p = make_fwd_params(r, in.args());
   const int sms = cuda_sm_count(dev);
   const FusedPlan plan = plan_fused(r, a.cu_seqlens != nullptr, sms);
-  if (plan.VB == 32)
+  if (r.K == 256)
+    run<256, 64>(r, p, plan.nseg, plan.nsub, dev, stream);
+  else if (plan.VB == 32)
     r.K == 64 ? run<64, 32>(r, p, 1, 1, dev, stream) : run<128, 32>(r, p, 1, 1, dev, stream);
   else
     r.K == 64 ? run<64, 64>(r, p, plan.nseg, plan.nsub, dev, stream)

@@ -3,9 +3,10 @@
 // The GPU path for every call the chunk engines decline (the dispatch table tries them first):
 // every option (varlen with device-side cu_seqlens, GVA, gates in kernel, states in either layout
 // and dtype, state pools, intermediate states) in one kernel, no workspace, no host
-// synchronisation. Today that is key head sizes other than 64 and 128, value head sizes not a
-// multiple of 64, and inputs other than bf16; it is sequential in T, so those calls are many
-// times slower than the chunk engines.
+// synchronisation. Today that is key head sizes other than 64, 128 and 256 and value head sizes
+// not a multiple of 64 at Level 0 (the front pads both), and float32 state arithmetic on request
+// (backend "cuda_fp32"); it is sequential in T, so those calls are many times slower than the
+// chunk engines.
 //
 // Design: one CTA per (sequence n, value head hv, tile of 16 state rows along V); 4 warps, each
 // owning 4 rows; lane l holds elements [l*EPL, (l+1)*EPL) of each row (EPL = K/32) in registers
