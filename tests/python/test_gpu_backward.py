@@ -170,6 +170,34 @@ def test_cuda_backward_is_bitwise_deterministic(rng, family):
             assert torch.equal(x, again[n]), n
 
 
+@pytest.mark.parametrize("family,neg", [("kda", False), ("kda", True), ("gdn", True)])
+def test_beta_sigmoid_in_kernel_is_the_float32_sigmoid_outside(rng, family, neg):
+    """use_beta_sigmoid_in_kernel on raw b computes, bit for bit, what the same call with beta =
+    sigmoid(b) in float32 (times 2 with allow_neg_eigval) computes: outputs, final states and the
+    gradients of q, k, v, g and the initial state, through FLA's drop-ins (FLA's test_kda.py holds the
+    two to 1e-4; one-TF32 products turn any difference in beta into noise at that level)."""
+    from cula.gated_delta_rule import chunk_gated_delta_rule
+    from cula.kda import chunk_kda
+
+    B, T, H, K = 1, 700, 3, 128
+    t = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32)).cuda()  # noqa: E731
+    q, k = (torch.nn.functional.normalize(t(B, T, H, K), dim=-1).bfloat16() for _ in range(2))
+    v = t(B, T, H, K).bfloat16()
+    g = -torch.rand(B, T, H, K, device="cuda") * 0.2 if family == "kda" else -torch.rand(B, T, H, device="cuda") * 0.2
+    b_raw, h0, do, dht = t(B, T, H).bfloat16(), t(B, H, K, K) * 0.3, t(B, T, H, K).bfloat16(), t(B, H, K, K)
+    fn = chunk_kda if family == "kda" else chunk_gated_delta_rule
+    results = []
+    for in_kernel in (True, False):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, g, h0)]
+        beta = b_raw if in_kernel else b_raw.float().sigmoid() * (2 if neg else 1)
+        o, ht = fn(*leaves[:4], beta=beta, initial_state=leaves[4], output_final_state=True,
+                   use_beta_sigmoid_in_kernel=in_kernel, allow_neg_eigval=neg and in_kernel)
+        ((o * do).sum() + (ht * dht).sum()).backward()
+        results.append([o, ht] + [x.grad for x in leaves])
+    for name, a, b in zip(("o", "ht", "dq", "dk", "dv", "dg", "dh0"), *results):
+        assert torch.equal(a, b), (name, float((a.float() - b.float()).abs().max()))
+
+
 def test_long_steep_sequence_gradients_are_finite_and_match(rng):
     """32k tokens of Kimi-Linear's unbounded gate with log-decays down to -30 per token, against the
     float64 reference (one head: the reference is sequential)."""

@@ -184,6 +184,33 @@ def test_float32_inputs_on_the_engines_and_exact_on_the_fp32_backend(rng, family
         assert worst(errs) < tol, (backend, errs)
 
 
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+def test_fused_recurrent_dropins_compute_float32_inputs_in_float32(rng, family):
+    """FLA's fused_recurrent functions compute float32 inputs in float32 (its tests hold them to 2e-3):
+    cula's drop-ins run float32 q, k, v on the float32 recurrent kernel, within 1e-5 of the float64
+    reference (varlen, GVA, l2norm in kernel, an initial state), not on the engines' bf16 copy."""
+    from cula.gated_delta_rule import fused_recurrent_gated_delta_rule
+    from cula.kda import fused_recurrent_kda
+
+    c = dict(family=family, gin=False, kgate="log_decay", K=128, V=128, H=2, group=2, seqlens=[300, 0, 1, 130], B=1,
+             T=0, layout="k_first", sdt=torch.float32, gdt=torch.float32, l2=True, bsig=False, lb=None, h0=True,
+             inter=False, idt=torch.float32)
+    d, cu, kw = chunk_inputs(rng, c)
+    g = d["g"]  # log-decays: [B, T, HV, K] (KDA), [B, T, HV] (GDN)
+    ref = cula.chunk_fwd(family, d["q"].double(), d["k"].double(), d["v"].double(), g.double(), d["beta"].double(),
+                         initial_state=d["initial_state"].double(), cu_seqlens=cu, output_final_state=True,
+                         use_qk_l2norm_in_kernel=True, state_layout="k_first", backend="reference")
+    fn = fused_recurrent_kda if family == "kda" else fused_recurrent_gated_delta_rule
+    o, final = fn(d["q"].cuda(), d["k"].cuda(), d["v"].cuda(), g=g.cuda(), beta=d["beta"].cuda(),
+                  initial_state=d["initial_state"].cuda(), output_final_state=True, use_qk_l2norm_in_kernel=True,
+                  cu_seqlens=cu.cuda())
+    torch.cuda.synchronize()
+    assert cula.last_kernel() == "cuda", cula.last_kernel()
+    assert o.dtype == torch.float32
+    errs = [rel(o.cpu().numpy(), ref[0].numpy()), rel(final.cpu().numpy(), ref[1].numpy())]
+    assert worst(errs) < 1e-5, errs
+
+
 @pytest.mark.parametrize("family", ["kda", "gdn", "gla"])
 def test_parallel_segments_match_reference(rng, monkeypatch, family):
     """A long sequence cut into parallel segments (CULA_SEGMENT_TOKENS, _segments: a summary pass, the

@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(32 * kRowWarps) prepare_tokens_kernel(const Fw
     float beta = 1.0f;
     if (p.delta) {
       beta = ld(p.beta, p.beta_dt, b * p.beta_s[0] + t * p.beta_s[1] + hv * p.beta_s[2]);
-      if (p.beta_sigmoid) beta = dev::beta_sigmoid_precise(beta, p.beta_mult);
+      if (p.beta_sigmoid) beta = dev::beta_sigmoid(beta, p.beta_mult);
     }
     x.beta[f * p.HV + hv] = beta;
   }

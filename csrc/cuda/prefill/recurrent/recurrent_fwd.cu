@@ -141,7 +141,7 @@ __global__ void __launch_bounds__(kWarps * 32) recurrent_fwd_kernel(const FwdPar
       kv[e] = cur.k[e] * ks;
     }
     float b = cur.beta;
-    if (p.beta_sigmoid) b = dev::beta_sigmoid_precise(b, p.beta_mult);
+    if (p.beta_sigmoid) b = dev::beta_sigmoid(b, p.beta_mult);
     float u[kRows];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) u[r] = cur.v[r];
