@@ -161,6 +161,20 @@ def test_fla_suite_runner_swaps_cula_in_and_sorts_outcomes(tmp_path):
     assert got["environment"]["cula_commit"] == "abc1234 (as given)"  # a copied tree's commit, stamped as given
     with pytest.raises(SystemExit, match="argument --fla-tests"):
         tool.main(["--fla-tests", str(tmp_path), "--files", "test_gdn.py"])
+    # runs side by side, one file each, merged into one summary
+    (ops_dir / "test_gla.py").write_text(FAKE_FLA_TESTS)
+    gla = tmp_path / "gla.json"
+    tool.main(["--fla-tests", str(tmp_path), "--files", "test_gla.py", "--skip-fla-only", str(out), "--out", str(gla),
+               "--cula-commit", "abc1234"])
+    merged = tmp_path / "merged.json"
+    assert tool.main(["--merge", str(again), str(gla), "--out", str(merged)]) == 1
+    got = json.loads(merged.read_text())
+    assert got["files_run"] == ["test_kda.py", "test_gla.py"] and set(got["files"]) == {"test_kda.py", "test_gla.py"}
+    assert [f["test"].rsplit("/", 1)[-1].split("::")[0] for f in got["failures"]] == ["test_kda.py"] * 2 + ["test_gla.py"] * 2
+    assert "| test_gla.py | 1 | 2 | 1 |" in (tmp_path / "merged.md").read_text()
+    assert "one process per file, merged" in (tmp_path / "merged.md").read_text()
+    with pytest.raises(SystemExit, match="argument --merge: .*cula_commit"):  # runs of different builds
+        tool.main(["--merge", str(out), str(gla), "--out", str(tmp_path / "bad.json")])
 
 
 def test_coverage_decode_rows_run_through_the_drop_ins():

@@ -3,6 +3,11 @@
 
     python3 tools/fla_suite/run.py --fla-repo PATH_TO_FLA_CLONE --out bench/results/<gpu>/fla_suite.json
     python3 tools/fla_suite/run.py --fla-tests DIR ...   # DIR holds FLA's tests/ at the pinned commit
+    python3 tools/fla_suite/run.py --merge A.json B.json ... --out bench/results/<gpu>/fla_suite.json
+
+The last merges the summaries of runs made side by side (one process per test file, --files F
+--out F.json each: the float64 references are host-bound, so the files finish in parallel in about
+the time of the longest).
 
 Nothing is fetched at run time. FLA's test files are an input that is not committed here: either a
 clone of flash-linear-attention that holds the pinned commit (its tests/ are exported from that
@@ -148,6 +153,7 @@ def table(summary: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--merge", nargs="+", metavar="JSON", help="summaries of runs to merge into --out (no run)")
     src.add_argument("--fla-repo", help="a clone of flash-linear-attention holding FLA_COMMIT")
     src.add_argument("--fla-tests", help="a folder holding FLA's tests/ at FLA_COMMIT")
     ap.add_argument("--out", help="where the JSON summary goes (bench/results/<gpu>/fla_suite.json)")
@@ -158,6 +164,8 @@ def main(argv=None) -> int:
                     "is not the tree's (a working tree copied to a GPU machine)")
     ap.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --), e.g. -k chunk")
     args = ap.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.out)
 
     environment = _environment(args.cula_commit)  # before the run: the code that runs
     with tempfile.TemporaryDirectory() as tmp:
@@ -187,20 +195,49 @@ def main(argv=None) -> int:
     result = dict(environment=environment, files_run=args.files, pytest_args=args.pytest_args,
                   skipped_fla_only_from=args.skip_fla_only, swapped=swapped,
                   pytest_exit_status=proc.returncode, **summary)
-    print(table(summary))
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
+    return _report(result, args.out)
+
+
+def _report(result: dict, out) -> int:
+    """The summary's table to stdout, and to out (JSON) and its .md beside it; the exit status."""
+    print(table(result))
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
             json.dump(result, f, indent=1)
             f.write("\n")
-        with open(re.sub(r"\.json$", "", args.out) + ".md", "w") as f:
-            e = result["environment"]
+        with open(re.sub(r"\.json$", "", out) + ".md", "w") as f:
+            e, pytest_args = result["environment"], result["pytest_args"]
             f.write(f"# FLA's op tests with cula swapped in ({e.get('device')})\n\nFLA commit {FLA_COMMIT}, "
                     f"fla-core {e.get('fla_core')}, torch {e.get('torch')}, cula {e.get('cula_commit')}, "
                     f"{e['date']}. Made by `tools/fla_suite/run.py`"
-                    f"{' with pytest arguments `' + ' '.join(args.pytest_args) + '`' if args.pytest_args else ''}."
-                    f"\n\n{table(summary)}\n\n{LEGEND}\n")
-    return 0 if not [f for f in summary["failures"] if f["reason"] != "fla_kernel_needs_gpu"] else 1
+                    f"{' with pytest arguments `' + ' '.join(pytest_args) + '`' if pytest_args else ''}"
+                    f"{' (one process per file, merged)' if result.get('merged_from') else ''}."
+                    f"\n\n{table(result)}\n\n{LEGEND}\n")
+    return 0 if not [f for f in result["failures"] if f["reason"] != "fla_kernel_needs_gpu"] else 1
+
+
+def merge(paths: list[str], out) -> int:
+    """One summary of several runs' summaries (e.g. one process per test file, run side by side): their
+    files, failures and FLA-only tests together; the environment of the first, which every run must
+    share (the same FLA commit, cula commit, device and pytest arguments)."""
+    runs = [json.load(open(p)) for p in paths]
+    first = runs[0]
+    for p, r in zip(paths, runs):
+        for key in ("cula_commit", "fla_commit", "device", "torch"):
+            if r["environment"].get(key) != first["environment"].get(key):
+                sys.exit(f"run.py: argument --merge: {p} ran with {key} {r['environment'].get(key)!r}, "
+                         f"{paths[0]} with {first['environment'].get(key)!r}")
+        if r["pytest_args"] != first["pytest_args"]:
+            sys.exit(f"run.py: argument --merge: {p} ran with pytest arguments {r['pytest_args']}, "
+                     f"{paths[0]} with {first['pytest_args']}")
+    result = dict(first, files_run=[f for r in runs for f in r["files_run"]],
+                  pytest_exit_status=max(r["pytest_exit_status"] for r in runs),
+                  files={n: f for r in runs for n, f in r["files"].items()},
+                  failures=[f for r in runs for f in r["failures"]],
+                  fla_only_tests=[t for r in runs for t in r["fla_only_tests"]],
+                  merged_from=[os.path.basename(p) for p in paths])
+    return _report(result, out)
 
 
 if __name__ == "__main__":
