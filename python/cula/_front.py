@@ -28,16 +28,19 @@ def _needs_grad(*tensors) -> bool:
 
 # The options the registered op cula::chunk_fwd takes (torch_ops.chunk_fwd); a call with others
 # (intermediate states, state pools, caller buffers) runs eagerly through cula.ops.
-_OP_OPTIONS = frozenset({*OPTION_NAMES, "cu_seqlens", "chunk_size", "output_final_state", "state_dtype"})
+_OP_OPTIONS = frozenset({*OPTION_NAMES, "cu_seqlens", "chunk_size", "output_final_state", "state_dtype", "backend"})
+# the backends a call may name through the registered op (the float32 CUDA rows, which FLA's
+# fused_recurrent drop-ins take for float32 inputs, traced by torch.compile like AUTO)
+_OP_BACKENDS = ("auto", "cuda_fp32")
 
 
 def _through_op(q, opts) -> bool:
     """Torch tensors go through the registered op (traceable by torch.compile, one node in a graph)."""
     if not is_torch(q):
         return False
-    if opts.get("return_intermediate_states") or opts.get("backend", "auto") != "auto":
+    if opts.get("return_intermediate_states") or opts.get("backend", "auto") not in _OP_BACKENDS:
         return False
-    return all(n in _OP_OPTIONS or n in ("return_intermediate_states", "backend") for n in opts)
+    return all(n in _OP_OPTIONS or n == "return_intermediate_states" for n in opts)
 
 
 def compiling() -> bool:

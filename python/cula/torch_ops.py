@@ -29,7 +29,7 @@ _TOKEN_INPUTS = ("q", "k", "v", "g", "beta")  # the per-token inputs: gradients 
 _DECODE_ARGS = ("q", "k", "v", "state_pool", "g", "beta", "decay", "state_indices", "num_accepted_tokens", "A_log",
                 "dt_bias", "family", *OPTION_NAMES)
 _FWD_ARGS = ("family", "q", "k", "v", "g", "beta", "decay", "initial_state", "A_log", "dt_bias", "cu_seqlens",
-             *OPTION_NAMES, "chunk_size", "output_final_state", "state_dtype")
+             *OPTION_NAMES, "chunk_size", "output_final_state", "state_dtype", "backend")
 _BWD_ARGS = ("family", "q", "k", "v", "g", "beta", "decay", "initial_state", "A_log", "dt_bias", "cu_seqlens", "d_out",
              "d_final_state", *OPTION_NAMES)
 _OPTS = schema_args()
@@ -108,7 +108,7 @@ _chunk_fwd = torch.library.custom_op(
     "cula::chunk_fwd", _chunk_fwd, mutates_args=(),
     schema="(str family, Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? beta, Tensor? decay, Tensor? initial_state, "
            f"Tensor? A_log, Tensor? dt_bias, Tensor? cu_seqlens, {_OPTS}, SymInt chunk_size, bool output_final_state, "
-           "str? state_dtype) -> (Tensor, Tensor)")
+           "str? state_dtype, str backend=\"auto\") -> (Tensor, Tensor)")
 
 
 @_chunk_fwd.register_fake
@@ -212,10 +212,11 @@ def decode_to(q, k, v, state_pool, *, mode="kda", g=None, beta=None, decay=None,
 
 
 def chunk_fwd(family, q, k, v, g=None, beta=None, decay=None, *, initial_state=None, A_log=None, dt_bias=None,
-              cu_seqlens=None, chunk_size=64, output_final_state=True, state_dtype=None, options=None, **option_kw):
+              cu_seqlens=None, chunk_size=64, output_final_state=True, state_dtype=None, backend="auto", options=None,
+              **option_kw):
     """cula.ops.chunk_fwd as a torch op. Returns (o, final_state); final_state is None unless
     output_final_state."""
     opts = ops._options("chunk_fwd", options, option_kw)
     o, final = torch.ops.cula.chunk_fwd(family, q, k, v, g, beta, decay, initial_state, A_log, dt_bias, cu_seqlens,
-                                        *opts.values(), chunk_size, output_final_state, state_dtype)
+                                        *opts.values(), chunk_size, output_final_state, state_dtype, backend)
     return o, final if output_final_state else None

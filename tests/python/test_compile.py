@@ -86,6 +86,18 @@ def test_entry_compiles_fullgraph_and_matches_eager(rng, device, entry):
     _check(fn, d["q"], d["k"], d["v"], g, d["beta"])
 
 
+@pytest.mark.skipif("cuda" not in DEVICES, reason="float32 inputs take their own kernel on CUDA only")
+@pytest.mark.parametrize("entry", ["fused_recurrent_kda", "fused_recurrent_gated_delta_rule"])
+def test_float32_fused_recurrent_compiles_fullgraph_on_cuda(rng, entry):
+    """float32 q, k, v in FLA's fused_recurrent drop-ins run the float32 recurrent kernel (backend
+    "cuda_fp32") through the registered op: fullgraph, the same as eager."""
+    d = _inputs("cuda")
+    d.update({n: d[n].float() for n in "qkv"})
+    fn, g = ENTRIES[entry](d)
+    _check(fn, d["q"], d["k"], d["v"], g, d["beta"])
+    assert cula.last_kernel() == "cuda", cula.last_kernel()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_varlen_drop_in_compiles(rng, device):
     d = _inputs(device, B=1, T=150)

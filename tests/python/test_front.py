@@ -373,6 +373,7 @@ def test_chunk_op_passes_opcheck_on_host_tensors(rng):
     for final in (True, False):  # output_final_state, then state_dtype
         torch.library.opcheck(torch.ops.cula.chunk_fwd.default, args + (final, None))
     torch.library.opcheck(torch.ops.cula.chunk_fwd.default, args + (True, "bfloat16"))
+    torch.library.opcheck(torch.ops.cula.chunk_fwd.default, args + (True, None, "cpu"))  # a backend named
     o, s = cula.torch_ops.chunk_fwd("kda", q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
     o2, s2 = cula.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, output_final_state=True)
     assert torch.equal(o, o2) and torch.equal(s, s2)
