@@ -179,16 +179,16 @@ def test_fla_suite_runner_swaps_cula_in_and_sorts_outcomes(tmp_path):
 
 def test_coverage_decode_rows_run_through_the_drop_ins():
     """`cula bench coverage`'s decode rows: each row's arguments, built as the benchmark builds them
-    (a few sequences, on the host), are taken by cula's drop-in, which returns o [N, 1, HV, V] and
+    (a few sequences, on the host), are taken by cula's drop-in, which returns o [N, T, HV, V] and
     the final states [N, HV, K, V], finite. (The GPU run times them against FLA's same call.)"""
     torch = pytest.importorskip("torch", reason="torch is not installed")
     import cula.gated_delta_rule
     import cula.kda
     from cula.bench.coverage import DECODE_CONFIGS, _inputs, _kda_gate
 
-    for name, family, _, H, HV, K, V, dtype, gate in DECODE_CONFIGS:
-        N = 3
-        x = _inputs(torch, family, N, 1, H, HV, K, V, dtype, "cpu")
+    for name, family, _, T, H, HV, K, V, dtype, gate in DECODE_CONFIGS:
+        N, T = 3, min(T, 20)
+        x = _inputs(torch, family, N, T, H, HV, K, V, dtype, "cpu")
         kw = dict(scale=K ** -0.5, output_final_state=True,
                   initial_state=torch.randn(N, HV, K, V) * 0.1)
         kw.update(_kda_gate(torch, gate, HV, K, "cpu") if family == "kda" else dict(use_qk_l2norm_in_kernel=True))
@@ -198,7 +198,7 @@ def test_coverage_decode_rows_run_through_the_drop_ins():
         else:
             o, s = cula.gated_delta_rule.fused_recurrent_gated_delta_rule(x["q"], x["k"], x["v"], g=x["g"],
                                                                           beta=x["beta"], **kw)
-        assert tuple(o.shape) == (N, 1, HV, V) and tuple(s.shape) == (N, HV, K, V), name
+        assert tuple(o.shape) == (N, T, HV, V) and tuple(s.shape) == (N, HV, K, V), name
         assert torch.isfinite(o.float()).all() and torch.isfinite(s).all(), name
 
 

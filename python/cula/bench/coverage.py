@@ -14,7 +14,8 @@ scalar log-decay is a log-sigmoid); simple GLA with K = 256 (over the fused engi
 the row says fp16 or fp32.
 Timing as ``cula bench kda``: single synchronized calls, then queued calls (the GPU's time per call).
 Then decode with each of these (DECODE_CONFIGS: one token for each of N sequences through FLA's public
-fused_recurrent functions), written to decode_coverage.{json,md}.
+fused_recurrent functions, and float32 fused_recurrent rows of T tokens), written to
+decode_coverage.{json,md}.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ CONFIGS = [
     ("Qwen3-Next GDN fp32 1x8192 H16/HV32", "gdn", 1, 8192, 16, 32, 128, 128, None, "float32", None),
     ("Simple GLA fp16 1x8192 H32", "simple_gla", 1, 8192, 32, 32, 128, 128, None, "float16", None),
     ("Simple GLA fp32 1x8192 H32", "simple_gla", 1, 8192, 32, 32, 128, 128, None, "float32", None),
-    # K over the fused engine's 128: key slices run as heads of one call (FLA's tests use K = 256)
+    # K = 256 (FLA's tests use it): the fused engine's own K = 256 kernel
     ("Simple GLA K=256 1x8192 H16", "simple_gla", 1, 8192, 16, 16, 256, 128, None, "bfloat16", None),
     ("Simple GLA K=256 2x4096 H32", "simple_gla", 2, 4096, 32, 32, 256, 128, None, "bfloat16", None),
 ]
@@ -58,20 +59,24 @@ CONFIGS = [
 
 # Decode (one token per sequence, the state of every sequence read and written): the same model
 # configurations through FLA's public fused_recurrent functions, as FLA's layers call them at
-# inference (q [N, 1, H, K], initial_state [N, HV, K, V] float32, output_final_state=True).
-# (name, family, N, H, HV, K, V, dtype, gate)
+# inference (q [N, T, H, K], initial_state [N, HV, K, V] float32, output_final_state=True); T = 1,
+# and a few rows of T tokens per sequence (fused_recurrent over a short prefill: float32 inputs,
+# which FLA computes in float32 and cula on its float32 recurrent kernel).
+# (name, family, N, T, H, HV, K, V, dtype, gate)
 DECODE_CONFIGS = [
-    ("Kimi-Linear KDA decode N64 H32", "kda", 64, 32, 32, 128, 128, "bfloat16", "softplus"),
-    ("Kimi-Linear KDA decode N256 H32", "kda", 256, 32, 32, 128, 128, "bfloat16", "softplus"),
-    ("Kimi-Linear KDA GVA decode N256 H16/HV32", "kda", 256, 16, 32, 128, 128, "bfloat16", "softplus"),
-    ("KDA lower bound -5 decode N256 H32", "kda", 256, 32, 32, 128, 128, "bfloat16", "bounded"),
-    ("KDA K=V=64 decode N256 H32", "kda", 256, 32, 32, 64, 64, "bfloat16", "softplus"),
-    ("KDA fp16 decode N256 H32", "kda", 256, 32, 32, 128, 128, "float16", "softplus"),
-    ("Qwen3-Next GDN decode N64 H16/HV32", "gdn", 64, 16, 32, 128, 128, "bfloat16", None),
-    ("Qwen3-Next GDN decode N256 H16/HV32", "gdn", 256, 16, 32, 128, 128, "bfloat16", None),
-    ("GDN K=128 V=256 decode N256 H16", "gdn", 256, 16, 16, 128, 256, "bfloat16", None),
-    ("FLA-default GDN K=256 V=512 decode N256 H6", "gdn", 256, 6, 6, 256, 512, "bfloat16", None),
-    ("GDN fp16 decode N256 H16/HV32", "gdn", 256, 16, 32, 128, 128, "float16", None),
+    ("Kimi-Linear KDA decode N64 H32", "kda", 64, 1, 32, 32, 128, 128, "bfloat16", "softplus"),
+    ("Kimi-Linear KDA decode N256 H32", "kda", 256, 1, 32, 32, 128, 128, "bfloat16", "softplus"),
+    ("Kimi-Linear KDA GVA decode N256 H16/HV32", "kda", 256, 1, 16, 32, 128, 128, "bfloat16", "softplus"),
+    ("KDA lower bound -5 decode N256 H32", "kda", 256, 1, 32, 32, 128, 128, "bfloat16", "bounded"),
+    ("KDA K=V=64 decode N256 H32", "kda", 256, 1, 32, 32, 64, 64, "bfloat16", "softplus"),
+    ("KDA fp16 decode N256 H32", "kda", 256, 1, 32, 32, 128, 128, "float16", "softplus"),
+    ("Qwen3-Next GDN decode N64 H16/HV32", "gdn", 64, 1, 16, 32, 128, 128, "bfloat16", None),
+    ("Qwen3-Next GDN decode N256 H16/HV32", "gdn", 256, 1, 16, 32, 128, 128, "bfloat16", None),
+    ("GDN K=128 V=256 decode N256 H16", "gdn", 256, 1, 16, 16, 128, 256, "bfloat16", None),
+    ("FLA-default GDN K=256 V=512 decode N256 H6", "gdn", 256, 1, 6, 6, 256, 512, "bfloat16", None),
+    ("GDN fp16 decode N256 H16/HV32", "gdn", 256, 1, 16, 32, 128, 128, "float16", None),
+    ("GDN fp32 fused_recurrent 2x1024 H4/HV8", "gdn", 2, 1024, 4, 8, 128, 128, "float32", None),
+    ("Qwen3-Next GDN fp32 fused_recurrent 1x8192 H16/HV32", "gdn", 1, 8192, 16, 32, 128, 128, "float32", None),
 ]
 
 
@@ -149,19 +154,20 @@ def bench_coverage(out_dir: str, gpu_name: str | None = None, configs=None, deco
 
 def _decode_grid(torch, dev, props, bw, out_dir, gpu_name, configs):
     op = "decode_coverage"
-    title = "Model configurations, decode (one token per sequence): cula's drop-ins against FLA Triton"
+    title = ("Model configurations, decode (one token per sequence; the fused_recurrent rows T tokens): cula's "
+             "drop-ins against FLA Triton")
     meta = dict(gpu=gpu_name or props.name, copy_gb_per_s=round(bw, 1), torch=torch.__version__,
                 fla=_version("fla-core"), date=time.strftime("%Y-%m-%d"), binding=_lib.binding(),
                 method=PEERS_AND_BASELINE_METHOD.split(", torch SDPA")[0] + "; FLA's public fused_recurrent function "
-                "and cula's drop-in called with the same arguments (q [N, 1, H, K], float32 states [N, HV, K, V] in, "
+                "and cula's drop-in called with the same arguments (q [N, T, H, K], float32 states [N, HV, K, V] in, "
                 "final states out), under torch.inference_mode", queued_method=QUEUED_METHOD.split(", torch SDPA")[0])
     records, rows, queued_rows = [], [], []
     prog = Progress(len(configs), "bench coverage (decode)")
-    for name, family, N, H, HV, K, V, dtype, gate in configs:
+    for name, family, N, T, H, HV, K, V, dtype, gate in configs:
         cula_fn, fla_fn = _decode_fns(family)
         sets = []
         for _ in range(2):
-            x = _inputs(torch, family, N, 1, H, HV, K, V, dtype, dev)
+            x = _inputs(torch, family, N, T, H, HV, K, V, dtype, dev)
             x["initial_state"] = torch.randn(N, HV, K, V, device=dev) * 0.1
             sets.append(x)
         kw = dict(scale=K ** -0.5, output_final_state=True)
@@ -175,7 +181,7 @@ def _decode_grid(torch, dev, props, bw, out_dir, gpu_name, configs):
                 return fn(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"], **kw)
             return fn(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], initial_state=x["initial_state"], **kw)
 
-        config = dict(name=name, family=family, N=N, T=1, H=H, HV=HV, K=K, V=V, dtype=dtype, gate=gate,
+        config = dict(name=name, family=family, N=N, T=T, H=H, HV=HV, K=K, V=V, dtype=dtype, gate=gate,
                       state_dtype="float32")
         impls = [("cula", lambda i: call(cula_fn, i))]
         fla_error = None
@@ -187,7 +193,7 @@ def _decode_grid(torch, dev, props, bw, out_dir, gpu_name, configs):
             fla_error = f"{type(e).__name__}: {e}"[:300]
             records.append(dict(op=op, config=config, impl="fla_triton", refused=fla_error))
         isz = 2 if dtype != "float32" else 4
-        nbytes = 2 * N * HV * K * V * 4 + N * (H * 2 * K * isz + HV * (2 * V * isz + (K * isz if family == "kda" else 4) + isz))
+        nbytes = 2 * N * HV * K * V * 4 + N * T * (H * 2 * K * isz + HV * (2 * V * isz + (K * isz if family == "kda" else 4) + isz))
         floor = nbytes / (bw * 1e9) * 1e3
         res, resq, kernel = measure_config(
             torch, op, name, config, impls, None, floor,
