@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs on a GPU machine over a copy of the built tree (build/ carried, no rebuild there):
 # installs the wheels that travel in .whl/ (fla-core), runs the C++ tests, the whole pytest
-# suite (GPU tests and the FLA convention checks included) and compute-sanitizer memcheck and
-# racecheck on small shapes of the CUDA kernels; with a second argument "bench", the GPU
+# suite (GPU tests and the FLA convention checks included), FLA's own op tests with cula swapped in
+# (where .fla-tests/ holds them) and compute-sanitizer memcheck and racecheck on small shapes of
+# the CUDA kernels; with a second argument "bench", the GPU
 # benchmarks as well ("bench-kda": the KDA chunked forward benchmark only; "bench-coverage": the
 # model configurations against FLA only; "bench-train": the KDA and GDN training steps only; "bench-segments":
 # few heads and long sequences, uncut and in parallel segments; "bench-fwd": the GDN,
@@ -43,6 +44,29 @@ PAR="-s"
 if python3 -c "import xdist" 2>/dev/null; then PAR="-n ${CULA_PYTEST_WORKERS:-6} --dist loadfile"; fi
 timeout "${CULA_PYTEST_TIMEOUT:-0}" python3 -m pytest -q -rs $PAR -p no:cacheprovider tests/python 2>&1 | tee "$LOG/pytest.txt" | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+# FLA's own op tests with cula swapped in (the compatibility contract), where FLA's tests/ lie in
+# .fla-tests/ (git-ignored; tools/fla_suite/run.py says how to make it): one process per test file,
+# side by side (their float64 references are host-bound), merged into one summary. CULA_COMMIT, when
+# set, names the commit of a copied tree without git metadata.
+if [ -d .fla-tests/tests/ops ]; then
+  mkdir -p "$LOG/results" "$LOG/fla_suite"
+  skip=()
+  [ -f bench/results/cpu/fla_suite.json ] && skip=(--skip-fla-only bench/results/cpu/fla_suite.json)
+  given=()
+  [ -n "${CULA_COMMIT:-}" ] && given=(--cula-commit "$CULA_COMMIT")
+  files=$(python3 -c "import sys; sys.path.insert(0, 'tools/fla_suite'); import run; print(' '.join(run.FILES))")
+  for f in $files; do
+    OMP_NUM_THREADS=2 python3 tools/fla_suite/run.py --fla-tests .fla-tests --files "$f" ${skip[@]+"${skip[@]}"} \
+      ${given[@]+"${given[@]}"} --out "$LOG/fla_suite/$f.json" > "$LOG/fla_suite/$f.log" 2>&1 &
+  done
+  wait
+  for f in $files; do  # a file whose run wrote no summary (see its log) would be missing from the merge
+    [ -f "$LOG/fla_suite/$f.json" ] || { echo "fla_suite: $f wrote no summary ($LOG/fla_suite/$f.log)"; status=1; }
+  done
+  python3 tools/fla_suite/run.py --merge "$LOG"/fla_suite/*.json --out "$LOG/results/fla_suite.json" \
+    | tee "$LOG/fla_suite.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
 # racecheck models __syncthreads, not mbarrier hand-offs nor a named barrier split into arrive and
 # sync (it reports hazards on correct ones), so it runs with the fused kernels' 8-warp path and the
 # chunk prep's block-barrier mode; synccheck checks the warp-specialized kernel's named barriers
