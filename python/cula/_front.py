@@ -65,7 +65,7 @@ def chunk(family: str, q, k, v, g=None, beta=None, decay=None, *, A_log=None, dt
     Torch tensors go through the registered op cula::chunk_fwd, whose autograd formula calls
     cula::chunk_bwd (traceable by torch.compile, forward and backward)."""
     initial_state = _widen_half_state(initial_state)
-    if _fit_needed(family, q, v, opts):
+    if _fit_needed(q, v, opts):
         return _fit_head_size(family, q, k, v, g, beta, decay, A_log, dt_bias, initial_state, opts)
     seg_len = _segment_len(q, k, v, g, beta, A_log, dt_bias, initial_state, opts)
     if seg_len:
@@ -137,16 +137,15 @@ def _padded_v(q, V: int) -> int:
     return V
 
 
-def _fit_needed(family, q, v, opts) -> bool:
-    """A CUDA call with a K the kernels are not built for, or a call whose V the tensor-core engines do not take, and no
-    caller buffer (those are written in place, at the caller's sizes: the op's error names the head
-    sizes then)."""
+def _fit_needed(q, v, opts) -> bool:
+    """A CUDA call with a K the kernels are not built for, or a call whose V the tensor-core engines
+    do not take, and no caller buffer (those are written in place, at the caller's sizes: the op's
+    error names the head sizes then)."""
     if not (is_torch(q) and q.is_cuda and len(q.shape) == 4 and len(v.shape) == 4 and q.shape[-1] > 0
             and all(opts.get(n) is None for n in _CALLER_BUFFERS)):
         return False
     K = q.shape[-1]
-    return (K not in _CUDA_HEAD_SIZES or _key_slice(family, q) < K
-            or _padded_v(q, v.shape[-1]) != v.shape[-1])
+    return K not in _CUDA_HEAD_SIZES or _padded_v(q, v.shape[-1]) != v.shape[-1]
 
 
 def _key_slice(family, q) -> int:

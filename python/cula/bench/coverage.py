@@ -10,8 +10,8 @@ kernel), dense, with grouped value heads, and varlen; KDA with lower bound -5 (s
 K = V = 64; Qwen3-Next GDN (16 q/k heads, 32 value heads, K = V = 128); GDN with V = 2K = 256
 (a GatedDeltaNet layer with head_dim 128 and FLA's expand_v = 2); FLA's default GatedDeltaNet layer
 (head_dim 256, expand_v 2: K = 256, V = 512, 6 heads); fp16 and fp32 inputs (simple GLA too, whose
-scalar log-decay is a log-sigmoid); simple GLA with K = 256 (over the fused engine's 128). bf16 unless
-the row says fp16 or fp32.
+scalar log-decay is a log-sigmoid); simple GLA with K = 256 (FLA's tests use it). bf16 unless the row
+says fp16 or fp32.
 Timing as ``cula bench kda``: single synchronized calls, then queued calls (the GPU's time per call).
 Then decode with each of these (DECODE_CONFIGS: one token for each of N sequences through FLA's public
 fused_recurrent functions, and float32 fused_recurrent rows of T tokens), written to
