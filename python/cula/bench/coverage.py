@@ -77,6 +77,7 @@ DECODE_CONFIGS = [
     ("GDN fp16 decode N256 H16/HV32", "gdn", 256, 1, 16, 32, 128, 128, "float16", None),
     ("GDN fp32 fused_recurrent 2x1024 H4/HV8", "gdn", 2, 1024, 4, 8, 128, 128, "float32", None),
     ("Qwen3-Next GDN fp32 fused_recurrent 1x8192 H16/HV32", "gdn", 1, 8192, 16, 32, 128, 128, "float32", None),
+    ("Kimi-Linear KDA fp32 fused_recurrent 2x1024 H32", "kda", 2, 1024, 32, 32, 128, 128, "float32", "softplus"),
 ]
 
 
