@@ -785,3 +785,33 @@ def test_bmm_f32_on_cuda_keeps_float32_precision(rng):
     assert rel(one_part, ref) > 1e-4, "the check cannot tell one bf16 product from the split"
     v = a_t.bfloat16()  # a bf16 operand is exact in one part
     assert rel(bmm_f32(v, b_t), torch.bmm(v.double(), b_t.double())) < 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CP rank's pass and correction run on a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_carried_state_correction_on_cuda_matches_one_pass_and_restores_tf32(rng, monkeypatch, dtype):
+    """One rank's CP work on one GPU (a piece crossing in and out, the exchange replaced by a fixed
+    incoming state X): its o equals the float64 reference from X within SPEC's tolerance (bf16 o: the
+    correction's product in TF32; float32 o: in float32, the engine's inputs a bf16 copy either way);
+    torch's TF32 flag is as the caller left it afterwards."""
+    from cula import ops
+
+    T, H, K, V = 300, 2, 128, 128
+    q, k, v = (torch.from_numpy(rng.standard_normal((1, T, H, K)).astype(np.float32)).cuda().to(dtype)
+               for _ in range(3))
+    g = torch.from_numpy(-rng.uniform(0.01, 0.5, (1, T, H, K)).astype(np.float32)).cuda()
+    beta = torch.from_numpy(rng.uniform(0.05, 0.95, (1, T, H)).astype(np.float32)).cuda()
+    X = torch.from_numpy(rng.standard_normal((1, H, V, K)).astype(np.float32)).cuda() * 0.5
+    monkeypatch.setattr(dist, "_incoming_states", lambda *a: X)
+    opts = dict(use_qk_l2norm_in_kernel=True)
+    before = torch.backends.cuda.matmul.allow_tf32
+    o, _, _ = dist._cp_pieces("kda", q, k, v, g, beta, None, None, None, 1, [(0, 0, T, True, True)], True, None,
+                              dict(opts), "all_gather")
+    assert torch.backends.cuda.matmul.allow_tf32 == before
+    cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
+    ref = ops.chunk_fwd("kda", q.double().cpu(), k.double().cpu(), v.double().cpu(), g.double().cpu(),
+                        beta.double().cpu(), None, initial_state=X.double().cpu(), cu_seqlens=cu.cpu(),
+                        state_layout="k_last", backend="reference", **opts)[0]
+    assert o.dtype == dtype
+    err = float((o.double().cpu() - ref).norm() / ref.norm())
+    assert err < TOL_CUDA, err
