@@ -76,12 +76,11 @@ static_assert(kTileRows == 32, "a producer lane loads one value of v per token")
 // One stage of prepared tokens (float32, K-contiguous rows).
 template <int K>
 struct Stage {
-  static constexpr int TR = kTileRows;
   float q[kStageTokens][K];      // q * scale / |q| (|q| = 1 without l2norm)
   float k[kStageTokens][K];      // k / |k|
   float decay[kStageTokens][K];  // e^a per channel
-  float v[kStageTokens][TR];
-  float o[kStageTokens][TR];  // the consumers' outputs, written back by the producers
+  float v[kStageTokens][kTileRows];
+  float o[kStageTokens][kTileRows];  // the consumers' outputs, written back by the producers
   float beta[kStageTokens];
   float kq[kStageTokens];  // k . q of the two vectors above
 };
@@ -125,22 +124,22 @@ struct Span {
   }
 };
 
-// Producer warp pw: fill stage `sg` with tokens [t0, t0 + ntok) (ntok >= 1); warp pw takes tokens
-// pw, pw + 8, ... of the stage, G at a time (every load of a group out before the first use; at
-// K = 256 two at a time keep the raw rows within the register budget). Tokens past
-// ntok repeat the last one (read, never used).
+// Producer warp pw of PW: fill stage `sg` with tokens [t0, t0 + ntok) (ntok >= 1); warp pw takes
+// tokens pw, pw + PW, ... of the stage, G at a time (every load of a group out before the first
+// use; at K = 256 two at a time keep the raw rows within the register budget), and lane l the
+// value of tile row l. Tokens past ntok repeat the last one (read, never used).
 template <int K>
 __device__ __forceinline__ void prepare_tokens(const FwdParams& p, Stage<K>& sg, const Span& sp, int64_t t0, int ntok,
                                                int h, int hv, int j_tile, int pw, int lane,
                                                const float (&bias)[K / 32], float eA, float const_decay) {
-  constexpr int EPL = K / 32, TR = kTileRows, VPL = 1;
+  constexpr int EPL = K / 32;
   constexpr int PW = producer_warps<K>(), kTokensPerProducer = kStageTokens / PW;
   constexpr int G = EPL >= 8 ? 2 : kTokensPerProducer;
   static_assert(kTokensPerProducer % G == 0, "whole groups");
   const int k0 = lane * EPL;
 #pragma unroll 1
   for (int g0 = 0; g0 < kTokensPerProducer; g0 += G) {
-    float q[G][EPL], k[G][EPL], g[G][EPL], beta[G], v[G][VPL];
+    float q[G][EPL], k[G][EPL], g[G][EPL], beta[G], v[G];
 #pragma unroll
     for (int i = 0; i < G; ++i) {
       const int64_t t = t0 + min(pw + (g0 + i) * PW, ntok - 1);
@@ -157,11 +156,7 @@ __device__ __forceinline__ void prepare_tokens(const FwdParams& p, Stage<K>& sg,
                                                       : const_decay;
       }
       beta[i] = p.delta ? ld(p.beta, p.beta_dt, sp.b_row * p.beta_s[0] + t * p.beta_s[1] + hv * p.beta_s[2]) : 1.0f;
-#pragma unroll
-      for (int x = 0; x < VPL; ++x) {
-        const int r = lane + 32 * x;
-        v[i][x] = r < TR ? ld(p.v, p.v_dt, vb + min(j_tile + r, p.V - 1) * p.v_s[3]) : 0.0f;
-      }
+      v[i] = ld(p.v, p.v_dt, vb + min(j_tile + lane, p.V - 1) * p.v_s[3]);
     }
 #pragma unroll
     for (int i = 0; i < G; ++i) {
@@ -186,9 +181,7 @@ __device__ __forceinline__ void prepare_tokens(const FwdParams& p, Stage<K>& sg,
       store_row<EPL>(&sg.q[tt][k0], q[i]);
       store_row<EPL>(&sg.k[tt][k0], k[i]);
       store_row<EPL>(&sg.decay[tt][k0], g[i]);
-#pragma unroll
-      for (int x = 0; x < VPL; ++x)
-        if (lane + 32 * x < TR) sg.v[tt][lane + 32 * x] = v[i][x];
+      sg.v[tt][lane] = v[i];
       if (lane == 0) {
         sg.beta[tt] = p.beta_sigmoid ? dev::beta_sigmoid(beta[i], p.beta_mult) : beta[i];
         sg.kq[tt] = qk * qs * ks;
