@@ -2,6 +2,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 #include <tuple>
 
@@ -199,13 +200,14 @@ const char* first_name(const Kernel<Args, Problem> (&table)[N], int32_t device_t
 // Callers built before a field was appended pass the shorter struct (struct_size = the offset of
 // that field): copied into a whole one whose later fields are NULL.
 template <typename Args>
-const Args* current_args(const Args* args, size_t older_size, Args& full) {
-  if (args && args->struct_size == older_size) {
-    full = Args{};
-    std::memcpy(&full, args, older_size);
-    full.struct_size = sizeof(full);
-    return &full;
-  }
+const Args* current_args(const Args* args, std::initializer_list<size_t> older_sizes, Args& full) {
+  for (const size_t older_size : older_sizes)
+    if (args && args->struct_size == older_size) {
+      full = Args{};
+      std::memcpy(&full, args, older_size);
+      full.struct_size = sizeof(full);
+      return &full;
+    }
   return args;
 }
 
@@ -214,19 +216,19 @@ const Args* current_args(const Args* args, size_t older_size, Args& full) {
 cula_status fwd_entry(const cula_chunk_fwd_args* args, Entry what) {
   cula_chunk_fwd_args full;
   return enter(kChunkFwd, "chunk_fwd", "cula_chunk_fwd_args",
-               current_args(args, offsetof(cula_chunk_fwd_args, cu_seqlens_host), full), validate_chunk_fwd, what);
+               current_args(args, {offsetof(cula_chunk_fwd_args, cu_seqlens_host), offsetof(cula_chunk_fwd_args, value_dim)}, full), validate_chunk_fwd, what);
 }
 
 cula_status decode_entry(const cula_decode_args* args, Entry what) {
   cula_decode_args full;
   return enter(kDecode, "decode", "cula_decode_args",
-               current_args(args, offsetof(cula_decode_args, final_state_out), full), validate_decode, what);
+               current_args(args, {offsetof(cula_decode_args, final_state_out)}, full), validate_decode, what);
 }
 
 cula_status bwd_entry(const cula_chunk_bwd_args* args, Entry what) {
   cula_chunk_bwd_args full;
   return enter(kChunkBwd, "chunk_bwd", "cula_chunk_bwd_args",
-               current_args(args, offsetof(cula_chunk_bwd_args, decay), full), validate_chunk_bwd, what);
+               current_args(args, {offsetof(cula_chunk_bwd_args, decay)}, full), validate_chunk_bwd, what);
 }
 
 }  // namespace

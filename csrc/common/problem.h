@@ -44,6 +44,7 @@ struct Recurrence {
   int32_t family = CULA_KDA;
   FamilyTraits tr{};
   int64_t B = 0, T = 0, H = 0, HV = 0, K = 0, V = 0;
+  int64_t v_cols = 0;               // columns of v read; those in [v_cols, V) are zeros (value_dim)
   int64_t N = 0;                    // sequences
   std::vector<int64_t> seq_start;   // N+1 offsets into the flattened B*T tokens
   double scale = 1.0;

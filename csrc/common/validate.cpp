@@ -182,6 +182,7 @@ void check_inputs(Checker& c, const cula_tensor* q, const cula_tensor* k, const 
     c.fail("v", "a 4-D tensor [" + std::string(lead) + ", T, HV, V] = [" + std::to_string(r.B) + ", " + std::to_string(r.T) + ", HV, V]", describe(v));
   r.HV = v->shape[2];
   r.V = v->shape[3];
+  r.v_cols = r.V;
   if (r.HV < 1 || r.V < 1) c.fail("v", "at least one value head and V >= 1", "shape " + shape_string(*v));
   if (r.HV % r.H != 0)
     c.fail("v", "a number of value heads HV divisible by the number of q/k heads H = " + std::to_string(r.H),
@@ -339,6 +340,11 @@ Recurrence validate_chunk_fwd(const cula_chunk_fwd_args& a) {
     c.fail("args.struct_size", ">= " + std::to_string(sizeof(cula_chunk_fwd_args)), std::to_string(a.struct_size));
   check_options(c, a.opt, r);
   check_inputs(c, a.q, a.k, a.v, a.g, a.beta, a.decay, a.A_log, a.dt_bias, a.opt, r, "B");
+  if (a.value_dim != 0) {  // v holds the first columns; the rest read as zeros
+    if (a.value_dim < r.V)
+      c.fail("value_dim", "0 or a value size at least v's V = " + std::to_string(r.V), std::to_string(a.value_dim));
+    r.V = a.value_dim;
+  }
   check_cu_seqlens(c, a.cu_seqlens, r);
   const bool host_copy = check_host_copy(c, a.cu_seqlens_host, a.cu_seqlens, r);
   const bool host_offsets = host_copy || (a.cu_seqlens && a.cu_seqlens->device_type == CULA_CPU);

@@ -337,7 +337,10 @@ void cpu_chunk_fwd(const Recurrence& r, const cula_chunk_fwd_args& a) {
         for (int64_t d = 0; d < K; ++d)
           if (af[d] < kMinChunkLogDecay) af[d] = kMinChunkLogDecay;  // -inf: a reset, not NaN; NaN stays NaN
         for (int64_t d = 0; d < K; ++d) w.G[i * K + d] = af[d] + (i ? w.G[(i - 1) * K + d] : 0.0f);
-        r.v.row(r.v.off(r.tb(f), r.tt(f), hv, j0), Vs, r.v.t->strides[3], &w.v[i * Vs]);
+        // (columns of v past r.v_cols read as zeros: value_dim)
+        const int64_t given = std::clamp<int64_t>(r.v_cols - j0, 0, Vs);
+        if (given > 0) r.v.row(r.v.off(r.tb(f), r.tt(f), hv, j0), given, r.v.t->strides[3], &w.v[i * Vs]);
+        std::fill(w.v.begin() + i * Vs + given, w.v.begin() + (i + 1) * Vs, 0.0f);
       }
       if (r.tr.gate == GateKind::PerChannel)
         pair_products_channel(L, K, r.tr.delta, w);

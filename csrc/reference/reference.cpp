@@ -17,7 +17,7 @@ struct TokenInputs {
   explicit TokenInputs(const Recurrence& r) : q(r.K), k(r.K), a(r.K), v(r.V) {}
   void load(const Recurrence& r, int64_t f, int64_t hv) {
     beta = r.load_token<double>(f, hv, q.data(), k.data(), a.data());
-    for (int64_t j = 0; j < r.V; ++j) v[j] = r.v.at(r.tb(f), r.tt(f), hv, j);
+    for (int64_t j = 0; j < r.V; ++j) v[j] = j < r.v_cols ? r.v.at(r.tb(f), r.tt(f), hv, j) : 0.0;
   }
 };
 

@@ -116,6 +116,10 @@ typedef struct cula_recurrence_options {
  *   cu_seqlens_host: optional, the same offsets as cu_seqlens on the host, when cu_seqlens lives on
  *     the device: the count of intermediate states is taken from it (FLA's cu_seqlens_cpu); the
  *     kernels read cu_seqlens. Callers built before this field (a smaller struct_size) pass none.
+ *   value_dim: 0, or the value size V of out and the states when it is larger than v's: v then holds
+ *     the first v.shape[3] columns of each value row and the columns past them read as zeros (context
+ *     parallelism's pass over values extended by the identity state's columns, with no zero-padded
+ *     copy of v). Callers built before this field pass 0.
  */
 typedef struct cula_chunk_fwd_args {
   size_t struct_size;
@@ -137,6 +141,7 @@ typedef struct cula_chunk_fwd_args {
   cula_tensor* intermediate_states;
   int32_t chunk_size; /* 0 = 64 */
   const cula_tensor* cu_seqlens_host;
+  int64_t value_dim;
 } cula_chunk_fwd_args;
 
 CULA_API cula_status cula_chunk_fwd(const cula_chunk_fwd_args* args);

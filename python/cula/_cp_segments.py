@@ -156,15 +156,15 @@ def forward(family, q, k, v, g, beta, decay, dist, group, plan, N, initial_state
             init = torch.zeros(1, HV, V, K, dtype=torch.float32, device=dev)
             if initial_state is not None and first:
                 init[0] = initial_state[n].float()
-            vw = vs
-        else:
+            W = V
+        else:  # the values extended by K zero columns (read as zeros by the engine: value_dim)
             init = torch.zeros(1, HV, V + K, K, dtype=torch.float32, device=dev)
             init[0, :, V:, :] = eye
-            vw = torch.cat([vs, vs.new_zeros(1, b - a, HV, K)], dim=-1)
-        ow, fw = ops.chunk_fwd(family, plan.tokens(q, i), plan.tokens(k, i), vw.contiguous(), plan.tokens(g, i),
+            W = V + K
+        ow, fw = ops.chunk_fwd(family, plan.tokens(q, i), plan.tokens(k, i), vs.contiguous(), plan.tokens(g, i),
                                plan.tokens(beta, i), decay, initial_state=init, output_final_state=True,
-                               state_layout="k_last", state_dtype="float32",
-                               out=torch.empty(vw.shape, dtype=torch.float32, device=dev), **opts)
+                               state_layout="k_last", state_dtype="float32", value_dim=W,
+                               out=torch.empty(1, b - a, HV, W, dtype=torch.float32, device=dev), **opts)
         A_mine[j] = fw[0, :, :V, :]
         if not first and diagonal:  # the transition and carried queries from the gates
             g_seg = plan.tokens(g, i)

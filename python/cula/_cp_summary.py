@@ -182,15 +182,14 @@ def precise_maps(family, q, k, v, g, beta, decay, spans, opts, h0=None):
         qs, ks, vs, gs, bs = (pick(x) for x in (q, k, v, g, beta))
         init = torch.zeros(len(subs), HV, W, K, dtype=torch.float32, device=dev)
         if not diagonal:
-            init[:, :, V:, :] = torch.eye(K, dtype=torch.float32, device=dev)
-            vs = torch.cat([vs, vs.new_zeros(1, vs.shape[1], HV, K)], dim=-1)
+            init[:, :, V:, :] = torch.eye(K, dtype=torch.float32, device=dev)  # (v's K more columns: zeros)
         if q.is_cuda:
             opts = dict(opts, backend="cuda_fp32")
         ends = list(itertools.accumulate(e - s for _, s, e in subs))  # of each sub-piece in the picked tokens
         cu = torch.tensor([0] + ends, dtype=torch.int32, device=dev)
         _, fw = ops.chunk_fwd(family, qs, ks, vs.contiguous(), gs, bs, decay, initial_state=init,
                               output_final_state=True, cu_seqlens=cu, state_layout="k_last", state_dtype="float32",
-                              **opts)
+                              value_dim=W, **opts)
         if diagonal:  # every sub-piece's decays from one running sum over the picked tokens
             d = diagonal_decays(family, None if gs is None else gs[0], decay, ends[-1], HV, K,
                                 [0] + ends[:-1], ends, dev).float().unsqueeze(2)  # [subs, HV, 1, K]

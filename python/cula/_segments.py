@@ -102,14 +102,11 @@ def forward(family, q, k, v, g, beta, decay, *, seg_len, initial_state=None, out
     if h0 is not None:
         init[first_ids, :, :V, :] = h0
     if not diagonal:
-        init[torch.tensor(later, device=dev), :, V:, :] = torch.eye(K, dtype=acc, device=dev)
-        vw = torch.cat([vf, vf.new_zeros(1, B * T, HV, K)], dim=-1)
-    else:
-        vw = vf
+        init[torch.tensor(later, device=dev), :, V:, :] = torch.eye(K, dtype=acc, device=dev)  # (v's K more columns: zeros)
     scratch = torch.empty(1, B * T, HV, W, dtype=v.dtype, device=dev)  # its outputs are not used
-    _, fw = ops.chunk_fwd(family, qf, kf, vw, gf, bf, decay, initial_state=init, output_final_state=True,
+    _, fw = ops.chunk_fwd(family, qf, kf, vf, gf, bf, decay, initial_state=init, output_final_state=True,
                           cu_seqlens=cu, cu_seqlens_host=cu_host, state_layout="k_last", state_dtype=acc_name,
-                          out=scratch, A_log=A_log, dt_bias=dt_bias, **opts)
+                          out=scratch, value_dim=W, A_log=A_log, dt_bias=dt_bias, **opts)
     A = fw[:, :, :V, :]
     if diagonal:  # the product of each segment's decays per key channel [S, HV, K]
         d = diagonal_decays(family, None if gf is None else gf[0], decay, B * T, HV, K, [s[1] for s in segs],

@@ -561,8 +561,9 @@ def _cp_pieces(family, q, k, v, g, beta, decay, dist, group, rank, pieces, packe
     if crossing_in and family in _DIAGONAL:
         return _cp_pieces_diagonal(family, q, k, v, g, decay, dist, group, rank, pieces, packed, initial_state,
                                    opts, exchange, for_backward)
-    # One pass. Delta rule: values extended by K zero columns, the crossing-in pieces' initial state by
-    # the identity (the extension carries M and Q~), and a correction of o by Q~ and the incoming state.
+    # One pass. Delta rule: values extended by K zero columns (value_dim: read as zeros by the engine,
+    # no copy), the crossing-in pieces' initial state by the identity (the extension carries M and Q~),
+    # and a correction of o by Q~ and the incoming state.
     W = V + K if crossing_in else V
     own = _own_initial_states(pieces, initial_state, HV, V, K, dev)
     init = torch.zeros(len(pieces), HV, W, K, dtype=torch.float32, device=dev)
@@ -570,7 +571,6 @@ def _cp_pieces(family, q, k, v, g, beta, decay, dist, group, rank, pieces, packe
     for i, p in enumerate(pieces):
         if p[3]:
             init[i, :, V:, :] = torch.eye(K, dtype=torch.float32, device=dev)
-    vw = torch.cat([v, v.new_zeros(B, T, HV, K)], dim=-1) if crossing_in else v
     local_cu = _local_offsets(pieces, packed, dev)
     # Where a correction is added, the pass writes float32 (the engines' accumulators unrounded, Q~
     # included) and o is rounded once, after the correction.
@@ -578,8 +578,9 @@ def _cp_pieces(family, q, k, v, g, beta, decay, dist, group, rank, pieces, packe
     if packed and not pieces:  # no tokens and no sequence here
         ow, fw = v.new_empty(B, T, HV, W), init
     else:
-        ow, fw = ops.chunk_fwd(family, q, k, vw, g, beta, decay, initial_state=init, output_final_state=True,
-                               cu_seqlens=local_cu, state_layout="k_last", state_dtype="float32", out=out, **opts)
+        ow, fw = ops.chunk_fwd(family, q, k, v, g, beta, decay, initial_state=init, output_final_state=True,
+                               cu_seqlens=local_cu, state_layout="k_last", state_dtype="float32", out=out,
+                               value_dim=W if crossing_in else None, **opts)
     A, M = fw[:, :, :V, :], (fw[:, :, V:, :] if crossing_in else None)
     X = _incoming_states(dist, group, rank, pieces, 1 if packed else B, A, M, exchange)
 

@@ -79,8 +79,8 @@ def _device_indices_to_check(state_indices, _entry):
 def chunk_fwd(family, q, k, v, g=None, beta=None, decay=None, *, initial_state=None, output_final_state=False,
               A_log=None, dt_bias=None, cu_seqlens=None, state_pool=None, state_indices=None,
               return_intermediate_states=False, chunk_size=64, state_dtype=None, intermediate_dtype=None, out=None,
-              final_state_out=None, intermediate_states_out=None, cu_seqlens_host=None, backend="auto", options=None,
-              _entry=None, **option_kw):
+              final_state_out=None, intermediate_states_out=None, cu_seqlens_host=None, value_dim=None, backend="auto",
+              options=None, _entry=None, **option_kw):
     """Chunked forward of any family ("kda", "gdn", "gla", "simple_gla", "lightning").
 
     The options (cula.Options: scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
@@ -95,6 +95,8 @@ def chunk_fwd(family, q, k, v, g=None, beta=None, decay=None, *, initial_state=N
     cu_seqlens_cpu), or from a copy of cu_seqlens to the host (one synchronisation, as in FLA).
     With ``state_pool`` the initial states are read from ``state_pool[state_indices[n]]`` and the
     final states written back there in place (negative index: zero state, pool untouched).
+    ``value_dim`` (at least v's V): the value size of o and the states, v holding the first columns of
+    each value row and the rest read as zeros (a pass over zero-extended values without the copy).
     """
     opts = _options("chunk_fwd", options, option_kw)
     host_slots = _device_indices_to_check(state_indices, _entry)
@@ -104,13 +106,18 @@ def chunk_fwd(family, q, k, v, g=None, beta=None, decay=None, *, initial_state=N
                   state_indices=host_slots, return_intermediate_states=return_intermediate_states,
                   chunk_size=chunk_size, state_dtype=state_dtype, intermediate_dtype=intermediate_dtype, out=out,
                   final_state_out=final_state_out, intermediate_states_out=intermediate_states_out,
-                  cu_seqlens_host=cu_seqlens_host, backend=backend, options=opts, _entry=_lib.LIB.cula_chunk_fwd_validate)
+                  cu_seqlens_host=cu_seqlens_host, value_dim=value_dim, backend=backend, options=opts,
+                  _entry=_lib.LIB.cula_chunk_fwd_validate)
     state_layout = opts.state_layout
     arrays = _given(q=q, k=k, v=v, g=g, beta=beta, decay=decay, initial_state=initial_state, A_log=A_log,
                     dt_bias=dt_bias, cu_seqlens=cu_seqlens, state_pool=state_pool, state_indices=state_indices, out=out)
     q, k, v = arrays.get("q"), arrays.get("k"), arrays.get("v")
     B, T, H, K = _shape(q, "q", 4)
     _, _, HV, V = _shape(v, "v", 4)
+    if value_dim is not None:
+        if isinstance(value_dim, bool) or not isinstance(value_dim, int) or value_dim < V:
+            raise CulaError(f"argument 'value_dim': expected an int at least v's V = {V}, got {value_dim!r}")
+        V = value_dim
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or not 0 < chunk_size < 2 ** 31:
         raise CulaError(f"argument 'chunk_size': expected a positive 32-bit int, got {chunk_size!r}")
     cu = arrays.get("cu_seqlens")
@@ -145,8 +152,9 @@ def chunk_fwd(family, q, k, v, g=None, beta=None, decay=None, *, initial_state=N
         arrays["intermediate_states"] = inter
     if cu_seqlens_host is not None:
         arrays["cu_seqlens_host"] = as_array(cu_seqlens_host, "cu_seqlens_host")
+    extra = {"value_dim": value_dim} if value_dim is not None else {}
     call(_lib.ChunkFwdArgs, _entry or _lib.LIB.cula_chunk_fwd, opt, arrays,
-         fast=_entry is None and cu_seqlens_host is None, chunk_size=chunk_size)
+         fast=_entry is None and cu_seqlens_host is None and value_dim is None, chunk_size=chunk_size, **extra)
     if return_intermediate_states:
         return o, final, inter
     return o, final

@@ -269,6 +269,18 @@ TEST(Validation, DeviceOffsetsTakeTheIntermediateCountFromTheirHostCopy) {
   old.struct_size = offsetof(cula_chunk_fwd_args, cu_seqlens_host);
   old.cu_seqlens_host = short_copy.cptr();  // beyond the struct the caller knows: ignored
   EXPECT_EQ(cula_chunk_fwd(&old), CULA_OK) << cula_last_error();
+  // and one built before value_dim: its cu_seqlens_host read, a value_dim past its struct ignored
+  cula_chunk_fwd_args before_value_dim = p.fwd_args(CULA_BACKEND_AUTO);
+  before_value_dim.struct_size = offsetof(cula_chunk_fwd_args, value_dim);
+  before_value_dim.cu_seqlens_host = p.cu.cptr();
+  before_value_dim.value_dim = 3 * p.V;
+  EXPECT_EQ(cula_chunk_fwd(&before_value_dim), CULA_OK) << cula_last_error();
+}
+
+// value_dim smaller than v's V is refused naming it.
+TEST(Validation, ValueDimBelowTheValuesIsRefused) {
+  Problem p = base();
+  expect_fwd_error(p, [&](auto& a) { a.value_dim = p.V - 1; }, {"argument 'value_dim'", "at least v's V"});
 }
 
 TEST(Validation, UnknownFamilyAndLayout) {

@@ -37,6 +37,7 @@ struct FwdParams {
   float lb, beta_mult, scale;
   // strides (elements) of the tensors read per token: [B, T, H|HV, ...] may be strided
   int64_t q_s[4], k_s[4], v_s[4], g_s[4], beta_s[3], out_s[4];
+  int v_cols;  // columns of v read (value_dim: those in [v_cols, V) are zeros)
 };
 
 __device__ __forceinline__ int64_t state_elem(const FwdParams& p, int64_t slot, int hv, int j, int kk) {
@@ -108,6 +109,7 @@ inline FwdParams make_fwd_params(const Recurrence& r, const cula_chunk_fwd_args&
   p.out = a.out->data, p.out_dt = a.out->dtype;
   p.N = static_cast<int>(r.N), p.T = static_cast<int>(r.T), p.H = static_cast<int>(r.H);
   p.HV = static_cast<int>(r.HV), p.K = static_cast<int>(r.K), p.V = static_cast<int>(r.V);
+  p.v_cols = static_cast<int>(r.v_cols);
   p.k_last = r.state_layout == CULA_STATE_K_LAST;
   p.gate_kind = r.tr.gate;
   p.delta = r.tr.delta, p.l2norm = r.l2norm, p.gate_in_kernel = r.gate_in_kernel, p.has_lb = r.has_lb;

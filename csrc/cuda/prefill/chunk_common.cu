@@ -78,8 +78,10 @@ int64_t cuda_workspace_peak_bytes(int device, bool reset) {
 
 const char* chunk::tensor_core_declines(const cula_chunk_fwd_args& a) {
   // both engines cut V into 32- or 64-column slices, one CTA each
-  const int64_t V = a.v->shape[3];
+  const int64_t V = a.value_dim ? a.value_dim : a.v->shape[3];
   if (V < 64 || V % 64 != 0) return "value head size V not a multiple of 64";
+  if (a.v->shape[3] != V && a.v->shape[3] % 64 != 0)
+    return "v's columns not a multiple of 64 under a larger value_dim (slices of v read whole or as zeros)";
   if (a.chunk_size != 0 && a.chunk_size != kChunk) return "chunk_size other than 64 (intermediate states are per 64 tokens)";
   const int dt = a.q->dtype;
   const bool typed = dt == CULA_BFLOAT16 || dt == CULA_FLOAT16 || dt == CULA_FLOAT32;

@@ -48,6 +48,9 @@ using namespace chunk_fused;
 const char* chunk_fwd_fused_declines(const Recurrence& r, const cula_chunk_fwd_args& a) {
   if (r.tr.delta || r.tr.gate == GateKind::PerChannel) return "the delta rule or a per-channel gate (chunk_prep_scan)";
   if (!head_size_supported(r.K)) return "key head size K other than 64, 128 and 256";
+  // (context parallelism extends values only for the delta rule; the fused kernels' v loads stay
+  // unconditional, their register budget being tight at K = 256)
+  if (r.v_cols != r.V) return "value_dim larger than v's V (the recurrent row takes it)";
   if (const char* why = chunk::tensor_core_declines(a)) return why;
   // K = 256 runs the 8-warp kernel (215.5 KB): not on 164 KB devices
   if (r.K == 256 && FusedLayout<256, 64, false>::bytes > cuda_smem_per_block(a.q->device_id))

@@ -115,7 +115,9 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
       for (int j = 0; j < CopyV::J; ++j) {
         const int r = cv.row(j);
         unsigned char* du = dst + Ly::sU + (r * LDV + cv.c8) * 2;
-        if (r < Lc)  // rows past the sequence are zeros (they meet zero k rows and A columns)
+        // rows past the sequence are zeros (they meet zero k rows and A columns), as are columns past
+        // v's (value_dim)
+        if (r < Lc && v0 < p.v_cols)
           mma::cp_async16(du, v_in + (static_cast<int64_t>(c) * kBT + r) * p.v_s[1]);
         else
           *reinterpret_cast<uint4*>(du) = make_uint4(0, 0, 0, 0);

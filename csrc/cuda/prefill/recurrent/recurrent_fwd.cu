@@ -156,7 +156,7 @@ __device__ __forceinline__ void prepare_tokens(const FwdParams& p, Stage<K>& sg,
                                                       : const_decay;
       }
       beta[i] = p.delta ? ld(p.beta, p.beta_dt, sp.b_row * p.beta_s[0] + t * p.beta_s[1] + hv * p.beta_s[2]) : 1.0f;
-      v[i] = ld(p.v, p.v_dt, vb + min(j_tile + lane, p.V - 1) * p.v_s[3]);
+      v[i] = ld(p.v, p.v_dt, vb + min(j_tile + lane, p.v_cols - 1) * p.v_s[3]);  // (zeroed past v_cols below)
     }
 #pragma unroll
     for (int i = 0; i < G; ++i) {
@@ -181,7 +181,7 @@ __device__ __forceinline__ void prepare_tokens(const FwdParams& p, Stage<K>& sg,
       store_row<EPL>(&sg.q[tt][k0], q[i]);
       store_row<EPL>(&sg.k[tt][k0], k[i]);
       store_row<EPL>(&sg.decay[tt][k0], g[i]);
-      sg.v[tt][lane] = v[i];
+      sg.v[tt][lane] = j_tile + lane < p.v_cols ? v[i] : 0.0f;  // (value_dim: the columns past v's are zeros)
       if (lane == 0) {
         sg.beta[tt] = p.beta_sigmoid ? dev::beta_sigmoid(beta[i], p.beta_mult) : beta[i];
         sg.kq[tt] = qk * qs * ks;
