@@ -13,6 +13,7 @@
 #include "cuda/backward/chunk_bwd.h"
 #include "cuda/backward/recurrent_bwd.h"
 #include "cuda/decode/decode.h"
+#include "cuda/dist/cp_correct.h"
 #include "cuda/gate/kda_gate.h"
 #include "cuda/prefill/chunk_engines.h"
 #include "cuda/prefill/recurrent/recurrent_fwd.h"
@@ -110,15 +111,23 @@ const Kernel<cula_kda_gate_args, KdaGateShape> kKdaGate[] = {
     // (the CPU gate is elementwise in float64: it is its own reference)
     {CULA_BACKEND_ORACLE, CULA_CPU, "reference", run_cpu_kda_gate},
 };
+const Kernel<cula_cp_correct_args, CpCorrectShape> kCpCorrect[] = {
+    {CULA_BACKEND_CUDA, CULA_CUDA, "cuda", cuda_cp_correct, cuda_cp_correct_declines},
+    {CULA_BACKEND_CPU, CULA_CPU, "cpu", host_cp_correct},
+    // (the host row sums in float64: it is its own reference)
+    {CULA_BACKEND_ORACLE, CULA_CPU, "reference", host_cp_correct},
+};
 
 // What an op computes, for the "no kernel runs ..." error.
 const char* problem_name(const Recurrence& r) { return r.tr.name; }
 const char* problem_name(const KdaGateShape&) { return "the KDA gate"; }
+const char* problem_name(const CpCorrectShape&) { return "the carried-state correction"; }
 
 // The device of an op's tensors (validated to agree): the gate op has no q.
 template <typename Args>
 int32_t device_of(const Args& a) { return a.q->device_type; }
 int32_t device_of(const cula_kda_gate_args& a) { return a.g->device_type; }
+int32_t device_of(const cula_cp_correct_args& a) { return a.ow->device_type; }
 
 const char* backend_name(int32_t b) {
   switch (b) {
@@ -265,6 +274,14 @@ cula_status cula_kda_gate_explain(const cula_kda_gate_args* args) {
   return enter(kKdaGate, "kda_gate", "cula_kda_gate_args", args, validate_kda_gate, Entry::Explain);
 }
 
+cula_status cula_cp_correct(const cula_cp_correct_args* args) {
+  return enter(kCpCorrect, "cp_correct", "cula_cp_correct_args", args, validate_cp_correct, Entry::Run);
+}
+
+cula_status cula_cp_correct_explain(const cula_cp_correct_args* args) {
+  return enter(kCpCorrect, "cp_correct", "cula_cp_correct_args", args, validate_cp_correct, Entry::Explain);
+}
+
 const char* cula_last_error(void) { return last_error(); }
 const char* cula_version(void) { return CULA_VERSION_STRING; }
 int32_t cula_abi_version(void) { return CULA_ABI_VERSION; }
@@ -303,6 +320,7 @@ const char* cula_backend_for(const char* op, int32_t device_type, int32_t family
   if (o == "decode") return first_name(kDecode, device_type);
   if (o == "chunk_bwd") return first_name(kChunkBwd, device_type);
   if (o == "kda_gate") return first_name(kKdaGate, device_type);
+  if (o == "cp_correct") return first_name(kCpCorrect, device_type);
   return "none";
 }
 

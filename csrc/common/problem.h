@@ -187,6 +187,11 @@ struct KdaGateShape {
 };
 KdaGateShape validate_kda_gate(const cula_kda_gate_args& a);
 
+struct CpCorrectShape {
+  int64_t L, HV, V, K;
+};
+CpCorrectShape validate_cp_correct(const cula_cp_correct_args& a);
+
 int64_t chunk_count(const Recurrence& r, int64_t chunk);  // sum over sequences of ceil(len / chunk)
 
 }  // namespace cula

@@ -514,4 +514,41 @@ KdaGateShape validate_kda_gate(const cula_kda_gate_args& a) {
   return {HV, K};
 }
 
+std::string strides_string(const cula_tensor& t) {
+  std::ostringstream os;
+  os << "strides [";
+  for (int i = 0; i < t.ndim; ++i) os << (i ? ", " : "") << t.strides[i];
+  os << "]";
+  return os.str();
+}
+
+CpCorrectShape validate_cp_correct(const cula_cp_correct_args& a) {
+  Checker c{"cp_correct"};
+  c.device_of = "ow";
+  if (a.struct_size < sizeof(cula_cp_correct_args))
+    c.fail("args.struct_size", ">= " + std::to_string(sizeof(cula_cp_correct_args)), std::to_string(a.struct_size));
+  c.backend(a.opt.backend);
+  c.present(a.ow, "ow", "the extended pass's float32 output [L, HV, V + K]");
+  c.basic(a.ow, "ow");
+  c.device_type = a.ow->device_type;
+  c.device_id = a.ow->device_id;
+  if (a.ow->ndim != 3 || a.ow->dtype != CULA_FLOAT32) c.fail("ow", "a 3-D float32 tensor [L, HV, V + K]", describe(a.ow));
+  c.present(a.state, "state", "the incoming state [HV, V, K] in float32");
+  c.float_tensor(a.state, "state");
+  if (a.state->ndim != 3 || a.state->dtype != CULA_FLOAT32 || !is_contiguous(*a.state))
+    c.fail("state", "a contiguous float32 tensor [HV, V, K]", describe(a.state));
+  const int64_t L = a.ow->shape[0], HV = a.ow->shape[1], V = a.state->shape[1], K = a.state->shape[2];
+  if (a.state->shape[0] != HV || V + K != a.ow->shape[2])
+    c.fail("state", "shape [HV, V, K] with HV = " + std::to_string(HV) + " and V + K = " + std::to_string(a.ow->shape[2]) +
+                        " (the columns of ow)",
+           "shape " + shape_string(*a.state));
+  if (L > 0 && a.ow->strides[2] != 1) c.fail("ow", "a unit last stride", strides_string(*a.ow));
+  c.present(a.o, "o", "the corrected output [L, HV, V]");
+  c.float_tensor(a.o, "o");
+  c.shape(a.o, "o", {L, HV, V}, "[L, HV, V]");
+  if (a.o->dtype == CULA_FLOAT64) c.fail("o", "a bfloat16, float16 or float32 tensor", describe(a.o));
+  if (L > 0 && a.o->strides[2] != 1) c.fail("o", "a unit last stride", strides_string(*a.o));
+  return {L, HV, V, K};
+}
+
 }  // namespace cula

@@ -237,6 +237,25 @@ typedef struct cula_kda_gate_args {
 
 CULA_API cula_status cula_kda_gate(const cula_kda_gate_args* args);
 
+/*
+ * The carried-state correction of context parallelism, in one pass: a rank's engine pass over values
+ * extended by K columns wrote ow = [o_local | Q~] in float32; with the incoming state X of its head,
+ *   o[t, h, :] = round(ow[t, h, :V] + X[h] ow[t, h, V:V+K])
+ *   ow: [L, HV, V + K] float32, unit last stride; state: [HV, V, K] float32, contiguous (K-last);
+ *   o: [L, HV, V] bfloat16, float16 or float32 (CUDA: 16-bit, one TF32 product under its rounding;
+ *     the host rows sum in float64), unit last stride (on the device of ow).
+ * Uses opt.backend, opt.stream.
+ */
+typedef struct cula_cp_correct_args {
+  size_t struct_size;
+  cula_recurrence_options opt;
+  const cula_tensor* ow;
+  const cula_tensor* state;
+  cula_tensor* o;
+} cula_cp_correct_args;
+
+CULA_API cula_status cula_cp_correct(const cula_cp_correct_args* args);
+
 /* The last error message of the calling thread ("" after a success). */
 CULA_API const char* cula_last_error(void);
 /* Library version string, e.g. "0.1.0". */
@@ -248,7 +267,7 @@ CULA_API const char* cula_build_info(void);
 CULA_API int32_t cula_cuda_device_count(void);
 /* Writes "name (sm_XY, N SMs, M MiB)" for a device; returns CULA_OK or an error. */
 CULA_API cula_status cula_cuda_device_info(int32_t device, char* buf, size_t buf_len);
-/* Which backend AUTO resolves to for an op ("chunk_fwd", "decode", "chunk_bwd", "kda_gate")
+/* Which backend AUTO resolves to for an op ("chunk_fwd", "decode", "chunk_bwd", "kda_gate", "cp_correct")
  * on a device type; returns a static string such as "cpu" or "cuda", or "none". */
 CULA_API const char* cula_backend_for(const char* op, int32_t device_type, int32_t family);
 
@@ -261,6 +280,7 @@ CULA_API cula_status cula_chunk_fwd_explain(const cula_chunk_fwd_args* args);
 CULA_API cula_status cula_decode_explain(const cula_decode_args* args);
 CULA_API cula_status cula_chunk_bwd_explain(const cula_chunk_bwd_args* args);
 CULA_API cula_status cula_kda_gate_explain(const cula_kda_gate_args* args);
+CULA_API cula_status cula_cp_correct_explain(const cula_cp_correct_args* args);
 /* The arguments' checks alone (the errors cula_chunk_fwd / cula_decode would return for them), with
  * no kernel chosen: host slot indices are checked for range and for a slot named by two sequences
  * here even when the call itself will pass them on the device. Outputs neither read nor written. */

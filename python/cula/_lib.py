@@ -97,9 +97,10 @@ ChunkBwdArgs = _args_struct(
      "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "d_initial_state", "decay"],
 )
 KdaGateArgs = _args_struct("KdaGateArgs", ["g", "A_log", "dt_bias", "g_out"])
+CpCorrectArgs = _args_struct("CpCorrectArgs", ["ow", "state", "o"])
 # The fields the library writes (the non-const cula_tensor members of cula.h).
 WRITTEN = frozenset({"state_pool", "out", "final_state_out", "final_state", "intermediate_states", "dq", "dk", "dv", "dg", "dbeta",
-                     "dA_log", "ddt_bias", "d_initial_state", "g_out"})
+                     "dA_log", "ddt_bias", "d_initial_state", "g_out", "o"})
 
 
 def _candidates():
@@ -135,6 +136,8 @@ def _load():
         ("cula_decode_explain", DecodeArgs),
         ("cula_chunk_bwd_explain", ChunkBwdArgs),
         ("cula_kda_gate_explain", KdaGateArgs),
+        ("cula_cp_correct", CpCorrectArgs),
+        ("cula_cp_correct_explain", CpCorrectArgs),
         ("cula_chunk_fwd_validate", ChunkFwdArgs),
         ("cula_decode_validate", DecodeArgs),
     ]:

@@ -19,7 +19,7 @@ from ._tensor import as_array, call, dtype_name, empty_like_family, is_torch, st
 
 __all__ = [
     "chunk_fwd", "chunk_kda", "chunk_gdn", "chunk_gated_delta_rule", "chunk_gla", "chunk_simple_gla",
-    "chunk_lightning", "decode", "chunk_bwd", "kda_gate", "backend_for", "set_num_threads",
+    "chunk_lightning", "decode", "chunk_bwd", "kda_gate", "cp_correct", "backend_for", "set_num_threads",
 ]
 
 
@@ -263,6 +263,19 @@ def kda_gate(g, A_log=None, dt_bias=None, lower_bound=None, safe_gate=False, out
     return out
 
 
+def cp_correct(ow, state, o, backend="auto", _entry=None):
+    """The carried-state correction of context parallelism, in one pass: o = round(ow[..., :V] +
+    state[h] ow[..., V:]) per token and head. ow: the extended pass's float32 output [L, HV, V + K]
+    (unit last stride; a view of a longer output is fine); state: [HV, V, K] float32, contiguous;
+    o: [L, HV, V] (bfloat16, float16 or float32, unit last stride) written in place. On CUDA o is
+    16-bit and the product one TF32 product (its error under o's rounding); the host rows sum in
+    float64 and take a float32 o too."""
+    ow, state, o = as_array(ow, "ow"), as_array(state, "state"), as_array(o, "o")
+    opt = Options().pack("kda", backend, stream_of(ow))
+    call(_lib.CpCorrectArgs, _entry or _lib.LIB.cula_cp_correct, opt, {"ow": ow, "state": state, "o": o})
+    return o
+
+
 def backend_for(op="chunk_fwd", device="cpu"):
     """Which kernel AUTO picks for an op on a device ("cpu" or "cuda[:i]"): e.g. "cpu", "cuda", "none"."""
     dev = str(device)
@@ -284,7 +297,8 @@ def explain(op, *args, **kwargs) -> Explanation:
     The call is validated as the op validates it (same errors; a call no row takes raises the op's
     error); outputs are allocated but not written."""
     entries = {"chunk_fwd": (chunk_fwd, "cula_chunk_fwd_explain"), "decode": (decode, "cula_decode_explain"),
-               "chunk_bwd": (chunk_bwd, "cula_chunk_bwd_explain"), "kda_gate": (kda_gate, "cula_kda_gate_explain")}
+               "chunk_bwd": (chunk_bwd, "cula_chunk_bwd_explain"), "kda_gate": (kda_gate, "cula_kda_gate_explain"),
+               "cp_correct": (cp_correct, "cula_cp_correct_explain")}
     if op not in entries:
         raise CulaError(f"argument 'op': expected one of {sorted(entries)}, got {op!r}")
     fn, entry = entries[op]
