@@ -35,6 +35,14 @@ std::string dims(std::initializer_list<int64_t> d) {
   return os.str();
 }
 
+std::string strides_string(const cula_tensor& t) {
+  std::ostringstream os;
+  os << "strides [";
+  for (int i = 0; i < t.ndim; ++i) os << (i ? ", " : "") << t.strides[i];
+  os << "]";
+  return os.str();
+}
+
 struct Checker {
   const char* entry;
   int32_t device_type = CULA_CPU;
@@ -104,13 +112,7 @@ struct Checker {
   }
 
   void contiguous_output(const cula_tensor* t, const std::string& name) const {
-    if (!is_contiguous(*t)) {
-      std::ostringstream os;
-      os << "strides [";
-      for (int i = 0; i < t->ndim; ++i) os << (i ? ", " : "") << t->strides[i];
-      os << "]";
-      fail(name, "a contiguous output buffer", os.str());
-    }
+    if (!is_contiguous(*t)) fail(name, "a contiguous output buffer", strides_string(*t));
   }
 
   void state_dtype(const cula_tensor* t, const std::string& name) const {
@@ -512,14 +514,6 @@ KdaGateShape validate_kda_gate(const cula_kda_gate_args& a) {
     c.fail("g_out", "a float32 or bfloat16 tensor", describe(a.g_out));
   c.contiguous_output(a.g_out, "g_out");
   return {HV, K};
-}
-
-std::string strides_string(const cula_tensor& t) {
-  std::ostringstream os;
-  os << "strides [";
-  for (int i = 0; i < t.ndim; ++i) os << (i ? ", " : "") << t.strides[i];
-  os << "]";
-  return os.str();
 }
 
 CpCorrectShape validate_cp_correct(const cula_cp_correct_args& a) {
