@@ -88,12 +88,13 @@ def bmm_f32(a, b):
 def diagonal_decays(family, g, decay, L, HV, K, starts, ends, device):
     """The diagonals of the transitions of many pieces of one row of L tokens at once: for piece i,
     tokens [starts[i], ends[i]), the product of its decays per key channel, [pieces, HV, K] in
-    float64 (differences of float64 running sums over the row; an empty piece: ones)."""
+    float64 (differences of float64 running sums over the row; an empty piece: ones). starts and
+    ends: lists, or int64 tensors on the device (no copy the host waits for)."""
     import torch
 
     G = _cumulative(_log_decays(family, g, decay, L, HV, device))
     G = torch.cat([G.new_zeros(*G.shape[:2], 1), G], dim=-1)  # G[..., t]: the sum of the first t tokens
-    ends, starts = (torch.tensor(x, device=device) for x in (ends, starts))
+    ends, starts = (torch.as_tensor(x, device=device) for x in (ends, starts))
     return torch.exp(G[..., ends] - G[..., starts]).permute(2, 0, 1).expand(len(starts), HV, K)
 
 

@@ -67,7 +67,7 @@ def chunk(family: str, q, k, v, g=None, beta=None, decay=None, *, A_log=None, dt
     initial_state = _widen_half_state(initial_state)
     if _fit_needed(q, v, opts):
         return _fit_head_size(family, q, k, v, g, beta, decay, A_log, dt_bias, initial_state, opts)
-    seg_len = _segment_len(q, k, v, g, beta, A_log, dt_bias, initial_state, opts)
+    seg_len = _segment_len(family, q, k, v, g, beta, A_log, dt_bias, initial_state, opts)
     if seg_len:
         from . import _segments
 
@@ -94,18 +94,45 @@ def chunk(family: str, q, k, v, g=None, beta=None, decay=None, *, A_log=None, dt
     return _ChunkFn.apply(family, opts, *(inputs[n] for n in _DIFF_NAMES))
 
 
-def _segment_len(q, k, v, g, beta, A_log, dt_bias, initial_state, opts):
-    """The segment length a call runs in parallel segments with (_segments: CULA_SEGMENT_TOKENS), or
-    None: torch tensors, no gradient, no intermediate states or caller buffers, not while
-    torch.compile traces."""
+def _segment_len(family, q, k, v, g, beta, A_log, dt_bias, initial_state, opts):
+    """The segment length a call runs in parallel segments with (_segments), or None: torch
+    tensors, no gradient, no intermediate states or caller buffers, not while torch.compile traces.
+    CULA_SEGMENT_TOKENS=L asks for segments of L tokens, =0 for none; unset, the planner
+    (_segments.plan) cuts dense bf16 / fp16 KDA and GDN calls on CUDA whose few sequences and heads
+    leave most SMs idle, except while a CUDA graph is captured."""
     from . import _segments
 
-    seg_len = _segments.segment_tokens()  # (first: unset, the usual case, costs one lookup)
-    if not seg_len or not is_torch(q) or compiling():
+    seg_len = _segments.segment_tokens()
+    if seg_len == 0 or not is_torch(q) or compiling():
         return None
+    if seg_len is None:
+        seg_len = _planned_segment_len(family, q, k, v, opts)
+        if seg_len is None:
+            return None
     if opts.get("return_intermediate_states") or any(opts.get(n) is not None for n in _CALLER_BUFFERS):
         return None
     return None if _needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state) else seg_len
+
+
+def _planned_segment_len(family, q, k, v, opts):
+    from . import _segments
+
+    if family not in _segments.PLAN_FAMILIES or not q.is_cuda or opts.get("cu_seqlens") is not None:
+        return None
+    if opts.get("backend", "auto") != "auto" or q.dim() != 4 or v.dim() != 4:
+        return None
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if T < _segments.PLAN_MIN_TOKENS or V % _V_MULTIPLE or K not in _CUDA_HEAD_SIZES:
+        return None
+    if any(str(x.dtype) not in ("torch.bfloat16", "torch.float16") for x in (q, k, v)):
+        return None
+    import torch
+
+    if torch.cuda.is_current_stream_capturing():  # (the cut copies host-made indices)
+        return None
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    return _segments.plan(int(B), int(T), int(HV), int(K), int(V), sms)
 
 
 # The key head sizes (K) the CUDA kernels are built for. Another K runs zero-padded to the next one:

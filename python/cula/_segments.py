@@ -23,14 +23,18 @@ uncut call's up to the float32 fold (within SPEC's tolerance, as context paralle
 two passes over the tokens (the first over V + K columns with the delta rule) and the fold, against
 a chain of chunks that is seg_len / T as long.
 
-`CULA_SEGMENT_TOKENS=L` (a positive multiple of 64) makes `_front.chunk` take this path for calls
-that need no gradient and write no caller buffer. It is off by default: on the H100 it is slower
-than the uncut call in every configuration measured (`bench/results/h100/segments.md`: KDA
-1x32768 H4 takes 2.13 ms in segments of 4096 tokens against 1.12 ms uncut). The two engine passes
-alone cost about as much as the uncut call, and the version measured there added host time per
-segment position to the GPU time (it copied the offsets back to the host, which waits for the GPU,
-and sent each position's indices separately; both are gone, unmeasured); the gain needs the
-segments inside the scan kernel (the design note of chunk_prep_scan says how).
+`_front.chunk` (Level 1 and FLA's drop-ins) takes this path for calls that need no gradient and
+write no caller buffer, in two ways:
+- the planner (`plan`, CULA_SEGMENT_TOKENS unset): dense bf16 / fp16 KDA and GDN calls on CUDA
+  whose few sequences and heads leave most SMs idle and whose sequences are long (not while a CUDA
+  graph is captured: the cut sends host-made index lists to the device);
+- `CULA_SEGMENT_TOKENS=L` (a positive multiple of 64) for segments of L tokens in any call of any
+  family, and `CULA_SEGMENT_TOKENS=0` for none.
+On an H200 (`bench/results/h200/segments.md`, queued): KDA 1x32768 H4 1.14 -> 0.60 ms (FLA 1.17),
+1x131072 H4 4.49 -> 1.98 (FLA 4.47); GDN 1x32768 H2/HV4 1.15 -> 0.53 (FLA 0.80), 1x131072 4.53 ->
+1.71 (FLA 3.10). Of 0.56 ms of GPU time at KDA 1x32768 H4, 0.23 is the prep run twice (once per
+pass, on the same chunks): run once inside the engine for both passes, and the summary pass
+without o, it would cost about 0.40.
 """
 
 from __future__ import annotations
@@ -46,17 +50,42 @@ _ALIGN = 64  # segments start on chunk boundaries: the same chunks as the unsegm
 
 
 def segment_tokens():
-    """The segment length CULA_SEGMENT_TOKENS asks for, or None."""
+    """What CULA_SEGMENT_TOKENS asks for: None (unset: the planner decides), 0 (never cut) or a
+    segment length."""
     raw = os.environ.get(SEGMENT_TOKENS, "")
-    if not raw or raw == "0":
+    if not raw:
         return None
     try:
         n = int(raw)
     except ValueError:
         n = -1
-    if n <= 0 or n % _ALIGN:
-        raise CulaError(f"environment variable {SEGMENT_TOKENS}: expected a positive multiple of {_ALIGN}, got {raw!r}")
+    if n < 0 or n % _ALIGN:
+        raise CulaError(f"environment variable {SEGMENT_TOKENS}: expected 0 or a positive multiple of {_ALIGN}, "
+                        f"got {raw!r}")
     return n
+
+
+# The planner (measured on an H200, bench/results/h200/segments.md: KDA 1x32768 H4 1.14 -> 0.60 ms,
+# 1x131072 H4 4.49 -> 1.98; 2x16384 H8 and 1x65536 H16 lose): the summary pass runs one CTA per
+# (segment, head, 64 of its V + K columns), so the most segments that fill the SMs once without a
+# second wave is SMs // (N HV (V + K) / 64); the two passes walk 2 T / S chunks against T uncut, and
+# the prep runs twice, so the cut pays from S = 4 on and for long sequences only (the host's part,
+# ~0.3 ms a call, stays under the gain from T = 32768 on).
+PLAN_FAMILIES = ("kda", "gdn")  # measured; the other families take segments only when asked for
+PLAN_MIN_TOKENS = 32768
+PLAN_MIN_SEGMENT = 4096
+PLAN_MIN_SEGMENTS = 4
+
+
+def plan(N, T, HV, K, V, sms):
+    """The segment length the planner cuts N sequences of T tokens into (dense calls), or None."""
+    if T < PLAN_MIN_TOKENS or N * HV <= 0:
+        return None
+    slices = N * HV * -(-(V + K) // 64)
+    S = min(sms // slices, T // PLAN_MIN_SEGMENT)
+    if S < PLAN_MIN_SEGMENTS:
+        return None
+    return -(-T // (S * _ALIGN)) * _ALIGN
 
 
 def forward(family, q, k, v, g, beta, decay, *, seg_len, initial_state=None, output_final_state=False,
@@ -93,32 +122,7 @@ def forward(family, q, k, v, g, beta, decay, *, seg_len, initial_state=None, out
             h0 = h0.transpose(-1, -2)
     firsts = [i for i, s in enumerate(segs) if s[3]]
     later = [i for i, s in enumerate(segs) if not s[3]]
-    first_ids = torch.tensor(firsts, device=dev)
-    cu_host = torch.tensor([s[1] for s in segs] + [segs[-1][2]], dtype=torch.int32)  # (no copy back to the host)
-    cu = cu_host.to(dev)
-
-    # 1. summary pass
-    init = torch.zeros(S, HV, W, K, dtype=acc, device=dev)
-    if h0 is not None:
-        init[first_ids, :, :V, :] = h0
-    if not diagonal:
-        init[torch.tensor(later, device=dev), :, V:, :] = torch.eye(K, dtype=acc, device=dev)  # (v's K more columns: zeros)
-    scratch = torch.empty(1, B * T, HV, W, dtype=v.dtype, device=dev)  # its outputs are not used
-    _, fw = ops.chunk_fwd(family, qf, kf, vf, gf, bf, decay, initial_state=init, output_final_state=True,
-                          cu_seqlens=cu, cu_seqlens_host=cu_host, state_layout="k_last", state_dtype=acc_name,
-                          out=scratch, value_dim=W, A_log=A_log, dt_bias=dt_bias, **opts)
-    A = fw[:, :, :V, :]
-    if diagonal:  # the product of each segment's decays per key channel [S, HV, K]
-        d = diagonal_decays(family, None if gf is None else gf[0], decay, B * T, HV, K, [s[1] for s in segs],
-                            [s[2] for s in segs], dev).to(acc)
-    else:
-        M = fw[:, :, V:, :]
-
-    # 2. fold: E_j of every segment that continues a sequence, by position j within the sequence;
-    # the segments of every position go to the device in one transfer
-    enter = torch.zeros(S, HV, V, K, dtype=acc, device=dev)
-    if h0 is not None:
-        enter[first_ids] = h0
+    lasts = [i for i in range(S) if i + 1 == S or segs[i + 1][0] != segs[i][0]]
     position, by_position = [], []  # by_position[j - 1]: the segments at position j >= 1
     for i, (_, _, _, first) in enumerate(segs):
         position.append(0 if first else position[i - 1] + 1)
@@ -126,9 +130,51 @@ def forward(family, q, k, v, g, beta, decay, *, seg_len, initial_state=None, out
             by_position.append([])
         if position[i]:
             by_position[position[i] - 1].append(i)
-    if by_position:
-        ids = torch.tensor([i for group in by_position for i in group], device=dev)
-        for j, cur in enumerate(ids.split([len(group) for group in by_position])):
+    folded = [i for group in by_position for i in group]
+    # Every index list and the segment offsets reach the device in one copy from pinned memory that
+    # the host does not wait for (a copy from pageable memory waits for the stream: each one would
+    # put the GPU's whole queue in the call's time)
+    cu_host = torch.tensor([s[1] for s in segs] + [segs[-1][2]], dtype=torch.int32)
+    lists = (firsts, later, lasts, folded)
+    packed = torch.tensor([x for lst in lists for x in lst] + cu_host.tolist(), dtype=torch.int64)
+    if dev.type == "cuda":
+        packed = packed.pin_memory()
+    on_dev = packed.to(dev, non_blocking=True)
+    first_ids, later_ids, last_ids, folded_ids, cu64 = on_dev.split([len(x) for x in lists] + [S + 1])
+    cu = cu64.to(torch.int32)
+
+    # 1. summary pass
+    init = torch.zeros(S, HV, W, K, dtype=acc, device=dev)
+    if h0 is not None:
+        init[first_ids, :, :V, :] = h0
+    if not diagonal:
+        init[later_ids, :, V:, :] = torch.eye(K, dtype=acc, device=dev)  # (v's K more columns: zeros)
+    scratch = torch.empty(1, B * T, HV, W, dtype=v.dtype, device=dev)  # its outputs are not used
+    _, fw = ops.chunk_fwd(family, qf, kf, vf, gf, bf, decay, initial_state=init, output_final_state=True,
+                          cu_seqlens=cu, cu_seqlens_host=cu_host, state_layout="k_last", state_dtype=acc_name,
+                          out=scratch, value_dim=W, A_log=A_log, dt_bias=dt_bias, **opts)
+    A = fw[:, :, :V, :]
+    if diagonal:  # the product of each segment's decays per key channel [S, HV, K]
+        d = diagonal_decays(family, None if gf is None else gf[0], decay, B * T, HV, K, cu64[:-1], cu64[1:],
+                            dev).to(acc)
+    else:
+        M = fw[:, :, V:, :]
+
+    # 2. fold: E_j of every segment that continues a sequence, by position j within the sequence.
+    # One sequence (B = 1, no cu_seqlens): position j is segment j, so views replace the gathers
+    enter = torch.zeros(S, HV, V, K, dtype=acc, device=dev)
+    if h0 is not None:
+        enter[first_ids] = h0
+    if N == 1:
+        for j in range(1, S):
+            if j == 1:
+                enter[1].copy_(A[0])
+            elif diagonal:
+                torch.addcmul(A[j - 1], enter[j - 1], d[j - 1].unsqueeze(1), out=enter[j])
+            else:
+                torch.baddbmm(A[j - 1], enter[j - 1], M[j - 1], out=enter[j])
+    elif by_position:
+        for j, cur in enumerate(folded_ids.split([len(group) for group in by_position])):
             prev = cur - 1
             if j == 0:
                 enter[cur] = A[prev]
@@ -146,8 +192,7 @@ def forward(family, q, k, v, g, beta, decay, *, seg_len, initial_state=None, out
     o = o.view(B, T, HV, V)
     if not output_final_state:
         return o, None
-    lasts = [i for i in range(S) if i + 1 == S or segs[i + 1][0] != segs[i][0]]
-    final = fin[torch.tensor(lasts, device=dev)]
+    final = fin[last_ids]
     if state_layout != "k_last":
         final = final.transpose(-1, -2)
     sd = state_dtype or ("float32" if initial_state is None else str(initial_state.dtype).replace("torch.", ""))

@@ -597,18 +597,20 @@ _SEGMENT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+@pytest.mark.parametrize("shape", ["dense", "varlen", "single"])
 @pytest.mark.parametrize("family,gate,opts", _SEGMENT_CASES, ids=[f"{c[0]}-{c[1]}" for c in _SEGMENT_CASES])
-def test_parallel_segments_compute_the_same_function(rng, monkeypatch, family, gate, opts, varlen):
+def test_parallel_segments_compute_the_same_function(rng, monkeypatch, family, gate, opts, shape):
     """CULA_SEGMENT_TOKENS (_segments: one call over all segments, the summaries folded per sequence):
-    o and the final states of the direct call, dense (2 rows of 3 segments) and packed (an empty
-    sequence, one of one token, one shorter than a segment, two of several), with initial states."""
+    o and the final states of the direct call, dense (2 rows of 3 segments), packed (an empty
+    sequence, one of one token, one shorter than a segment, two of several) and one sequence of 5
+    segments (the fold on views), with initial states."""
     torch = pytest.importorskip("torch", reason="torch is not installed")
     from cula import _front, _segments
 
     K = 32
+    varlen = shape == "varlen"
     seqlens = [70, 0, 1, 40, 200] if varlen else None
-    B, T = (1, sum(seqlens)) if varlen else (2, 150)
+    B, T = (1, sum(seqlens)) if varlen else (2, 150) if shape == "dense" else (1, 300)
     x = _fit_inputs(torch, rng, family, K, gate, B=B, T=T)
     x = {n: (t.detach().float() if t is not None else None) for n, t in x.items()}
     if gate in ("key", "head"):  # slow decays: the state entering a segment weighs in its outputs
@@ -632,8 +634,37 @@ def test_parallel_segments_compute_the_same_function(rng, monkeypatch, family, g
         assert a.shape == b.shape and a.dtype == b.dtype
         assert rel(a.numpy(), b.numpy()) < 2e-5, (family, rel(a.numpy(), b.numpy()))
     monkeypatch.setenv(_segments.SEGMENT_TOKENS, "100")
-    with pytest.raises(cula.CulaError, match="CULA_SEGMENT_TOKENS: expected a positive multiple of 64"):
+    with pytest.raises(cula.CulaError, match="CULA_SEGMENT_TOKENS: expected 0 or a positive multiple of 64, got '100'"):
         run()
+
+
+def test_segment_planner_cuts_only_where_most_sms_would_idle():
+    """_segments.plan: segments that fill the SMs once in the summary pass (N HV (V + K) / 64 CTAs
+    per segment), at least 4 of at least 4096 tokens, sequences from 32768 tokens; the measured rows
+    (bench/results/h200/segments.md) land where they paid."""
+    from cula import _segments
+
+    plan = _segments.plan
+    assert plan(1, 32768, 4, 128, 128, 132) == 4096  # KDA 1x32768 H4: 8 segments (measured 1.14 -> 0.60 ms)
+    assert plan(1, 131072, 4, 128, 128, 132) == 16384  # 8 segments of the longer sequence (4.49 -> 1.98 ms)
+    assert plan(2, 16384, 8, 128, 128, 132) is None  # too short, and 2 segments would fill the SMs (measured a loss)
+    assert plan(1, 65536, 16, 128, 128, 132) is None  # 2 segments fill the SMs (measured a loss)
+    assert plan(1, 65536, 2, 128, 128, 132) == 4096  # 16 segments
+    assert plan(1, 100000, 4, 128, 128, 132) == 12544  # 8 segments, the length rounded up to whole chunks
+    assert plan(1, 16384, 1, 128, 128, 132) is None  # too short
+    assert plan(1, 32768, 4, 256, 512, 132) is None  # 12 CTAs a head and segment: 2 segments fill the SMs
+    assert plan(3, 32768, 2, 64, 64, 132) == 4096  # 8 segments capped by the 4096-token minimum
+
+
+def test_segment_tokens_zero_turns_the_planner_off(monkeypatch):
+    from cula import _segments
+
+    monkeypatch.delenv(_segments.SEGMENT_TOKENS, raising=False)
+    assert _segments.segment_tokens() is None
+    monkeypatch.setenv(_segments.SEGMENT_TOKENS, "0")
+    assert _segments.segment_tokens() == 0
+    monkeypatch.setenv(_segments.SEGMENT_TOKENS, "128")
+    assert _segments.segment_tokens() == 128
 
 
 def test_segment_plan_cuts_each_sequence_from_its_start():

@@ -237,6 +237,60 @@ def test_parallel_segments_match_reference(rng, monkeypatch, family):
     assert worst(errs) < TOL, errs
 
 
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+def test_planner_cuts_few_heads_long_sequences_through_the_drop_ins(monkeypatch, family):
+    """With CULA_SEGMENT_TOKENS unset, FLA's drop-ins (through the front Level 1 shares) cut a dense call of
+    one long sequence and few heads into parallel segments (_segments.plan), and the result is the
+    uncut call's within SPEC's tolerance (o and the final state); with a gradient, or while a CUDA
+    graph is captured, the call is not cut, and the captured graph replays the uncut call exactly."""
+    from cula import _segments
+
+    monkeypatch.delenv(_segments.SEGMENT_TOKENS, raising=False)
+    cuts = []
+    forward = _segments.forward
+    monkeypatch.setattr(_segments, "forward", lambda *a, **kw: cuts.append(kw["seg_len"]) or forward(*a, **kw))
+    B, T, H, K = 1, 32768, 2, 128
+    torch.manual_seed(int(np.random.SeedSequence().entropy % 2**31))
+    q, k, v = (torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    beta = torch.rand(B, T, H, device="cuda", dtype=torch.bfloat16)
+    h0 = torch.randn(B, H, K, K, device="cuda") * 0.1
+    if family == "kda":
+        g = torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16)
+        kw = dict(use_gate_in_kernel=True, A_log=torch.rand(H, device="cuda"), dt_bias=torch.randn(H * K, device="cuda"),
+                  use_qk_l2norm_in_kernel=True)
+        from cula.kda import chunk_kda as fn
+    else:  # slow decays: the state entering a segment weighs in its outputs
+        g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, device="cuda")) * 0.02
+        kw = dict(use_qk_l2norm_in_kernel=True)
+        from cula.gated_delta_rule import chunk_gated_delta_rule as fn
+
+    def run():
+        return fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, **kw)
+
+    o, final = run()
+    torch.cuda.synchronize()
+    assert cuts == [4096], f"the planner did not cut the call as planned: {cuts}"
+    monkeypatch.setenv(_segments.SEGMENT_TOKENS, "0")
+    o_uncut, final_uncut = run()
+    assert cuts == [4096]
+    errs = [rel(o.float().cpu().numpy(), o_uncut.float().cpu().numpy()),
+            rel(final.cpu().numpy(), final_uncut.cpu().numpy())]
+    print(family, errs)
+    assert worst(errs) < TOL, errs
+    monkeypatch.delenv(_segments.SEGMENT_TOKENS)
+    qg = q.detach().clone().requires_grad_()
+    fn(qg, k, v, g, beta, initial_state=h0, output_final_state=True, **kw)
+    assert cuts == [4096], "a call that needs a gradient was cut"
+    graph = torch.cuda.CUDAGraph()
+    run()  # (warm-up outside the capture)
+    with torch.cuda.graph(graph):
+        o_graph, final_graph = run()
+    assert cuts == [4096, 4096], "the warm-up was not cut, or the captured call was"
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(o_graph, o_uncut) and torch.equal(final_graph, final_uncut)
+
+
 @pytest.mark.sanitize
 def test_mma_forward_state_pool_in_place(rng):
     H, K, V, P = 2, 128, 128, 6
