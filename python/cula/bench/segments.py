@@ -23,7 +23,8 @@ from ..cli.demo import Progress
 
 K = V = 128
 LOWER_BOUND = -5.0
-SEGMENTS = (1024, 2048, 4096)
+# segment lengths tried (CULA_BENCH_SEGMENTS=L1,L2,... replaces them)
+SEGMENTS = tuple(int(x) for x in os.environ.get("CULA_BENCH_SEGMENTS", "2048,4096,8192,16384").split(","))
 CONFIGS = [
     # (family, B, T, H, HV)
     ("kda", 1, 32768, 4, 4),
@@ -131,7 +132,8 @@ def _write(out_dir, gpu, bw, torch, records, note=""):
     os.makedirs(out_dir, exist_ok=True)
     meta = dict(gpu=gpu, copy_gb_per_s=round(bw, 1), torch=torch.__version__, fla=_version("fla-core"),
                 date=time.strftime("%Y-%m-%d"), binding=_lib.binding(), method=PEERS_AND_BASELINE_METHOD,
-                queued_method=QUEUED_METHOD, segments=list(SEGMENTS))
+                queued_method=QUEUED_METHOD, segments=list(SEGMENTS),
+                sms=torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count)
     with open(os.path.join(out_dir, "segments.json"), "w") as f:
         json.dump(dict(meta=meta, records=records), f, indent=1)
     write_table(out_dir, meta, records, note)
@@ -139,23 +141,33 @@ def _write(out_dir, gpu, bw, torch, records, note=""):
 
 def write_table(out_dir, meta, records, note=""):
     """segments.md from the results (meta and records as segments.json holds them)."""
+    from .._segments import PLAN_FAMILIES, plan
+
     segs = [f"seg{L}" for L in meta["segments"]]
     cols = ["uncut"] + segs + ["fla_triton"]
+
+    def planned(c):  # the call the front makes with CULA_SEGMENT_TOKENS unset: "uncut" or "seg<L>"
+        L = plan(c["B"], c["T"], c["HV"], c["K"], c["V"], meta["sms"]) if c["family"] in PLAN_FAMILIES else None
+        return f"seg{L}" if L else "uncut"
+
     lines = [f"# Few heads, long sequences: the chunked forward uncut and in parallel segments ({meta['gpu']})", "",
              f"Times in ms. Queued calls: {meta['queued_method']}. Single calls: {meta['method']}. `segL`: "
              "`_segments.forward` with segments of L tokens (CULA_SEGMENT_TOKENS=L). Best segments: the fastest "
              "segment length's time over the uncut time (below 1: the segments pay). FLA: FLA's time over the "
-             "uncut time.", ""]
+             "uncut time. Planned: the call the front makes with CULA_SEGMENT_TOKENS unset (`_segments.plan`, KDA and "
+             "GDN), and FLA's time over its time.", ""]
     for key, title in (("queued_ms", "Queued calls (GPU time)"), ("single_ms", "Single synchronized calls")):
-        lines += [f"## {title}", "", "| config | " + " | ".join(cols) + " | best segments / uncut | FLA / uncut |",
-                  "|---" * (len(cols) + 3) + "|"]
+        lines += [f"## {title}", "", "| config | " + " | ".join(cols) + " | best segments / uncut | FLA / uncut | "
+                  "planned | FLA / planned |", "|---" * (len(cols) + 5) + "|"]
         for r in records:
             t = r[key]
             cells = [f"{t[c]:.3f}" if c in t else "-" for c in cols]
             best = min((t[c] for c in segs if c in t), default=None)
             ratio = f"{best / t['uncut']:.2f}" if best else "-"
             fla = f"{t['fla_triton'] / t['uncut']:.2f}x" if "fla_triton" in t else "-"
-            lines.append(f"| {r['config']['name']} | " + " | ".join(cells) + f" | {ratio} | {fla} |")
+            pl = planned(r["config"])
+            fla_pl = f"{t['fla_triton'] / t[pl]:.2f}x" if "fla_triton" in t and pl in t else "-"
+            lines.append(f"| {r['config']['name']} | " + " | ".join(cells) + f" | {ratio} | {fla} | {pl} | {fla_pl} |")
         lines.append("")
     worst = max((v for r in records for c, v in r["rel_diff_vs_uncut"].items() if c.startswith("seg")), default=0.0)
     lines.append(f"Largest relative difference of a segmented output from the uncut one: {worst:.1e} (the gates "
