@@ -8,9 +8,11 @@ q/k L2 norm, beta sigmoid, K = V = 128, no initial state. Each implementation's 
 timed with CUDA events (median of 30 after warm-up), cula, FLA and FlashKDA taking turns call by
 call on alternating input sets, and torch SDPA after them in a block of its own. A second pass times
 queued calls (triton.testing.do_bench's method: L2 flushed before each call, no synchronization
-between calls), which is the GPU's time per call with the host's time hidden. Rows of one
-sequence with B x H <= 16 add ``cula_segments``: the same call through cula's parallel segments
-(``cula/_segments.py``), shown as a peer (a ratio above 1: the segments are slower).
+between calls), which is the GPU's time per call with the host's time hidden. Rows that the
+front's segment planner cuts (``_segments.plan``: few sequences and heads, long sequences) add
+``cula_segments``: the same call in the planned parallel segments (``cula/_segments.py``), which is
+what FLA's drop-ins and Level 1 run there; shown as a peer (a ratio below 1: the segments are
+faster than the engine's uncut call, which Level 0 runs).
 """
 
 from __future__ import annotations
@@ -109,13 +111,12 @@ def _done_rows(out_dir, gpu, method):
     return records, rows, queued_rows
 
 
-def _segment_len(B, T, H, seqlens):
-    """The segment length of the cula_segments row (None: not run): single sequences with B x H <= 16,
-    cut into enough segments for 128 (segment, head) pairs, at least 512 tokens each."""
-    if seqlens or B * H > 16:
-        return None
-    n = -(-128 // (B * H))
-    return max(512, -(-T // n // 64) * 64)
+def _segment_len(B, T, H, seqlens, sms):
+    """The segment length of the cula_segments row: the planner's for this call (None: the front
+    does not cut it, and the row is not run)."""
+    from .._segments import plan
+
+    return None if seqlens else plan(B, T, H, K, V, sms)
 
 
 def bench_kda(out_dir: str, gpu_name: str | None = None, configs=None, resume=False) -> int:
@@ -174,7 +175,7 @@ def bench_kda(out_dir: str, gpu_name: str | None = None, configs=None, resume=Fa
         def run_sdpa(i, s=sets):
             causal_sdpa(s[i % 2], seqlens)
 
-        seg_len = _segment_len(B, T, H, seqlens)
+        seg_len = _segment_len(B, T, H, seqlens, props.multi_processor_count)
 
         def run_segments(i, s=sets):  # few heads: parallel segments (_segments), the same arguments
             x = s[i % 2]
