@@ -29,10 +29,13 @@ CONFIGS = [
     # (family, B, T, H, HV)
     ("kda", 1, 32768, 4, 4),
     ("kda", 1, 131072, 4, 4),
+    ("kda", 1, 16384, 4, 4),  # below the planner's 32768 tokens
+    ("kda", 1, 32768, 8, 8),  # the planner's smallest cut: 4 segments fill the SMs
     ("kda", 2, 16384, 8, 8),
     ("kda", 1, 8192, 16, 16),
     ("kda", 1, 65536, 16, 16),
     ("kda", 1, 32768, 32, 32),
+    ("gdn", 1, 16384, 2, 4),
     ("gdn", 1, 32768, 2, 4),
     ("gdn", 1, 131072, 2, 4),
     ("gdn", 1, 65536, 16, 32),
