@@ -98,8 +98,8 @@ def _segment_len(family, q, k, v, g, beta, A_log, dt_bias, initial_state, opts):
     """The segment length a call runs in parallel segments with (_segments), or None: torch
     tensors, no gradient, no intermediate states or caller buffers, not while torch.compile traces.
     CULA_SEGMENT_TOKENS=L asks for segments of L tokens, =0 for none; unset, the planner
-    (_segments.plan) cuts dense bf16 / fp16 KDA and GDN calls on CUDA whose few sequences and heads
-    leave most SMs idle, except while a CUDA graph is captured."""
+    (_segments.plan) cuts dense bf16 KDA and GDN calls on CUDA whose few sequences and heads leave
+    most SMs idle, except while a CUDA graph is captured."""
     from . import _segments
 
     seg_len = _segments.segment_tokens()
@@ -117,15 +117,16 @@ def _segment_len(family, q, k, v, g, beta, A_log, dt_bias, initial_state, opts):
 def _planned_segment_len(family, q, k, v, opts):
     from . import _segments
 
-    if family not in _segments.PLAN_FAMILIES or not q.is_cuda or opts.get("cu_seqlens") is not None:
+    # (the cheapest tests first: every CUDA chunk call passes here)
+    if q.dim() != 4 or q.shape[1] < _segments.PLAN_MIN_TOKENS or family not in _segments.PLAN_FAMILIES:
         return None
-    if opts.get("backend", "auto") != "auto" or q.dim() != 4 or v.dim() != 4:
+    if not q.is_cuda or v.dim() != 4 or opts.get("cu_seqlens") is not None or opts.get("backend", "auto") != "auto":
         return None
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    if T < _segments.PLAN_MIN_TOKENS or V % _V_MULTIPLE or K not in _CUDA_HEAD_SIZES:
+    if V % _V_MULTIPLE or K not in _CUDA_HEAD_SIZES:
         return None
-    if any(str(x.dtype) not in ("torch.bfloat16", "torch.float16") for x in (q, k, v)):
+    if any(str(x.dtype) != "torch.bfloat16" for x in (q, k, v)):  # (measured on bf16)
         return None
     import torch
 

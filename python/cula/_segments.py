@@ -25,7 +25,7 @@ a chain of chunks that is seg_len / T as long.
 
 `_front.chunk` (Level 1 and FLA's drop-ins) takes this path for calls that need no gradient and
 write no caller buffer, in two ways:
-- the planner (`plan`, CULA_SEGMENT_TOKENS unset): dense bf16 / fp16 KDA and GDN calls on CUDA
+- the planner (`plan`, CULA_SEGMENT_TOKENS unset): dense bf16 KDA and GDN calls on CUDA
   whose few sequences and heads leave most SMs idle and whose sequences are long (not while a CUDA
   graph is captured: the cut sends host-made index lists to the device);
 - `CULA_SEGMENT_TOKENS=L` (a positive multiple of 64) for segments of L tokens in any call of any
