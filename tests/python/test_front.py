@@ -656,6 +656,41 @@ def test_segment_planner_cuts_only_where_most_sms_would_idle():
     assert plan(3, 32768, 2, 64, 64, 132) == 4096  # 8 segments capped by the 4096-token minimum
 
 
+def test_front_plans_only_dense_bf16_delta_rule_calls_on_cuda(monkeypatch):
+    """_front's planner routing, with stand-ins for CUDA tensors and the device (CI has no GPU): a
+    dense bf16 KDA / GDN call of one long sequence and few heads is cut as _segments.plan says;
+    another family, dtype, device or backend, cu_seqlens, a short sequence, a head size the engines
+    lack, or a CUDA-graph capture in progress leaves it uncut."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from cula import _front
+
+    class Stand:  # the attributes the planner reads from a tensor
+        def __init__(self, shape, dtype=torch.bfloat16, cuda=True):
+            self.shape, self.dtype, self.is_cuda, self.device = tuple(shape), dtype, cuda, "cuda:0"
+
+        def dim(self):
+            return len(self.shape)
+
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"multi_processor_count": 132}))
+
+    def planned(family="kda", T=32768, H=4, K=128, V=128, dtype=torch.bfloat16, cuda=True, **opts):
+        q = Stand((1, T, H, K), dtype, cuda)
+        return _front._planned_segment_len(family, q, q, Stand((1, T, H, V), dtype, cuda), opts)
+
+    assert planned() == 4096 and planned("gdn") == 4096 and planned(T=131072) == 16384
+    assert planned(K=64, V=64) == 4096
+    assert planned("gla") is None and planned("simple_gla") is None and planned("lightning") is None
+    assert planned(dtype=torch.float16) is None and planned(dtype=torch.float32) is None
+    assert planned(cuda=False) is None and planned(backend="cuda") is None
+    assert planned(cu_seqlens=object()) is None
+    assert planned(T=16384) is None and planned(H=16) is None
+    assert planned(K=96) is None and planned(V=100) is None
+    capturing[0] = True
+    assert planned() is None
+
+
 def test_segment_tokens_zero_turns_the_planner_off(monkeypatch):
     from cula import _segments
 
