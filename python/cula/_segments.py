@@ -134,14 +134,14 @@ def forward(family, q, k, v, g, beta, decay, *, seg_len, initial_state=None, out
     # Every index list and the segment offsets reach the device in one copy from pinned memory that
     # the host does not wait for (a copy from pageable memory waits for the stream: each one would
     # put the GPU's whole queue in the call's time)
-    cu_host = torch.tensor([s[1] for s in segs] + [segs[-1][2]], dtype=torch.int32)
-    lists = (firsts, later, lasts, folded)
-    packed = torch.tensor([x for lst in lists for x in lst] + cu_host.tolist(), dtype=torch.int64)
+    bounds = [s[1] for s in segs] + [segs[-1][2]]  # the segments as the sequences of one varlen call
+    cu_host = torch.tensor(bounds, dtype=torch.int64)
+    lists = (firsts, later, lasts, folded, bounds)
+    packed = torch.tensor([x for lst in lists for x in lst], dtype=torch.int64)
     if dev.type == "cuda":
         packed = packed.pin_memory()
     on_dev = packed.to(dev, non_blocking=True)
-    first_ids, later_ids, last_ids, folded_ids, cu64 = on_dev.split([len(x) for x in lists] + [S + 1])
-    cu = cu64.to(torch.int32)
+    first_ids, later_ids, last_ids, folded_ids, cu = on_dev.split([len(x) for x in lists])
 
     # 1. summary pass
     init = torch.zeros(S, HV, W, K, dtype=acc, device=dev)
@@ -155,7 +155,7 @@ def forward(family, q, k, v, g, beta, decay, *, seg_len, initial_state=None, out
                           out=scratch, value_dim=W, A_log=A_log, dt_bias=dt_bias, **opts)
     A = fw[:, :, :V, :]
     if diagonal:  # the product of each segment's decays per key channel [S, HV, K]
-        d = diagonal_decays(family, None if gf is None else gf[0], decay, B * T, HV, K, cu64[:-1], cu64[1:],
+        d = diagonal_decays(family, None if gf is None else gf[0], decay, B * T, HV, K, cu[:-1], cu[1:],
                             dev).to(acc)
     else:
         M = fw[:, :, V:, :]
