@@ -193,10 +193,32 @@ def _backward(ctx, d_out, d_final):
 _chunk_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _eager(*tensors, differentiable=False) -> bool:
+    """Whether a call may skip the registered op and run cula.ops directly: the op's dispatch (its
+    wrappers, alias checks and dispatcher round trip) costs about as much host time per call as the
+    rest of a drop-in's path, which a small decode batch waits on. The op is kept where it is needed:
+    while torch.compile traces, under a torch dispatch mode (fake tensors, flop counters), for tensor
+    subclasses, and for an autograd graph (differentiable inputs that require grad)."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return False
+    grad = differentiable and torch.is_grad_enabled()
+    for t in tensors:
+        if t is not None and (type(t) not in _PLAIN or (grad and t.requires_grad)):
+            return False
+    return True
+
+
 def decode(q, k, v, state_pool, *, mode="kda", g=None, beta=None, decay=None, state_indices=None,
            num_accepted_tokens=None, A_log=None, dt_bias=None, options=None, **option_kw):
     """cula.ops.decode as a torch op (compile- and graph-friendly). Returns (o, state_pool)."""
     opts = ops._options("decode", options, option_kw)
+    if _eager(q, k, v, state_pool, g, beta, A_log, dt_bias):
+        o, _ = ops.decode(q, k, v, state_pool, mode=mode, g=g, beta=beta, decay=decay, state_indices=state_indices,
+                          num_accepted_tokens=num_accepted_tokens, A_log=A_log, dt_bias=dt_bias, options=opts)
+        return o, state_pool
     o = torch.ops.cula.decode(q, k, v, state_pool, g, beta, decay, state_indices, num_accepted_tokens, A_log, dt_bias,
                               mode, *opts.values())
     return o, state_pool
@@ -207,6 +229,11 @@ def decode_to(q, k, v, state_pool, *, mode="kda", g=None, beta=None, decay=None,
     """cula.ops.decode with final_state_out as a torch op: the states of sequence n read from
     state_pool[n], the final states returned fresh. Returns (o, final_states)."""
     opts = ops._options("decode", options, option_kw)
+    if _eager(q, k, v, state_pool, g, beta, A_log, dt_bias):
+        final = state_pool.new_empty((q.shape[0], *state_pool.shape[1:]))
+        o, _ = ops.decode(q, k, v, state_pool, mode=mode, g=g, beta=beta, decay=decay, A_log=A_log, dt_bias=dt_bias,
+                          final_state_out=final, options=opts)
+        return o, final
     return torch.ops.cula.decode_to(q, k, v, state_pool, g, beta, decay, None, None, A_log, dt_bias, mode,
                                     *opts.values())
 
@@ -217,6 +244,11 @@ def chunk_fwd(family, q, k, v, g=None, beta=None, decay=None, *, initial_state=N
     """cula.ops.chunk_fwd as a torch op. Returns (o, final_state); final_state is None unless
     output_final_state."""
     opts = ops._options("chunk_fwd", options, option_kw)
+    if _eager(q, k, v, g, beta, initial_state, A_log, dt_bias, differentiable=True):
+        return ops.chunk_fwd(family, q, k, v, g, beta, decay, initial_state=initial_state, A_log=A_log,
+                             dt_bias=dt_bias, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+                             output_final_state=output_final_state, state_dtype=state_dtype, backend=backend,
+                             options=opts)
     o, final = torch.ops.cula.chunk_fwd(family, q, k, v, g, beta, decay, initial_state, A_log, dt_bias, cu_seqlens,
                                         *opts.values(), chunk_size, output_final_state, state_dtype, backend)
     return o, final if output_final_state else None
