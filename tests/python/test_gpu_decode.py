@@ -51,6 +51,9 @@ CASES = [
     ("lightning", 2, 128, 96, False, False, torch.float32, "k_first"),
     ("gdn", 2, 128, 60, False, True, torch.bfloat16, "k_first"),
     ("kda", 1, 64, 4, False, True, torch.float32, "k_first"),  # 4 columns: the shares stop at 8 channels
+    # K-last K = 256: two rows a warp per step
+    ("gdn", 2, 256, 128, True, True, torch.float32, "k_last"),
+    ("kda", 1, 256, 64, False, True, torch.bfloat16, "k_last"),
 ]
 
 
