@@ -359,6 +359,48 @@ def test_decode_to_op_passes_opcheck_and_leaves_the_pool(rng):
     assert torch.equal(pool, keep) and torch.equal(final, in_place) and torch.equal(o, o2)
 
 
+def test_eager_calls_skip_the_registered_ops_and_traced_calls_keep_them(rng):
+    """torch_ops: plain tensors in eager mode run cula.ops directly (the same results as the ops); under a
+    torch dispatch mode (as fake tensors and flop counters use), for inputs that require grad (chunk),
+    and for tensor subclasses the registered ops run."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import cula.torch_ops as tops
+
+    class Seen(TorchDispatchMode):  # records the ops that reach the dispatcher
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    N, H, K = 2, 2, 16
+    q, k, v = (torch.from_numpy(rng.standard_normal((N, 3, H, K)).astype(np.float32)) for _ in range(3))
+    g = -torch.from_numpy(rng.uniform(0.01, 0.3, (N, 3, H, K)).astype(np.float32))
+    beta = torch.from_numpy(rng.uniform(0.1, 0.9, (N, 3, H)).astype(np.float32))
+    pool = torch.from_numpy(rng.standard_normal((N, H, K, K)).astype(np.float32))
+    assert tops._eager(q, k, v, pool, None)
+    assert not tops._eager(q.clone().requires_grad_(), differentiable=True)
+    assert tops._eager(q.clone().requires_grad_())  # (decode: no autograd either way)
+
+    class Sub(torch.Tensor):
+        pass
+
+    assert not tops._eager(q.as_subclass(Sub))
+    eager = [tops.decode_to(q, k, v, pool, mode="kda", g=g, beta=beta),
+             tops.chunk_fwd("kda", q, k, v, g, beta, initial_state=pool)]
+    with Seen() as mode:
+        assert not tops._eager(q)
+        traced = [tops.decode_to(q, k, v, pool, mode="kda", g=g, beta=beta),
+                  tops.chunk_fwd("kda", q, k, v, g, beta, initial_state=pool)]
+    assert "cula.decode_to.default" in mode.ops and "cula.chunk_fwd.default" in mode.ops, mode.ops
+    for a, b in zip(eager, traced):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
 def test_chunk_op_passes_opcheck_on_host_tensors(rng):
     torch = pytest.importorskip("torch", reason="torch is not installed")
     import cula.torch_ops
@@ -654,11 +696,15 @@ def test_segment_planner_cuts_only_where_most_sms_would_idle():
     assert plan(1, 16384, 1, 128, 128, 132) is None  # too short
     assert plan(1, 32768, 4, 256, 512, 132) is None  # 12 CTAs a head and segment: 2 segments fill the SMs
     assert plan(3, 32768, 2, 64, 64, 132) == 4096  # 8 segments capped by the 4096-token minimum
+    # without the delta rule (GLA) the summary pass covers V columns, not V + K
+    assert plan(1, 131072, 4, 128, 128, 132, delta=False) == 8192  # 16 segments
+    assert plan(1, 65536, 8, 128, 128, 132, delta=False) == 8192  # 8 segments
+    assert plan(1, 65536, 16, 128, 128, 132, delta=False) is None  # 4 segments: GLA needs 8 (measured a loss)
 
 
-def test_front_plans_only_dense_bf16_delta_rule_calls_on_cuda(monkeypatch):
+def test_front_plans_only_dense_bf16_kda_gdn_gla_calls_on_cuda(monkeypatch):
     """_front's planner routing, with stand-ins for CUDA tensors and the device (CI has no GPU): a
-    dense bf16 KDA / GDN call of one long sequence and few heads is cut as _segments.plan says;
+    dense bf16 KDA / GDN / GLA call of one long sequence and few heads is cut as _segments.plan says;
     another family, dtype, device or backend, cu_seqlens, a short sequence, a head size the engines
     lack, or a CUDA-graph capture in progress leaves it uncut."""
     torch = pytest.importorskip("torch", reason="torch is not installed")
@@ -681,7 +727,8 @@ def test_front_plans_only_dense_bf16_delta_rule_calls_on_cuda(monkeypatch):
 
     assert planned() == 4096 and planned("gdn") == 4096 and planned(T=131072) == 16384
     assert planned(K=64, V=64) == 4096
-    assert planned("gla") is None and planned("simple_gla") is None and planned("lightning") is None
+    assert planned("gla") == 4096 and planned("gla", T=131072) == 8192  # (V columns a segment: twice the segments)
+    assert planned("simple_gla") is None and planned("lightning") is None
     assert planned(dtype=torch.float16) is None and planned(dtype=torch.float32) is None
     assert planned(cuda=False) is None and planned(backend="cuda") is None
     assert planned(cu_seqlens=object()) is None
@@ -707,6 +754,30 @@ def test_segment_plan_cuts_each_sequence_from_its_start():
 
     assert _cp_summary.cut([0, 130, 130, 131], 64) == [(0, 0, 64, True), (0, 64, 128, False), (0, 128, 130, False),
                                                        (1, 130, 130, True), (2, 130, 131, True)]
+
+
+@pytest.mark.parametrize("family", ["gla", "simple_gla", "lightning"])
+@pytest.mark.parametrize("B,T", [(2, 150), (1, 128), (3, 40)])
+def test_uniform_diagonal_decays_are_the_pieces_decays(rng, family, B, T):
+    """The per-piece reduction the dense segments use gives diagonal_decays' running-sum differences
+    over cut()'s pieces (whole pieces, a shorter last one, and a sequence shorter than one piece)."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from cula import _cp_summary
+
+    HV, K, L = 3, 8, 64
+    g = decay = None
+    if family == "lightning":
+        decay = torch.from_numpy(rng.uniform(0.001, 0.2, HV)).float()
+    else:
+        shape = (B * T, HV, K) if family == "gla" else (B * T, HV)
+        g = torch.from_numpy(-rng.uniform(0.0, 0.3, shape)).float()
+        g.view(-1)[::17] = -100.0  # below the kernels' floor of a token's log-decay: clamped in both
+    pieces = _cp_summary.cut([b * T for b in range(B + 1)], L)
+    starts, ends = [p[1] for p in pieces], [p[2] for p in pieces]
+    want = _cp_summary.diagonal_decays(family, g, decay, B * T, HV, K, starts, ends, "cpu")
+    got = _cp_summary.uniform_diagonal_decays(family, g, decay, B, T, HV, K, L, "cpu")
+    assert got.shape == want.shape == (len(pieces), HV, K) and got.dtype == torch.float64
+    assert rel(got.numpy(), want.numpy()) < 1e-12
 
 
 def test_parallel_segments_take_empty_calls(monkeypatch):
