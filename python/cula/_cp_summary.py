@@ -1,6 +1,6 @@
 """The affine summaries of slices of tokens, shared by context parallelism (cula.dist), its
 deterministic mode (_cp_segments) and the parallel segments of one device (_segments):
-diagonal_summary, diagonal_decays (the transitions of many pieces at once) and
+diagonal_summary, diagonal_decays and uniform_diagonal_decays (the transitions of many pieces at once) and
 diagonal_end_state, for the families without the delta rule, whose transitions are diagonal (the
 carried queries, the transition and a piece's own end state come from its gates, keys and values
 without an engine pass); precise_maps, the maps in float32 that the backwards fold their entering
@@ -96,6 +96,34 @@ def diagonal_decays(family, g, decay, L, HV, K, starts, ends, device):
     G = torch.cat([G.new_zeros(*G.shape[:2], 1), G], dim=-1)  # G[..., t]: the sum of the first t tokens
     ends, starts = (torch.as_tensor(x, device=device) for x in (ends, starts))
     return torch.exp(G[..., ends] - G[..., starts]).permute(2, 0, 1).expand(len(starts), HV, K)
+
+
+def uniform_diagonal_decays(family, g, decay, B, T, HV, K, seg_len, device):
+    """diagonal_decays for B dense sequences of T tokens each cut every seg_len tokens from its start
+    (the pieces of cut() over offsets b T), [pieces, HV, K] in float64: each piece's log-decays summed
+    by a reduction with float64 accumulation, one pass over g (no running sums over every token:
+    a float64 scan of g and its copies cost an engine pass at 32k tokens x 4 heads of GLA). g: [B T, HV,
+    K or 1 ...] as diagonal_decays takes it."""
+    import torch
+
+    full, rest = divmod(T, seg_len)
+    lengths = [seg_len] * full + ([rest] if rest or not full else [])
+    if family == "lightning":  # a constant log-decay per head: the piece's length times it
+        rate = (-decay.to(device=device, dtype=torch.float64).reshape(-1)).clamp_min(MIN_LOG_DECAY)
+        if rate.numel() != HV:
+            rate = rate.repeat_interleave(HV // rate.numel())
+        n = torch.full((len(lengths),), float(seg_len), dtype=torch.float64, device=device)
+        n[-1] = float(lengths[-1])  # (made on the device: no copy from the host)
+        d = torch.exp(n.view(-1, 1) * rate.view(1, HV))  # [pieces of a sequence, HV]
+        return d.view(1, -1, HV, 1).expand(B, -1, HV, K).reshape(-1, HV, K)
+    a = g.float().clamp_min(MIN_LOG_DECAY).reshape(B, T, HV, -1)
+    parts = []
+    if full:
+        parts.append(a[:, :full * seg_len].reshape(B, full, seg_len, HV, -1).sum(2, dtype=torch.float64))
+    if rest or not full:
+        parts.append(a[:, full * seg_len:].sum(1, keepdim=True, dtype=torch.float64))
+    sums = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [B, pieces, HV, K or 1]
+    return torch.exp(sums).expand(B, len(lengths), HV, K).reshape(-1, HV, K)
 
 
 def cut(offsets, seg_len):

@@ -133,7 +133,7 @@ def _planned_segment_len(family, q, k, v, opts):
     if torch.cuda.is_current_stream_capturing():  # (the cut copies host-made indices)
         return None
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    return _segments.plan(int(B), int(T), int(HV), int(K), int(V), sms)
+    return _segments.plan(int(B), int(T), int(HV), int(K), int(V), sms, delta=family in _DELTA_RULE)
 
 
 # The key head sizes (K) the CUDA kernels are built for. Another K runs zero-padded to the next one:

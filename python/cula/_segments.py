@@ -25,14 +25,14 @@ a chain of chunks that is seg_len / T as long.
 
 `_front.chunk` (Level 1 and FLA's drop-ins) takes this path for calls that need no gradient and
 write no caller buffer, in two ways:
-- the planner (`plan`, CULA_SEGMENT_TOKENS unset): dense bf16 KDA and GDN calls on CUDA
+- the planner (`plan`, CULA_SEGMENT_TOKENS unset): dense bf16 KDA, GDN and GLA calls on CUDA
   whose few sequences and heads leave most SMs idle and whose sequences are long (not while a CUDA
   graph is captured: the cut sends host-made index lists to the device);
 - `CULA_SEGMENT_TOKENS=L` (a positive multiple of 64) for segments of L tokens in any call of any
   family, and `CULA_SEGMENT_TOKENS=0` for none.
 On an H200 (`bench/results/h200/segments.md`, queued): KDA 1x32768 H4 1.14 -> 0.60 ms (FLA 1.17),
 1x131072 H4 4.49 -> 1.98 (FLA 4.47); GDN 1x32768 H2/HV4 1.15 -> 0.53 (FLA 0.80), 1x131072 4.53 ->
-1.71 (FLA 3.10). Of 0.56 ms of GPU time at KDA 1x32768 H4, 0.23 is the prep run twice (once per
+1.71 (FLA 3.10); GLA 1x32768 H4 1.01 -> 0.69 (FLA 0.71), 1x131072 H4 4.00 -> 2.15 (FLA 2.83). Of 0.56 ms of GPU time at KDA 1x32768 H4, 0.23 is the prep run twice (once per
 pass, on the same chunks): run once inside the engine for both passes, and the summary pass
 without o, it would cost about 0.40.
 """
@@ -42,7 +42,7 @@ from __future__ import annotations
 import os
 
 from . import ops
-from ._cp_summary import DIAGONAL, cut, diagonal_decays
+from ._cp_summary import DIAGONAL, cut, diagonal_decays, uniform_diagonal_decays
 from ._lib import CulaError
 
 SEGMENT_TOKENS = "CULA_SEGMENT_TOKENS"
@@ -67,23 +67,31 @@ def segment_tokens():
 
 # The planner (measured on an H200, bench/results/h200/segments.md: KDA 1x32768 H4 1.14 -> 0.60 ms,
 # 1x131072 H4 4.49 -> 1.98; 2x16384 H8 and 1x65536 H16 lose): the summary pass runs one CTA per
-# (segment, head, 64 of its V + K columns), so the most segments that fill the SMs once without a
-# second wave is SMs // (N HV (V + K) / 64); the two passes walk 2 T / S chunks against T uncut, and
+# (segment, head, 64 of its V + K columns; V without the delta rule), so the most segments that fill
+# the SMs once without a second wave is SMs // (N HV (V + K) / 64); the two passes walk 2 T / S chunks against T uncut, and
 # the prep runs twice, so the cut pays from S = 4 on and for long sequences only (the host's part,
 # ~0.3 ms a call, stays under the gain from T = 32768 on).
-PLAN_FAMILIES = ("kda", "gdn")  # measured; the other families take segments only when asked for
+# Simple GLA and Lightning are not planned: their fused engine runs few heads at 2.4-2.7x FLA uncut,
+# and their segments lost (simple GLA 1x32768 H4 0.15 -> 0.47 ms at best); they take segments only
+# when asked for.
+PLAN_FAMILIES = ("kda", "gdn", "gla")
 PLAN_MIN_TOKENS = 32768
 PLAN_MIN_SEGMENT = 4096
 PLAN_MIN_SEGMENTS = 4
+# GLA: its prep (per-channel gates) is a larger share of a pass than KDA's, and running it twice pays
+# only when the chains shrink more: 1x32768 H4 in 8 segments 1.01 -> 0.69 ms, 1x131072 H4 in 16
+# 4.00 -> 2.15, while 1x65536 H16 in 4 lost (2.50 -> 4.04)
+PLAN_MIN_SEGMENTS_DIAGONAL = 8
 
 
-def plan(N, T, HV, K, V, sms):
-    """The segment length the planner cuts N sequences of T tokens into (dense calls), or None."""
+def plan(N, T, HV, K, V, sms, delta=True):
+    """The segment length the planner cuts N sequences of T tokens into (dense calls), or None.
+    delta: the delta rule's summary pass runs over V + K columns; without it (GLA) over V."""
     if T < PLAN_MIN_TOKENS or N * HV <= 0:
         return None
-    slices = N * HV * -(-(V + K) // 64)
+    slices = N * HV * -(-(V + K if delta else V) // 64)
     S = min(sms // slices, T // PLAN_MIN_SEGMENT)
-    if S < PLAN_MIN_SEGMENTS:
+    if S < (PLAN_MIN_SEGMENTS if delta else PLAN_MIN_SEGMENTS_DIAGONAL):
         return None
     return -(-T // (S * _ALIGN)) * _ALIGN
 
@@ -155,8 +163,11 @@ def forward(family, q, k, v, g, beta, decay, *, seg_len, initial_state=None, out
                           out=scratch, value_dim=W, A_log=A_log, dt_bias=dt_bias, **opts)
     A = fw[:, :, :V, :]
     if diagonal:  # the product of each segment's decays per key channel [S, HV, K]
-        d = diagonal_decays(family, None if gf is None else gf[0], decay, B * T, HV, K, cu[:-1], cu[1:],
-                            dev).to(acc)
+        if cu_seqlens is None:
+            d = uniform_diagonal_decays(family, None if gf is None else gf[0], decay, B, T, HV, K, seg_len, dev)
+        else:
+            d = diagonal_decays(family, None if gf is None else gf[0], decay, B * T, HV, K, cu[:-1], cu[1:], dev)
+        d = d.to(acc)
     else:
         M = fw[:, :, V:, :]
 

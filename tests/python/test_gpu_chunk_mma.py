@@ -237,7 +237,7 @@ def test_parallel_segments_match_reference(rng, monkeypatch, family):
     assert worst(errs) < TOL, errs
 
 
-@pytest.mark.parametrize("family", ["kda", "gdn"])
+@pytest.mark.parametrize("family", ["kda", "gdn", "gla"])
 def test_planner_cuts_few_heads_long_sequences_through_the_drop_ins(monkeypatch, family):
     """With CULA_SEGMENT_TOKENS unset, FLA's drop-ins (through the front Level 1 shares) cut a dense call of
     one long sequence and few heads into parallel segments (_segments.plan), and the result is the
@@ -259,10 +259,16 @@ def test_planner_cuts_few_heads_long_sequences_through_the_drop_ins(monkeypatch,
         kw = dict(use_gate_in_kernel=True, A_log=torch.rand(H, device="cuda"), dt_bias=torch.randn(H * K, device="cuda"),
                   use_qk_l2norm_in_kernel=True)
         from cula.kda import chunk_kda as fn
-    else:  # slow decays: the state entering a segment weighs in its outputs
+    elif family == "gdn":  # slow decays: the state entering a segment weighs in its outputs
         g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, device="cuda")) * 0.02
         kw = dict(use_qk_l2norm_in_kernel=True)
         from cula.gated_delta_rule import chunk_gated_delta_rule as fn
+    else:
+        g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, device="cuda")) * 0.02
+        kw = dict(scale=K ** -0.5)
+        from cula.gla import chunk_gla
+
+        fn = lambda q, k, v, g, beta, **kw: chunk_gla(q, k, v, g, **kw)  # noqa: E731 (no beta)
 
     def run():
         return fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, **kw)

@@ -5,7 +5,8 @@ one process: whether and where the segments pay.
 
 KDA as Kimi-Linear runs it (bf16, gate in kernel with lower bound -5, q/k L2 norm, beta sigmoid),
 GDN as Qwen3-Next (fp32 log-sigmoid gate, q/k L2 norm; value heads twice the q/k heads), GLA with a
-per-channel log-sigmoid gate / 16; K = V = 128. Few heads per GPU is what tensor parallelism leaves:
+per-channel log-sigmoid gate / 16, simple GLA with a log-sigmoid gate per head, Lightning as layer 3 of 8;
+K = V = 128. Few heads per GPU is what tensor parallelism leaves:
 Kimi-Linear's 32 heads over 8 GPUs are 4, Qwen3-Next's 16/32 are 2/4. Times: queued GPU time
 (triton.testing.do_bench's method, the lead number) and single synchronized calls.
 """
@@ -39,9 +40,17 @@ CONFIGS = [
     ("gdn", 1, 32768, 2, 4),
     ("gdn", 1, 131072, 2, 4),
     ("gdn", 1, 65536, 16, 32),
+    ("gla", 1, 16384, 4, 4),  # below the planner's 32768 tokens
     ("gla", 1, 32768, 4, 4),
+    ("gla", 1, 131072, 4, 4),
+    ("gla", 1, 65536, 16, 16),
+    ("simple_gla", 1, 32768, 4, 4),
+    ("simple_gla", 1, 131072, 4, 4),
+    ("lightning", 1, 32768, 4, 4),
 ]
-_FLA = {"kda": ("kda", "chunk_kda"), "gdn": ("gated_delta_rule", "chunk_gated_delta_rule"), "gla": ("gla", "chunk_gla")}
+_FLA = {"kda": ("kda", "chunk_kda"), "gdn": ("gated_delta_rule", "chunk_gated_delta_rule"), "gla": ("gla", "chunk_gla"),
+        "simple_gla": ("simple_gla", "chunk_simple_gla"), "lightning": ("lightning_attn", "chunk_lightning_attn")}
+LIGHTNING_LAYER, LIGHTNING_LAYERS = 3, 8  # (as `cula bench lightning`)
 
 
 def config_name(family, B, T, H, HV):
@@ -65,9 +74,19 @@ def _inputs(torch, family, B, T, H, HV, dev):
         x["g"] = F.logsigmoid(torch.randn(B, T, HV, device=dev))
         x["beta"] = torch.rand(B, T, HV, device=dev, dtype=bf)
         kw = dict(use_qk_l2norm_in_kernel=True)
-    else:
+    elif family == "gla":
         x["g"] = F.logsigmoid(torch.randn(B, T, HV, K, device=dev)) / 16
         x["beta"] = None
+        kw = {}
+    elif family == "simple_gla":
+        x["g"] = F.logsigmoid(torch.randn(B, T, HV, device=dev))
+        x["beta"] = None
+        kw = {}
+    else:  # lightning: a constant decay per head, the drop-in's for layer 3 of 8
+        from ..lightning_attn import lightning_decay
+
+        x["g"] = x["beta"] = None
+        x["decay"] = lightning_decay(H, LIGHTNING_LAYER, LIGHTNING_LAYERS, like=x["q"])
         kw = {}
     return x, dict(kw, scale=K ** -0.5)
 
@@ -91,12 +110,13 @@ def bench_segments(out_dir: str, gpu_name: str | None = None, configs=None) -> i
 
         def uncut(i, s=sets):
             x = s[i % 2][0]
-            return ops.chunk_fwd(family, x["q"], x["k"], x["v"], x["g"], x["beta"], output_final_state=True, **kw)[0]
+            return ops.chunk_fwd(family, x["q"], x["k"], x["v"], x["g"], x["beta"], x.get("decay"), output_final_state=True,
+                                 **kw)[0]
 
         def cut_at(L, sets=sets):
             def run(i, s=sets):
                 x = s[i % 2][0]
-                return _segments.forward(family, x["q"], x["k"], x["v"], x["g"], x["beta"], None, seg_len=L,
+                return _segments.forward(family, x["q"], x["k"], x["v"], x["g"], x["beta"], x.get("decay"), seg_len=L,
                                          output_final_state=True, **kw)[0]
             return run
 
@@ -108,7 +128,10 @@ def bench_segments(out_dir: str, gpu_name: str | None = None, configs=None) -> i
 
             def fla(i, s=sets):
                 x = s[i % 2][0]
-                args = (x["q"], x["k"], x["v"], x["g"]) + ((x["beta"],) if x["beta"] is not None else ())
+                if family == "lightning":
+                    args = (x["q"], x["k"], x["v"], LIGHTNING_LAYER, LIGHTNING_LAYERS)
+                else:
+                    args = (x["q"], x["k"], x["v"], x["g"]) + ((x["beta"],) if x["beta"] is not None else ())
                 return fla_fn(*args, output_final_state=True, **kw)[0]
             impls.append(("fla_triton", fla))
         except Exception as e:  # noqa: BLE001 (a peer that cannot run is reported, not fatal)
@@ -150,15 +173,16 @@ def write_table(out_dir, meta, records, note=""):
     cols = ["uncut"] + segs + ["fla_triton"]
 
     def planned(c):  # the call the front makes with CULA_SEGMENT_TOKENS unset: "uncut" or "seg<L>"
-        L = plan(c["B"], c["T"], c["HV"], c["K"], c["V"], meta["sms"]) if c["family"] in PLAN_FAMILIES else None
+        L = plan(c["B"], c["T"], c["HV"], c["K"], c["V"], meta["sms"], delta=c["family"] in ("kda", "gdn")) \
+            if c["family"] in PLAN_FAMILIES else None
         return f"seg{L}" if L else "uncut"
 
     lines = [f"# Few heads, long sequences: the chunked forward uncut and in parallel segments ({meta['gpu']})", "",
              f"Times in ms. Queued calls: {meta['queued_method']}. Single calls: {meta['method']}. `segL`: "
              "`_segments.forward` with segments of L tokens (CULA_SEGMENT_TOKENS=L). Best segments: the fastest "
              "segment length's time over the uncut time (below 1: the segments pay). FLA: FLA's time over the "
-             "uncut time. Planned: the call the front makes with CULA_SEGMENT_TOKENS unset (`_segments.plan`, KDA and "
-             "GDN), and FLA's time over its time.", ""]
+             "uncut time. Planned: the call the front makes with CULA_SEGMENT_TOKENS unset (`_segments.plan`: KDA, GDN "
+             "and GLA), and FLA's time over its time.", ""]
     for key, title in (("queued_ms", "Queued calls (GPU time)"), ("single_ms", "Single synchronized calls")):
         lines += [f"## {title}", "", "| config | " + " | ".join(cols) + " | best segments / uncut | FLA / uncut | "
                   "planned | FLA / planned |", "|---" * (len(cols) + 5) + "|"]
