@@ -4,7 +4,8 @@
 // Design. The work is memory-bound (each step reads and writes the K x V state), so the kernel
 // is built to keep many state bytes in flight without holding them in registers:
 //  - grid: one CTA per (sequence n, value head hv, tile of R state rows along V), R chosen so a
-//    tile is 16 KB (thinner, down to 16 rows, while the grid has fewer than two CTAs per SM);
+//    tile is 16 KB (K-first: at least 64 columns at K <= 128; thinner, down to 16 rows, while the
+//    grid has fewer than two CTAs per SM);
 //    block: 4 warps. On sm_90+ the launch is a programmatic dependent one: the CTAs wait
 //    (griddepcontrol.wait) for the previous kernel before their first read, so a decode step's
 //    launch overlaps the end of the kernel before it.
@@ -20,7 +21,8 @@
 //  - phase 3: warp w runs its batches of rows (w, w+4, ..., then w+16, ...) as their groups land
 //    (cp.async.wait_group + __syncwarp: no block barrier on the tile), so a CTA's first stores
 //    overlap its last reads; lane l holds elements [l*EPL, (l+1)*EPL) of the row (EPL = K/32)
-//    in registers through the T tokens: S' = S*exp(a), the delta rule's S'^T k and the output
+//    in registers through the T tokens (16-byte loads and stores; K = 256: 2 rows a step, not 4, within
+//    the registers of 8 CTAs per SM): S' = S*exp(a), the delta rule's S'^T k and the output
 //    S^T q are warp reductions, the 4 rows' sums together by reduce-scatter (6 shuffles instead
 //    of 20); the row goes straight back to the pool from registers (16-byte stores for fp32,
 //    K = 128); its output waits in shared memory.
