@@ -158,9 +158,12 @@ __device__ __forceinline__ int read_slot(const DecodeParams& p, int n) {
 // Shared memory: the CTA's state tile (K-last [R][K]; K-first [K][kfirst_pitch(R)]) padded to 16 bytes,
 // then per token the preprocessed q, k and exp(a) (K each), beta, the tile's R values of v and
 // its R outputs.
+// K-first tile row: R values, and 16 bytes more where a warp spans several shares of the channels
+// (R < 32). From 32 columns a warp reads 32 consecutive columns of one channel row, which no
+// padding helps, and the tile without it leaves room for one more CTA per SM at K = 256.
 template <typename S>
-__host__ __device__ constexpr int kfirst_pitch(int R) {  // K-first tile row: R values and 16 bytes
-  return R + 16 / static_cast<int>(sizeof(S));
+__host__ __device__ constexpr int kfirst_pitch(int R) {
+  return R >= 32 ? R : R + 16 / static_cast<int>(sizeof(S));
 }
 
 template <typename S>
