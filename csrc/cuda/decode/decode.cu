@@ -20,9 +20,10 @@
 //    per sequence) every warp prepares the token itself, in registers, and skips that barrier.
 //  - phase 3: warp w runs its batches of rows (w, w+4, ..., then w+16, ...) as their groups land
 //    (cp.async.wait_group + __syncwarp: no block barrier on the tile), so a CTA's first stores
-//    overlap its last reads; lane l holds elements [l*EPL, (l+1)*EPL) of the row (EPL = K/32)
-//    in registers through the T tokens (16-byte loads and stores; K = 256: 2 rows a step, not 4, within
-//    the registers of 8 CTAs per SM): S' = S*exp(a), the delta rule's S'^T k and the output
+//    overlap its last reads; lane l holds elements [l*EPL, (l+1)*EPL) of the row (EPL = K/32; K = 256:
+//    [4l, 4l+4) and [128+4l, 128+4l+4), so that each warp access is contiguous) in registers through
+//    the T tokens (16-byte loads and stores; K = 256: 2 rows a step, not 4, within the registers of
+//    8 CTAs per SM): S' = S*exp(a), the delta rule's S'^T k and the output
 //    S^T q are warp reductions, the 4 rows' sums together by reduce-scatter (6 shuffles instead
 //    of 20); the row goes straight back to the pool from registers (16-byte stores for fp32,
 //    K = 128); its output waits in shared memory.
@@ -107,17 +108,6 @@ __device__ __forceinline__ void load_row(const S* p, float* x) {
     const __nv_bfloat162 lo = *reinterpret_cast<const __nv_bfloat162*>(&a.x);
     const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&a.y);
     x[0] = __low2float(lo), x[1] = __high2float(lo), x[2] = __low2float(hi), x[3] = __high2float(hi);
-  } else if constexpr (sizeof(S) == 4 && EPL == 8) {
-    load_row<4, S>(p, x);
-    load_row<4, S>(p + 4, x + 4);
-  } else if constexpr (sizeof(S) == 2 && EPL == 8) {
-    const uint4 a = *reinterpret_cast<const uint4*>(p);
-    const uint32_t w[4] = {a.x, a.y, a.z, a.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const __nv_bfloat162 h = *reinterpret_cast<const __nv_bfloat162*>(&w[i]);
-      x[2 * i] = __low2float(h), x[2 * i + 1] = __high2float(h);
-    }
   } else {
 #pragma unroll
     for (int e = 0; e < EPL; ++e) x[e] = static_cast<float>(p[e]);
@@ -133,17 +123,39 @@ __device__ __forceinline__ void store_row(S* p, const float* x) {
     *reinterpret_cast<__nv_bfloat162*>(&a.x) = __floats2bfloat162_rn(x[0], x[1]);
     *reinterpret_cast<__nv_bfloat162*>(&a.y) = __floats2bfloat162_rn(x[2], x[3]);
     *reinterpret_cast<uint2*>(p) = a;
-  } else if constexpr (sizeof(S) == 4 && EPL == 8) {
-    store_row<4, S>(p, x);
-    store_row<4, S>(p + 4, x + 4);
-  } else if constexpr (sizeof(S) == 2 && EPL == 8) {
-    uint32_t w[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) *reinterpret_cast<__nv_bfloat162*>(&w[i]) = __floats2bfloat162_rn(x[2 * i], x[2 * i + 1]);
-    *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
   } else {
 #pragma unroll
     for (int e = 0; e < EPL; ++e) p[e] = static_cast<S>(x[e]);
+  }
+}
+
+// The key channels lane `lane` holds, element e of EPL: EPL consecutive ones from lane * EPL (K <= 128),
+// or at K = 256 two runs of 4, [4 lane, 4 lane + 4) and [128 + 4 lane, 128 + 4 lane + 4), so that a
+// warp's access to a state row is one contiguous 512-byte (fp32) piece per instruction, not 32-byte
+// pieces 32 bytes apart.
+template <int EPL>
+__device__ __forceinline__ int lane_channel(int lane, int e) {
+  return EPL == 8 ? (e >> 2) * 128 + lane * 4 + (e & 3) : lane * EPL + e;
+}
+
+// A lane's EPL elements of the K-last state row at `row` as floats (lane_channel's order), and back.
+template <int EPL, typename S>
+__device__ __forceinline__ void load_lane(const S* row, int lane, float* x) {
+  if constexpr (EPL == 8) {
+    load_row<4, S>(row + 4 * lane, x);
+    load_row<4, S>(row + 128 + 4 * lane, x + 4);
+  } else {
+    load_row<EPL, S>(row + lane * EPL, x);
+  }
+}
+
+template <int EPL, typename S>
+__device__ __forceinline__ void store_lane(S* row, int lane, const float* x) {
+  if constexpr (EPL == 8) {
+    store_row<4, S>(row + 4 * lane, x);
+    store_row<4, S>(row + 128 + 4 * lane, x + 4);
+  } else {
+    store_row<EPL, S>(row + lane * EPL, x);
   }
 }
 
@@ -218,7 +230,8 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
   const int h = static_cast<int>(p.value_heads_per_head.div(static_cast<uint32_t>(hv)));
   const int j0 = tile_id * R;
   const int rows = min(R, p.V - j0);
-  const int k0 = lane * EPL;
+  const int k0 = lane * EPL;  // (the vector loads of K <= 128; lane_channel in general)
+  auto ch = [&](int e) { return lane_channel<EPL>(lane, e); };
   S* pool = static_cast<S*>(p.pool);
   const int64_t slot_elems = static_cast<int64_t>(p.HV) * p.V * K;
   const int64_t head_off = static_cast<int64_t>(hv) * p.V * K;
@@ -251,27 +264,27 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
       load_row<EPL, float>(p.dt_bias + hv * K + k0, rbias);
     } else {
 #pragma unroll
-      for (int e = 0; e < EPL; ++e) rbias[e] = p.dt_bias_per_channel ? p.dt_bias[hv * K + k0 + e] : p.dt_bias[hv];
+      for (int e = 0; e < EPL; ++e) rbias[e] = p.dt_bias_per_channel ? p.dt_bias[hv * K + ch(e)] : p.dt_bias[hv];
     }
   }
   // kServing: one vector load per input and lane (the launch checked the alignment) instead of
   // EPL scalar ones: fewer load instructions ahead of the tile's at the start of every CTA.
   auto load_token = [&](int t) {
     const int64_t f = static_cast<int64_t>(n) * p.T + t;
-    const int64_t qk_off = (f * p.H + h) * K + k0;
+    const int64_t qk_off = (f * p.H + h) * K;
     if constexpr (kServing) {
-      load_row<EPL, __nv_bfloat16>(static_cast<const __nv_bfloat16*>(p.q) + qk_off, rq);
-      load_row<EPL, __nv_bfloat16>(static_cast<const __nv_bfloat16*>(p.k) + qk_off, rk);
+      load_row<EPL, __nv_bfloat16>(static_cast<const __nv_bfloat16*>(p.q) + qk_off + k0, rq);
+      load_row<EPL, __nv_bfloat16>(static_cast<const __nv_bfloat16*>(p.k) + qk_off + k0, rk);
     } else {
 #pragma unroll
-      for (int e = 0; e < EPL; ++e) rq[e] = ldx(p.q, p.q_dt, qk_off + e), rk[e] = ldx(p.k, p.q_dt, qk_off + e);
+      for (int e = 0; e < EPL; ++e) rq[e] = ldx(p.q, p.q_dt, qk_off + ch(e)), rk[e] = ldx(p.k, p.q_dt, qk_off + ch(e));
     }
     if (kServing && gate_kind == GateKind::PerChannel) {
       load_row<EPL, float>(static_cast<const float*>(p.g) + (f * p.HV + hv) * K + k0, rg);
     } else {
 #pragma unroll
       for (int e = 0; e < EPL; ++e)
-        rg[e] = gate_kind == GateKind::PerChannel ? ldf(p.g, p.g_dt, (f * p.HV + hv) * K + k0 + e)
+        rg[e] = gate_kind == GateKind::PerChannel ? ldf(p.g, p.g_dt, (f * p.HV + hv) * K + ch(e))
                 : gate_kind == GateKind::Scalar ? ldf(p.g, p.g_dt, f * p.HV + hv)
                                    : -p.decay[p.decay_heads == p.HV ? hv : h];
     }
@@ -387,7 +400,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
       if (t != my_t) load_token(t);
       float* tq = tok + static_cast<size_t>(t) * 3 * K;
       const float xb = prepare([&](int e, float xq, float xk, float xa) {
-        tq[k0 + e] = xq, tq[K + k0 + e] = xk, tq[2 * K + k0 + e] = xa;
+        tq[ch(e)] = xq, tq[K + ch(e)] = xk, tq[2 * K + ch(e)] = xa;
       });
       if (lane == 0) tok_beta[t] = xb;
     }
@@ -472,13 +485,13 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       const int r = r0 + b * kWarps < rows ? r0 + b * kWarps : r0;  // past the tile: computed, never stored
-      load_row<EPL, S>(tile + r * K + k0, s[b]);
+      load_lane<EPL, S>(tile + r * K, lane, s[b]);
     }
     auto store_to = [&](S* dst) {  // the head's state in a slot (or in final_state_out)
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
         const int r = r0 + b * kWarps;
-        if (r < rows) store_row<EPL, S>(dst + static_cast<int64_t>(j0 + r) * K + k0, s[b]);
+        if (r < rows) store_lane<EPL, S>(dst + static_cast<int64_t>(j0 + r) * K, lane, s[b]);
       }
     };
     for (int t = 0; t < p.T; ++t) {
@@ -488,7 +501,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8) decode_kernel(const DecodePara
 #pragma unroll
       for (int e = 0; e < EPL; ++e) {
         if constexpr (kOneToken) qv[e] = one_q[e], kv[e] = one_k[e], av[e] = one_a[e];
-        else qv[e] = tq[k0 + e], kv[e] = tq[K + k0 + e], av[e] = tq[2 * K + k0 + e];
+        else qv[e] = tq[ch(e)], kv[e] = tq[K + ch(e)], av[e] = tq[2 * K + ch(e)];
       }
       float u[kBatch];
 #pragma unroll
