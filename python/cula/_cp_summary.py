@@ -215,13 +215,16 @@ def precise_maps(family, q, k, v, g, beta, decay, spans, opts, h0=None):
         if q.is_cuda:
             opts = dict(opts, backend="cuda_fp32")
         ends = list(itertools.accumulate(e - s for _, s, e in subs))  # of each sub-piece in the picked tokens
-        cu = torch.tensor([0] + ends, dtype=torch.int32, device=dev)
+        # the offsets reach the device in one copy from pinned memory that the host does not wait for
+        # (a copy from pageable memory waits for the stream); the engine and the decays take them there
+        cu_host = torch.tensor([0] + ends, dtype=torch.int64)
+        cu = cu_host.pin_memory().to(dev, non_blocking=True) if q.is_cuda else cu_host
         _, fw = ops.chunk_fwd(family, qs, ks, vs.contiguous(), gs, bs, decay, initial_state=init,
-                              output_final_state=True, cu_seqlens=cu, state_layout="k_last", state_dtype="float32",
-                              value_dim=W, **opts)
+                              output_final_state=True, cu_seqlens=cu, cu_seqlens_host=cu_host, state_layout="k_last",
+                              state_dtype="float32", value_dim=W, **opts)
         if diagonal:  # every sub-piece's decays from one running sum over the picked tokens
             d = diagonal_decays(family, None if gs is None else gs[0], decay, ends[-1], HV, K,
-                                [0] + ends[:-1], ends, dev).float().unsqueeze(2)  # [subs, HV, 1, K]
+                                cu[:-1], cu[1:], dev).float().unsqueeze(2)  # [subs, HV, 1, K]
         for j, (i, s, e) in enumerate(subs):
             a_j = fw[j, :, :V, :]
             if diagonal:  # X diag(d): the columns scaled

@@ -659,15 +659,19 @@ def test_bench_cp_harness_runs_on_host_ranks(tmp_path):
     assert "| kda 1x192 H2 | forward + backward |" in (tmp_path / "cp_x2.md").read_text()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the CUDA path (float32 recurrent kernels, offsets by a pinned copy) needs a GPU"))])
 @pytest.mark.parametrize("family", ["kda", "gdn", "gla", "simple_gla", "lightning"])
-def test_precise_maps_compose_their_sub_pieces(rng, family, monkeypatch):
+def test_precise_maps_compose_their_sub_pieces(rng, family, device, monkeypatch):
     """_cp_summary.precise_maps with spans longer than its sub-pieces (16 tokens here): A and M of each
     span equal one call over the whole span (A: the end state from the given h0 or zero; M: the
-    identity-extended block, or the diagonal of the decays), dense rows and an empty span."""
+    identity-extended block, or the diagonal of the decays), dense rows and an empty span; on the
+    host and on a GPU (where the sub-pieces' offsets reach the device by one pinned copy)."""
     from cula import _cp_summary
 
     monkeypatch.setattr(_cp_summary, "SUB_SEGMENT", 16)
-    d, kw, h0 = _problem(rng, family, 2, 90, 2, 2, 32, 32, "cpu")
+    K = 32 if device == "cpu" else 64  # (a head size the CUDA kernels are built for)
+    d, kw, h0 = _problem(rng, family, 2, 90, 2, 2, K, K, device)
     decay = kw.pop("decay", None)
     spans = [(0, 0, 90), (1, 7, 60), (1, 60, 60)]
     h0s = [h0[0], None, h0[1]]
@@ -676,14 +680,14 @@ def test_precise_maps_compose_their_sub_pieces(rng, family, monkeypatch):
     HV, V, K = h0.shape[1], h0.shape[2], h0.shape[3]
     for i, (b, lo, hi) in enumerate(spans):
         part = {n: x[b:b + 1, lo:hi] for n, x in d.items()}
-        init = torch.zeros(1, HV, V + K, K)
-        init[0, :, V:, :] = torch.eye(K)
+        init = torch.zeros(1, HV, V + K, K, device=device)
+        init[0, :, V:, :] = torch.eye(K, device=device)
         if h0s[i] is not None:
             init[0, :, :V, :] = h0s[i]
         vw = torch.cat([part["v"], part["v"].new_zeros(1, hi - lo, HV, K)], dim=-1)
         _, fw = cula.ops.chunk_fwd(family, part["q"], part["k"], vw, part.get("g"), part.get("beta"), decay,
                                    initial_state=init, output_final_state=True, state_layout="k_last",
-                                   state_dtype="float32", **kw)
+                                   state_dtype="float32", **kw, **({"backend": "cuda_fp32"} if device == "cuda" else {}))
         assert _rel(A[i], fw[0, :, :V, :]) < TOL, (family, i, _rel(A[i], fw[0, :, :V, :]))
         assert _rel(M[i], fw[0, :, V:, :]) < TOL, (family, i, _rel(M[i], fw[0, :, V:, :]))
 
