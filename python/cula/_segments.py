@@ -176,14 +176,15 @@ def forward(family, q, k, v, g, beta, decay, *, seg_len, initial_state=None, out
     enter = torch.zeros(S, HV, V, K, dtype=acc, device=dev)
     if h0 is not None:
         enter[first_ids] = h0
-    if N == 1:
-        for j in range(1, S):
-            if j == 1:
-                enter[1].copy_(A[0])
-            elif diagonal:
-                torch.addcmul(A[j - 1], enter[j - 1], d[j - 1].unsqueeze(1), out=enter[j])
+    if N == 1:  # (views by one unbind each: a select per operand and step cost host time per call)
+        Es, As = enter.unbind(0), A.unbind(0)
+        Ms = (d.unsqueeze(2) if diagonal else M).unbind(0)  # the transitions: [HV, 1, K] diagonals or [HV, K, K]
+        Es[1].copy_(As[0])
+        for j in range(2, S):
+            if diagonal:
+                torch.addcmul(As[j - 1], Es[j - 1], Ms[j - 1], out=Es[j])
             else:
-                torch.baddbmm(A[j - 1], enter[j - 1], M[j - 1], out=enter[j])
+                torch.baddbmm(As[j - 1], Es[j - 1], Ms[j - 1], out=Es[j])
     elif by_position:
         for j, cur in enumerate(folded_ids.split([len(group) for group in by_position])):
             prev = cur - 1
