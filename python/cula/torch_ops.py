@@ -201,12 +201,13 @@ def _eager(*tensors, differentiable=False) -> bool:
     wrappers, alias checks and dispatcher round trip) costs about as much host time per call as the
     rest of a drop-in's path, which a small decode batch waits on. The op is kept where it is needed:
     while torch.compile traces, under a torch dispatch mode (fake tensors, flop counters), for tensor
-    subclasses, and for an autograd graph (differentiable inputs that require grad)."""
+    subclasses, for meta tensors (whose shapes the ops' fake implementations give), and for an autograd
+    graph (differentiable inputs that require grad)."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return False
     grad = differentiable and torch.is_grad_enabled()
     for t in tensors:
-        if t is not None and (type(t) not in _PLAIN or (grad and t.requires_grad)):
+        if t is not None and (type(t) not in _PLAIN or t.is_meta or (grad and t.requires_grad)):
             return False
     return True
 

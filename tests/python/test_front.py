@@ -389,7 +389,9 @@ def test_eager_calls_skip_the_registered_ops_and_traced_calls_keep_them(rng):
     class Sub(torch.Tensor):
         pass
 
-    assert not tops._eager(q.as_subclass(Sub))
+    assert not tops._eager(q.as_subclass(Sub)) and not tops._eager(q.to("meta"))
+    meta = tops.chunk_fwd("kda", *(x.to("meta") for x in (q, k, v, g, beta)), initial_state=pool.to("meta"))
+    assert meta[0].is_meta and meta[0].shape == v.shape and meta[1].shape == pool.shape  # (the op's fake implementation)
     eager = [tops.decode_to(q, k, v, pool, mode="kda", g=g, beta=beta),
              tops.chunk_fwd("kda", q, k, v, g, beta, initial_state=pool)]
     with Seen() as mode:
