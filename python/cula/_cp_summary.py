@@ -109,9 +109,7 @@ def uniform_diagonal_decays(family, g, decay, B, T, HV, K, seg_len, device):
     full, rest = divmod(T, seg_len)
     lengths = [seg_len] * full + ([rest] if rest or not full else [])
     if family == "lightning":  # a constant log-decay per head: the piece's length times it
-        rate = (-decay.to(device=device, dtype=torch.float64).reshape(-1)).clamp_min(MIN_LOG_DECAY)
-        if rate.numel() != HV:
-            rate = rate.repeat_interleave(HV // rate.numel())
+        rate = _log_decays(family, None, decay, 1, HV, device)[0, :, 0]  # [HV], clamped
         n = torch.full((len(lengths),), float(seg_len), dtype=torch.float64, device=device)
         n[-1] = float(lengths[-1])  # (made on the device: no copy from the host)
         d = torch.exp(n.view(-1, 1) * rate.view(1, HV))  # [pieces of a sequence, HV]
@@ -124,6 +122,15 @@ def uniform_diagonal_decays(family, g, decay, B, T, HV, K, seg_len, device):
         parts.append(a[:, full * seg_len:].sum(1, keepdim=True, dtype=torch.float64))
     sums = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [B, pieces, HV, K or 1]
     return torch.exp(sums).expand(B, len(lengths), HV, K).reshape(-1, HV, K)
+
+
+def host_to_device(host, device):
+    """A host tensor on `device` by one copy from pinned memory that the host does not wait for (a
+    copy from pageable memory waits for the stream: it would put the GPU's whole queue in the call's
+    time); the host tensor itself for a host device."""
+    if getattr(device, "type", device) != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def cut(offsets, seg_len):
@@ -215,10 +222,9 @@ def precise_maps(family, q, k, v, g, beta, decay, spans, opts, h0=None):
         if q.is_cuda:
             opts = dict(opts, backend="cuda_fp32")
         ends = list(itertools.accumulate(e - s for _, s, e in subs))  # of each sub-piece in the picked tokens
-        # the offsets reach the device in one copy from pinned memory that the host does not wait for
-        # (a copy from pageable memory waits for the stream); the engine and the decays take them there
+        # (the engine and the decays take the offsets on the device, the engine their host copy too)
         cu_host = torch.tensor([0] + ends, dtype=torch.int64)
-        cu = cu_host.pin_memory().to(dev, non_blocking=True) if q.is_cuda else cu_host
+        cu = host_to_device(cu_host, dev)
         _, fw = ops.chunk_fwd(family, qs, ks, vs.contiguous(), gs, bs, decay, initial_state=init,
                               output_final_state=True, cu_seqlens=cu, cu_seqlens_host=cu_host, state_layout="k_last",
                               state_dtype="float32", value_dim=W, **opts)

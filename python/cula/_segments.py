@@ -42,7 +42,7 @@ from __future__ import annotations
 import os
 
 from . import ops
-from ._cp_summary import DIAGONAL, cut, diagonal_decays, uniform_diagonal_decays
+from ._cp_summary import DIAGONAL, cut, diagonal_decays, host_to_device, uniform_diagonal_decays
 from ._lib import CulaError
 
 SEGMENT_TOKENS = "CULA_SEGMENT_TOKENS"
@@ -139,16 +139,11 @@ def forward(family, q, k, v, g, beta, decay, *, seg_len, initial_state=None, out
         if position[i]:
             by_position[position[i] - 1].append(i)
     folded = [i for group in by_position for i in group]
-    # Every index list and the segment offsets reach the device in one copy from pinned memory that
-    # the host does not wait for (a copy from pageable memory waits for the stream: each one would
-    # put the GPU's whole queue in the call's time)
+    # Every index list and the segment offsets reach the device in one copy (host_to_device)
     bounds = [s[1] for s in segs] + [segs[-1][2]]  # the segments as the sequences of one varlen call
     cu_host = torch.tensor(bounds, dtype=torch.int64)
     lists = (firsts, later, lasts, folded, bounds)
-    packed = torch.tensor([x for lst in lists for x in lst], dtype=torch.int64)
-    if dev.type == "cuda":
-        packed = packed.pin_memory()
-    on_dev = packed.to(dev, non_blocking=True)
+    on_dev = host_to_device(torch.tensor([x for lst in lists for x in lst], dtype=torch.int64), dev)
     first_ids, later_ids, last_ids, folded_ids, cu = on_dev.split([len(x) for x in lists])
 
     # 1. summary pass

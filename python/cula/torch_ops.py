@@ -76,10 +76,13 @@ def _decode_fake(*args):
     return _decode_out_fake(args)
 
 
-def _final_states(args):
+def _final_buffer(q, pool):
     """A fresh buffer for decode_to's final states: one per sequence, as the pool's slots."""
-    q, pool = args[_DECODE_ARGS.index("q")], args[_DECODE_ARGS.index("state_pool")]
     return pool.new_empty((q.shape[0], *pool.shape[1:]))
+
+
+def _final_states(args):
+    return _final_buffer(args[_DECODE_ARGS.index("q")], args[_DECODE_ARGS.index("state_pool")])
 
 
 def _decode_to(*args):
@@ -231,7 +234,7 @@ def decode_to(q, k, v, state_pool, *, mode="kda", g=None, beta=None, decay=None,
     state_pool[n], the final states returned fresh. Returns (o, final_states)."""
     opts = ops._options("decode", options, option_kw)
     if _eager(q, k, v, state_pool, g, beta, A_log, dt_bias):
-        final = state_pool.new_empty((q.shape[0], *state_pool.shape[1:]))
+        final = _final_buffer(q, state_pool)
         o, _ = ops.decode(q, k, v, state_pool, mode=mode, g=g, beta=beta, decay=decay, A_log=A_log, dt_bias=dt_bias,
                           final_state_out=final, options=opts)
         return o, final

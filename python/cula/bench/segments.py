@@ -167,13 +167,13 @@ def _write(out_dir, gpu, bw, torch, records, note=""):
 
 def write_table(out_dir, meta, records, note=""):
     """segments.md from the results (meta and records as segments.json holds them)."""
-    from .._segments import PLAN_FAMILIES, plan
+    from .._segments import DIAGONAL, PLAN_FAMILIES, plan
 
     segs = [f"seg{L}" for L in meta["segments"]]
     cols = ["uncut"] + segs + ["fla_triton"]
 
     def planned(c):  # the call the front makes with CULA_SEGMENT_TOKENS unset: "uncut" or "seg<L>"
-        L = plan(c["B"], c["T"], c["HV"], c["K"], c["V"], meta["sms"], delta=c["family"] in ("kda", "gdn")) \
+        L = plan(c["B"], c["T"], c["HV"], c["K"], c["V"], meta["sms"], delta=c["family"] not in DIAGONAL) \
             if c["family"] in PLAN_FAMILIES else None
         return f"seg{L}" if L else "uncut"
 
