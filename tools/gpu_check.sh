@@ -74,7 +74,7 @@ fi
 for tool in memcheck racecheck synccheck; do
   env $([ "$tool" = racecheck ] && echo CULA_FUSED_8WARP=1 CULA_BLOCK_BARRIERS_ONLY=1) compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
     tests/python/test_gpu.py tests/python/test_gpu_decode.py tests/python/test_gpu_prefill.py tests/python/test_gpu_chunk_mma.py \
-    tests/python/test_gpu_backward.py \
+    tests/python/test_gpu_backward.py tests/python/test_segment_len.py \
     -m sanitize 2>&1 | tee -a "$LOG/sanitizer.txt" | tail -4
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done

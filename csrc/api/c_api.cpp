@@ -225,7 +225,9 @@ const Args* current_args(const Args* args, std::initializer_list<size_t> older_s
 cula_status fwd_entry(const cula_chunk_fwd_args* args, Entry what) {
   cula_chunk_fwd_args full;
   return enter(kChunkFwd, "chunk_fwd", "cula_chunk_fwd_args",
-               current_args(args, {offsetof(cula_chunk_fwd_args, cu_seqlens_host), offsetof(cula_chunk_fwd_args, value_dim)}, full), validate_chunk_fwd, what);
+               current_args(args, {offsetof(cula_chunk_fwd_args, cu_seqlens_host), offsetof(cula_chunk_fwd_args, value_dim),
+                                  offsetof(cula_chunk_fwd_args, segment_len)},
+                            full), validate_chunk_fwd, what);
 }
 
 cula_status decode_entry(const cula_decode_args* args, Entry what) {

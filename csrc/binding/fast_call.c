@@ -176,17 +176,18 @@ static int read_options(PyObject* opt, cula_recurrence_options* o) {
   return PyErr_Occurred() ? -1 : 0;
 }
 
-/* call(kind, entry_address, options, chunk_size, arrays): arrays maps tensor field names to
- * arrays (a field missing or None stays NULL). Returns the entry's status as an int, or None when
- * an array is not a torch tensor of the common case (nothing was called). */
+/* call(kind, entry_address, options, chunk_size, arrays[, segment_len]): arrays maps tensor field
+ * names to arrays (a field missing or None stays NULL); segment_len, the chunked forward's. Returns
+ * the entry's status as an int, or None when an array is not a torch tensor of the common case
+ * (nothing was called). */
 static PyObject* call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   (void)self;
   if (!tensor_type) {
     PyErr_SetString(PyExc_RuntimeError, "_fast_call: configure() was not called");
     return NULL;
   }
-  if (nargs != 5 || !PyDict_Check(args[4])) {
-    PyErr_SetString(PyExc_TypeError, "_fast_call.call(kind, entry, options, chunk_size, arrays: dict)");
+  if (nargs < 5 || nargs > 6 || !PyDict_Check(args[4])) {
+    PyErr_SetString(PyExc_TypeError, "_fast_call.call(kind, entry, options, chunk_size, arrays: dict[, segment_len])");
     return NULL;
   }
   long kind = PyLong_AsLong(args[0]);
@@ -212,6 +213,15 @@ static PyObject* call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
     if (cs == -1 && PyErr_Occurred()) return NULL;
     *(int32_t*)(buf + lay->chunk_size_at) = (int32_t)cs;
   }
+  if (nargs == 6) {
+    if (kind != KIND_CHUNK_FWD) {
+      PyErr_SetString(PyExc_ValueError, "_fast_call: segment_len belongs to the chunked forward");
+      return NULL;
+    }
+    long long seg = PyLong_AsLongLong(args[5]);
+    if (seg == -1 && PyErr_Occurred()) return NULL;
+    *(int64_t*)(buf + offsetof(cula_chunk_fwd_args, segment_len)) = (int64_t)seg;
+  }
   const cula_tensor** fields = (const cula_tensor**)(buf + lay->first_tensor);
   for (size_t i = 0; i < lay->num_tensors; ++i) {
     PyObject* x = PyDict_GetItemWithError(args[4], PyTuple_GetItem(names, (Py_ssize_t)i)); /* borrowed */
@@ -236,7 +246,7 @@ static PyMethodDef METHODS[] = {
     {"configure", (PyCFunction)configure, METH_VARARGS,
      "configure(torch.Tensor, {dtype: code}, (tensor field names per entry, in struct order))"},
     {"call", (PyCFunction)(void (*)(void))call, METH_FASTCALL,
-     "call(kind, entry, options, chunk_size, arrays) -> status, or None to fall back"},
+     "call(kind, entry, options, chunk_size, arrays[, segment_len]) -> status, or None to fall back"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef MODULE = {PyModuleDef_HEAD_INIT, "_fast_call", NULL, -1, METHODS, NULL, NULL, NULL, NULL};

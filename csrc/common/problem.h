@@ -46,6 +46,7 @@ struct Recurrence {
   int64_t B = 0, T = 0, H = 0, HV = 0, K = 0, V = 0;
   int64_t v_cols = 0;               // columns of v read; those in [v_cols, V) are zeros (value_dim)
   int64_t N = 0;                    // sequences
+  int64_t segment_len = 0;          // chunk_fwd: segments of this many tokens in parallel (0: none)
   std::vector<int64_t> seq_start;   // N+1 offsets into the flattened B*T tokens
   double scale = 1.0;
   bool l2norm = false, gate_in_kernel = false, has_lb = false, beta_sigmoid = false, neg_eig = false;

@@ -392,6 +392,16 @@ Recurrence validate_chunk_fwd(const cula_chunk_fwd_args& a) {
       c.shape(h, "intermediate_states", {b, nt, r.HV, r.K, r.V}, "[B, NT, HV, K, V] with NT chunks of " + std::to_string(C));
     c.contiguous_output(h, "intermediate_states");
   }
+  if (a.segment_len != 0) {  // a dense call cut into segments: the engine's own summary states
+    if (a.segment_len < 0 || a.segment_len % 64)
+      c.fail("segment_len", "0 or a positive multiple of 64 tokens", std::to_string(a.segment_len));
+    const char* conflict = a.cu_seqlens ? "cu_seqlens" : a.state_pool ? "state_pool"
+                         : a.intermediate_states ? "intermediate_states" : a.value_dim ? "value_dim" : nullptr;
+    if (conflict)
+      c.fail("segment_len", std::string("0 when ") + conflict + " is given (segments cut dense calls only)",
+             std::to_string(a.segment_len));
+    r.segment_len = a.segment_len;
+  }
   return r;
 }
 

@@ -120,6 +120,11 @@ typedef struct cula_recurrence_options {
  *     the first v.shape[3] columns of each value row and the columns past them read as zeros (context
  *     parallelism's pass over values extended by the identity state's columns, with no zero-padded
  *     copy of v). Callers built before this field pass 0.
+ *   segment_len: 0, or a positive multiple of 64: the tensor-core chunk engine (cuda_mma) runs each
+ *     sequence as segments of that many tokens in parallel, joined by their state summaries (for few
+ *     sequences and heads on long sequences); the result is the uncut call's within float32 rounding.
+ *     Dense calls only (no cu_seqlens, state_pool, intermediate_states or value_dim); rows other than
+ *     cuda_mma compute the call uncut. Callers built before this field pass 0.
  */
 typedef struct cula_chunk_fwd_args {
   size_t struct_size;
@@ -142,6 +147,7 @@ typedef struct cula_chunk_fwd_args {
   int32_t chunk_size; /* 0 = 64 */
   const cula_tensor* cu_seqlens_host;
   int64_t value_dim;
+  int64_t segment_len;
 } cula_chunk_fwd_args;
 
 CULA_API cula_status cula_chunk_fwd(const cula_chunk_fwd_args* args);

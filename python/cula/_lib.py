@@ -84,7 +84,8 @@ ChunkFwdArgs = _args_struct(
     "ChunkFwdArgs",
     ["q", "k", "v", "g", "beta", "decay", "A_log", "dt_bias", "cu_seqlens", "initial_state", "state_pool",
      "state_indices", "out", "final_state", "intermediate_states"],
-    [("chunk_size", ctypes.c_int32), ("cu_seqlens_host", TP), ("value_dim", ctypes.c_int64)],
+    [("chunk_size", ctypes.c_int32), ("cu_seqlens_host", TP), ("value_dim", ctypes.c_int64),
+     ("segment_len", ctypes.c_int64)],
 )
 DecodeArgs = _args_struct(
     "DecodeArgs",

@@ -150,7 +150,8 @@ def call(args_type, entry, opt, tensors: dict, fast: bool = True, **scalars) -> 
     fast = (_FAST or _fast_ready()) if fast else None
     kind, address, _ = _lib.FAST_ENTRIES.get(args_type, (None, None, None))  # (an op the module does not know)
     if fast is not None and kind is not None and ctypes.cast(entry, ctypes.c_void_p).value == address:
-        status = fast.call(kind, address, opt, scalars.get("chunk_size", 0), tensors)
+        seg = scalars.get("segment_len")
+        status = fast.call(kind, address, opt, scalars.get("chunk_size", 0), tensors, *(() if seg is None else (seg,)))
         if status is not None:
             _lib.check(status)
             return

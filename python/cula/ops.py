@@ -79,8 +79,8 @@ def _device_indices_to_check(state_indices, _entry):
 def chunk_fwd(family, q, k, v, g=None, beta=None, decay=None, *, initial_state=None, output_final_state=False,
               A_log=None, dt_bias=None, cu_seqlens=None, state_pool=None, state_indices=None,
               return_intermediate_states=False, chunk_size=64, state_dtype=None, intermediate_dtype=None, out=None,
-              final_state_out=None, intermediate_states_out=None, cu_seqlens_host=None, value_dim=None, backend="auto",
-              options=None, _entry=None, **option_kw):
+              final_state_out=None, intermediate_states_out=None, cu_seqlens_host=None, value_dim=None, segment_len=None,
+              backend="auto", options=None, _entry=None, **option_kw):
     """Chunked forward of any family ("kda", "gdn", "gla", "simple_gla", "lightning").
 
     The options (cula.Options: scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
@@ -97,6 +97,10 @@ def chunk_fwd(family, q, k, v, g=None, beta=None, decay=None, *, initial_state=N
     final states written back there in place (negative index: zero state, pool untouched).
     ``value_dim`` (at least v's V): the value size of o and the states, v holding the first columns of
     each value row and the rest read as zeros (a pass over zero-extended values without the copy).
+    ``segment_len`` (a positive multiple of 64; dense calls): the tensor-core chunk engine runs each
+    sequence as segments of that many tokens in parallel, joined by their state summaries (for few
+    sequences and heads on long sequences; the result is the uncut call's within float32 rounding);
+    the other backends compute the call uncut.
     """
     opts = _options("chunk_fwd", options, option_kw)
     host_slots = _device_indices_to_check(state_indices, _entry)
@@ -106,8 +110,8 @@ def chunk_fwd(family, q, k, v, g=None, beta=None, decay=None, *, initial_state=N
                   state_indices=host_slots, return_intermediate_states=return_intermediate_states,
                   chunk_size=chunk_size, state_dtype=state_dtype, intermediate_dtype=intermediate_dtype, out=out,
                   final_state_out=final_state_out, intermediate_states_out=intermediate_states_out,
-                  cu_seqlens_host=cu_seqlens_host, value_dim=value_dim, backend=backend, options=opts,
-                  _entry=_lib.LIB.cula_chunk_fwd_validate)
+                  cu_seqlens_host=cu_seqlens_host, value_dim=value_dim, segment_len=segment_len, backend=backend,
+                  options=opts, _entry=_lib.LIB.cula_chunk_fwd_validate)
     state_layout = opts.state_layout
     arrays = _given(q=q, k=k, v=v, g=g, beta=beta, decay=decay, initial_state=initial_state, A_log=A_log,
                     dt_bias=dt_bias, cu_seqlens=cu_seqlens, state_pool=state_pool, state_indices=state_indices, out=out)
@@ -153,6 +157,11 @@ def chunk_fwd(family, q, k, v, g=None, beta=None, decay=None, *, initial_state=N
     if cu_seqlens_host is not None:
         arrays["cu_seqlens_host"] = as_array(cu_seqlens_host, "cu_seqlens_host")
     extra = {"value_dim": value_dim} if value_dim is not None else {}
+    if segment_len is not None:
+        if isinstance(segment_len, bool) or not isinstance(segment_len, int):
+            raise CulaError(f"argument 'segment_len': expected an int (0 or a positive multiple of 64), "
+                            f"got {segment_len!r}")
+        extra["segment_len"] = segment_len
     call(_lib.ChunkFwdArgs, _entry or _lib.LIB.cula_chunk_fwd, opt, arrays,
          fast=_entry is None and cu_seqlens_host is None and value_dim is None, chunk_size=chunk_size, **extra)
     if return_intermediate_states:

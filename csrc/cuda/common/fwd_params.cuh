@@ -38,6 +38,10 @@ struct FwdParams {
   // strides (elements) of the tensors read per token: [B, T, H|HV, ...] may be strided
   int64_t q_s[4], k_s[4], v_s[4], g_s[4], beta_s[3], out_s[4];
   int v_cols;  // columns of v read (value_dim: those in [v_cols, V) are zeros)
+  // Segments (dense calls, chunk-walking kernels only): each of the N sequences runs as
+  // ceil(T / seg) segments of seg tokens (a multiple of the chunk), task n being segment n % that
+  // of sequence n / that; the state tensors are indexed by segment. 0: whole sequences.
+  int seg;
 };
 
 __device__ __forceinline__ int64_t state_elem(const FwdParams& p, int64_t slot, int hv, int j, int kk) {

@@ -28,30 +28,39 @@ __device__ __forceinline__ int chunks_of(const FwdParams& p) { return (p.T + kCh
 // chunk_base[n] = sum over m < n of ceil(len_m / 64) for n <= N, on the stream (varlen calls).
 void launch_chunk_base(const FwdParams& p, int32_t* chunk_base, cudaStream_t stream);
 
-// What a chunk-walking CTA (the scan and fused kernels) owns: sequence n, value head hv and the
-// VB columns from v0, with blockIdx.x = (n * HV + hv) * (V / VB) + V slice; its sequence bounds,
-// chunk count and first global chunk.
+// What a chunk-walking CTA (the scan and fused kernels) owns: sequence n (segment n with p.seg),
+// value head hv and the VB columns from v0, with blockIdx.x = (n * HV + hv) * (V / VB) + V slice;
+// its sequence bounds, chunk count and first global chunk.
 struct SliceTask {
   int n, hv, v0, nchunks;
   Seq sq;
   int64_t cbase;
 };
-// (task: the index in that order, blockIdx.x unless a kernel runs several roles per launch)
-template <int VB>
+// (task: the index in that order, blockIdx.x unless a kernel runs several roles per launch;
+// kSegments: the kernel honours p.seg, compiled in only where it does: the register it takes cost
+// the fused engine a spill)
+template <int VB, bool kSegments = false>
 __device__ __forceinline__ SliceTask slice_task(const FwdParams& p, const int32_t* chunk_base, unsigned task) {
   SliceTask tk;
   const int nvb = p.V / VB;
   tk.v0 = static_cast<int>(task % nvb) * VB;
   tk.hv = static_cast<int>((task / nvb) % p.HV);
   tk.n = static_cast<int>(task / (static_cast<unsigned>(nvb) * p.HV));
-  tk.sq = seq_of(p, tk.n);
+  if (kSegments && p.seg) {  // segment j of sequence b: its chunks are those of the whole sequence from j seg on
+    const int per = (p.T + p.seg - 1) / p.seg, b = tk.n / per, j = tk.n % per;
+    const int64_t bos = static_cast<int64_t>(j) * p.seg;
+    tk.sq = Seq{bos, min(bos + p.seg, static_cast<int64_t>(p.T)), b};
+    tk.cbase = static_cast<int64_t>(b) * chunks_of(p) + bos / kChunk;
+  } else {
+    tk.sq = seq_of(p, tk.n);
+    tk.cbase = chunk_base ? chunk_base[tk.n] : static_cast<int64_t>(tk.n) * chunks_of(p);
+  }
   tk.nchunks = static_cast<int>((tk.sq.eos - tk.sq.bos + kChunk - 1) / kChunk);
-  tk.cbase = chunk_base ? chunk_base[tk.n] : static_cast<int64_t>(tk.n) * chunks_of(p);
   return tk;
 }
-template <int VB>
+template <int VB, bool kSegments = false>
 __device__ __forceinline__ SliceTask slice_task(const FwdParams& p, const int32_t* chunk_base) {
-  return slice_task<VB>(p, chunk_base, blockIdx.x);
+  return slice_task<VB, kSegments>(p, chunk_base, blockIdx.x);
 }
 
 // Sequence n and chunk ci of global chunk cidx; false past the last chunk of a varlen call.

@@ -32,7 +32,7 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int I = warp & 3, bI = 16 * I, hc0 = (warp >> 2) * (VB / WH);
-  const chunk::SliceTask tk = chunk::slice_task<VB>(p, chunk_base);
+  const chunk::SliceTask tk = chunk::slice_task<VB, true>(p, chunk_base);
   const int n = tk.n, hv = tk.hv, v0 = tk.v0, nchunks = tk.nchunks;
   const Seq sq = tk.sq;
   const int64_t cbase = tk.cbase;
@@ -324,7 +324,7 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int row = bI + g + 8 * hh;
-      if (row >= Lc) continue;
+      if (row >= Lc || !p.out) continue;  // (no out: the segments' summary pass wants states only)
       const int64_t dst = sq.b_row * p.out_s[0] + (t0 + row) * p.out_s[1] + hv * p.out_s[2] + v0 + hc0 + 2 * t;
 #pragma unroll
       for (int nt = 0; nt < NTH; ++nt) store_out2(p.out, out_f32, half_in, dst + nt * 8, o[nt][2 * hh], o[nt][2 * hh + 1]);
