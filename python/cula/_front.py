@@ -98,8 +98,8 @@ def _segment_len(family, q, k, v, g, beta, A_log, dt_bias, initial_state, opts):
     """The segment length a call runs in parallel segments with (_segments), or None: torch
     tensors, no gradient, no intermediate states or caller buffers, not while torch.compile traces.
     CULA_SEGMENT_TOKENS=L asks for segments of L tokens, =0 for none; unset, the planner
-    (_segments.plan) cuts dense bf16 KDA and GDN calls on CUDA whose few sequences and heads leave
-    most SMs idle, except while a CUDA graph is captured."""
+    (_segments.plan) cuts dense bf16 KDA, GDN and GLA calls on CUDA whose few sequences and heads
+    leave most SMs idle (GLA not while a CUDA graph is captured)."""
     from . import _segments
 
     seg_len = _segments.segment_tokens()
@@ -130,8 +130,8 @@ def _planned_segment_len(family, q, k, v, opts):
         return None
     import torch
 
-    if torch.cuda.is_current_stream_capturing():  # (the cut copies host-made indices)
-        return None
+    if family not in _segments.ENGINE_FAMILIES and torch.cuda.is_current_stream_capturing():
+        return None  # (the two-call cut copies host-made indices; the engine's own segments need none)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     return _segments.plan(int(B), int(T), int(HV), int(K), int(V), sms, delta=family in _DELTA_RULE)
 

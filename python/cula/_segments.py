@@ -23,18 +23,23 @@ uncut call's up to the float32 fold (within SPEC's tolerance, as context paralle
 two passes over the tokens (the first over V + K columns with the delta rule) and the fold, against
 a chain of chunks that is seg_len / T as long.
 
+Dense KDA and GDN calls on CUDA (ENGINE_FAMILIES) run the same three steps inside one call of the
+tensor-core chunk engine (ops.chunk_fwd's segment_len; chunk_prep_scan/DESIGN.md): the prep once for
+both scans, a summary scan that writes states only, the fold on the device, no host-made index lists
+(so a CUDA graph can capture it). GLA, varlen calls and host tensors take the two calls here.
+
 `_front.chunk` (Level 1 and FLA's drop-ins) takes this path for calls that need no gradient and
 write no caller buffer, in two ways:
 - the planner (`plan`, CULA_SEGMENT_TOKENS unset): dense bf16 KDA, GDN and GLA calls on CUDA
-  whose few sequences and heads leave most SMs idle and whose sequences are long (not while a CUDA
-  graph is captured: the cut sends host-made index lists to the device);
+  whose few sequences and heads leave most SMs idle and whose sequences are long (GLA not while a
+  CUDA graph is captured: its cut sends host-made index lists to the device);
 - `CULA_SEGMENT_TOKENS=L` (a positive multiple of 64) for segments of L tokens in any call of any
   family, and `CULA_SEGMENT_TOKENS=0` for none.
-On an H200 (`bench/results/h200/segments.md`, queued): KDA 1x32768 H4 1.14 -> 0.60 ms (FLA 1.17),
-1x131072 H4 4.49 -> 1.98 (FLA 4.47); GDN 1x32768 H2/HV4 1.15 -> 0.53 (FLA 0.80), 1x131072 4.53 ->
-1.71 (FLA 3.10); GLA 1x32768 H4 1.01 -> 0.69 (FLA 0.71), 1x131072 H4 4.00 -> 2.15 (FLA 2.83). Of 0.56 ms of GPU time at KDA 1x32768 H4, 0.23 is the prep run twice (once per
-pass, on the same chunks): run once inside the engine for both passes, and the summary pass
-without o, it would cost about 0.40.
+On an H200 (`bench/results/h200/segments.md`, queued): KDA 1x32768 H4 1.13 -> 0.40 ms (FLA 1.16),
+1x131072 H4 4.44 -> 1.21 (FLA 4.44); GDN 1x32768 H2/HV4 1.14 -> 0.43 (FLA 0.81), 1x131072 4.49 ->
+1.23 (FLA 3.13); GLA 1x32768 H4 1.01 -> 0.69 (FLA 0.71), 1x131072 H4 4.00 -> 2.15 (FLA 2.83). At KDA
+1x32768 H4 in 8 segments the engine's own take 0.41 ms of GPU time against 0.56 as two calls (the
+prep once instead of twice), and a single call's host work is one C call.
 """
 
 from __future__ import annotations
@@ -46,6 +51,11 @@ from ._cp_summary import DIAGONAL, cut, diagonal_decays, host_to_device, uniform
 from ._lib import CulaError
 
 SEGMENT_TOKENS = "CULA_SEGMENT_TOKENS"
+# Dense calls of these families on CUDA take the chunk engine's own segments (ops.chunk_fwd's
+# segment_len: the prep once for both passes, a summary pass that writes states only, the fold on
+# the device); the rest (GLA, whose summary here is V columns and diagonal decays; varlen calls;
+# host tensors) the two engine calls below.
+ENGINE_FAMILIES = ("kda", "gdn")
 _ALIGN = 64  # segments start on chunk boundaries: the same chunks as the unsegmented call
 
 
@@ -65,41 +75,52 @@ def segment_tokens():
     return n
 
 
-# The planner (measured on an H200, bench/results/h200/segments.md: KDA 1x32768 H4 1.14 -> 0.60 ms,
-# 1x131072 H4 4.49 -> 1.98; 2x16384 H8 and 1x65536 H16 lose): the summary pass runs one CTA per
-# (segment, head, 64 of its V + K columns; V without the delta rule), so the most segments that fill
-# the SMs once without a second wave is SMs // (N HV (V + K) / 64); the two passes walk 2 T / S chunks against T uncut, and
-# the prep runs twice, so the cut pays from S = 4 on and for long sequences only (the host's part,
-# ~0.3 ms a call, stays under the gain from T = 32768 on).
+# The planner. The summary pass runs one CTA per (segment, head, 64 of its V + K columns; V without
+# the delta rule), N HV (V + K) / 64 "slices" a segment.
+# KDA and GDN (the engine's own segments: the prep once, no o in the summary pass, no host work):
+# as many segments as fill the SMs twice in the summary pass, of at least 2048 tokens, at least 4.
+# Measured on an H200 (bench/results/h200/segments.md, queued): KDA 1x32768 H4 1.13 -> 0.40 ms in 16
+# segments (0.42 in the 8 that fill the SMs once), 1x131072 H4 4.44 -> 1.21 in 16, 1x16384 H4 0.57 ->
+# 0.25 in 8, 1x32768 H8 1.16 -> 0.63 in 8, 2x16384 H8 0.68 -> 0.61 in 4 a sequence.
+PLAN_FAMILIES = ("kda", "gdn", "gla")
+PLAN_MIN_TOKENS = 8192
+PLAN_MIN_SEGMENT = 2048
+PLAN_MIN_SEGMENTS = 4
+PLAN_WAVES = 2
+# GLA (two engine calls, the prep run twice, host-made index lists): segments that fill the SMs once,
+# at least 8 of at least 4096 tokens, sequences of 32768 tokens or more (its prep, per-channel gates,
+# is a larger share of a pass than KDA's, and running it twice pays only when the chains shrink more:
+# 1x32768 H4 in 8 segments 1.01 -> 0.69 ms, 1x131072 H4 in 16 4.00 -> 2.15, while 1x65536 H16 in 4
+# lost, 2.50 -> 4.04).
 # Simple GLA and Lightning are not planned: their fused engine runs few heads at 2.4-2.7x FLA uncut,
 # and their segments lost (simple GLA 1x32768 H4 0.15 -> 0.47 ms at best); they take segments only
 # when asked for.
-PLAN_FAMILIES = ("kda", "gdn", "gla")
-PLAN_MIN_TOKENS = 32768
-PLAN_MIN_SEGMENT = 4096
-PLAN_MIN_SEGMENTS = 4
-# GLA: its prep (per-channel gates) is a larger share of a pass than KDA's, and running it twice pays
-# only when the chains shrink more: 1x32768 H4 in 8 segments 1.01 -> 0.69 ms, 1x131072 H4 in 16
-# 4.00 -> 2.15, while 1x65536 H16 in 4 lost (2.50 -> 4.04)
+PLAN_MIN_TOKENS_DIAGONAL = 32768
+PLAN_MIN_SEGMENT_DIAGONAL = 4096
 PLAN_MIN_SEGMENTS_DIAGONAL = 8
 
 
 def plan(N, T, HV, K, V, sms, delta=True):
     """The segment length the planner cuts N sequences of T tokens into (dense calls), or None.
-    delta: the delta rule's summary pass runs over V + K columns; without it (GLA) over V."""
-    if T < PLAN_MIN_TOKENS or N * HV <= 0:
+    delta: KDA and GDN (the engine's own segments, the summary pass over V + K columns); else GLA
+    (two engine calls, the summary pass over V columns)."""
+    if T < (PLAN_MIN_TOKENS if delta else PLAN_MIN_TOKENS_DIAGONAL) or N * HV <= 0:
         return None
     slices = N * HV * -(-(V + K if delta else V) // 64)
-    S = min(sms // slices, T // PLAN_MIN_SEGMENT)
+    if delta:
+        S = min(PLAN_WAVES * sms // slices, T // PLAN_MIN_SEGMENT)
+    else:
+        S = min(sms // slices, T // PLAN_MIN_SEGMENT_DIAGONAL)
     if S < (PLAN_MIN_SEGMENTS if delta else PLAN_MIN_SEGMENTS_DIAGONAL):
         return None
     return -(-T // (S * _ALIGN)) * _ALIGN
 
 
 def forward(family, q, k, v, g, beta, decay, *, seg_len, initial_state=None, output_final_state=False,
-            cu_seqlens=None, state_layout="k_last", state_dtype=None, A_log=None, dt_bias=None, **opts):
+            cu_seqlens=None, state_layout="k_last", state_dtype=None, A_log=None, dt_bias=None, engine=True, **opts):
     """(o, final state or None), as ops.chunk_fwd returns them for the same call. cu_seqlens, when
-    given, must be readable on the host (the segments are cut there)."""
+    given, must be readable on the host (the segments are cut there). engine=False: the two engine
+    calls below also where the engine's own segments would run (for comparing them)."""
     import torch
 
     B, T, H, K = (int(s) for s in q.shape)
@@ -111,6 +132,10 @@ def forward(family, q, k, v, g, beta, decay, *, seg_len, initial_state=None, out
     else:
         offsets = [int(x) for x in (host if host is not None else cu_seqlens).tolist()]
     N = len(offsets) - 1
+    if engine and cu_seqlens is None and family in ENGINE_FAMILIES and dev.type == "cuda":  # the engine's own segments
+        return ops.chunk_fwd(family, q, k, v, g, beta, decay, initial_state=initial_state,
+                             output_final_state=output_final_state, state_layout=state_layout,
+                             state_dtype=state_dtype, A_log=A_log, dt_bias=dt_bias, segment_len=seg_len, **opts)
     flat = lambda x: None if x is None else x.reshape(1, B * T, *x.shape[2:])  # noqa: E731
     qf, kf, vf, gf, bf = flat(q), flat(k), flat(v), flat(g), flat(beta)
     segs = cut(offsets, seg_len)

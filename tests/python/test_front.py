@@ -683,32 +683,35 @@ def test_parallel_segments_compute_the_same_function(rng, monkeypatch, family, g
 
 
 def test_segment_planner_cuts_only_where_most_sms_would_idle():
-    """_segments.plan: segments that fill the SMs once in the summary pass (N HV (V + K) / 64 CTAs
-    per segment), at least 4 of at least 4096 tokens, sequences from 32768 tokens; the measured rows
+    """_segments.plan. KDA and GDN: segments that fill the SMs twice in the summary pass (N HV (V + K)
+    / 64 CTAs per segment), at least 4 of at least 2048 tokens. GLA: segments that fill them once, at
+    least 8 of at least 4096 tokens, sequences from 32768 tokens. The measured rows
     (bench/results/h200/segments.md) land where they paid."""
     from cula import _segments
 
     plan = _segments.plan
-    assert plan(1, 32768, 4, 128, 128, 132) == 4096  # KDA 1x32768 H4: 8 segments (measured 1.14 -> 0.60 ms)
-    assert plan(1, 131072, 4, 128, 128, 132) == 16384  # 8 segments of the longer sequence (4.49 -> 1.98 ms)
-    assert plan(2, 16384, 8, 128, 128, 132) is None  # too short, and 2 segments would fill the SMs (measured a loss)
-    assert plan(1, 65536, 16, 128, 128, 132) is None  # 2 segments fill the SMs (measured a loss)
-    assert plan(1, 65536, 2, 128, 128, 132) == 4096  # 16 segments
-    assert plan(1, 100000, 4, 128, 128, 132) == 12544  # 8 segments, the length rounded up to whole chunks
-    assert plan(1, 16384, 1, 128, 128, 132) is None  # too short
-    assert plan(1, 32768, 4, 256, 512, 132) is None  # 12 CTAs a head and segment: 2 segments fill the SMs
-    assert plan(3, 32768, 2, 64, 64, 132) == 4096  # 8 segments capped by the 4096-token minimum
+    assert plan(1, 32768, 4, 128, 128, 132) == 2048  # KDA 1x32768 H4: 16 segments (measured 1.13 -> 0.40 ms)
+    assert plan(1, 131072, 4, 128, 128, 132) == 8192  # 16 segments of the longer sequence (4.44 -> 1.21 ms)
+    assert plan(1, 16384, 4, 128, 128, 132) == 2048  # 8 segments capped by the 2048-token minimum (0.57 -> 0.25)
+    assert plan(1, 32768, 8, 128, 128, 132) == 4096  # 8 segments (1.16 -> 0.63)
+    assert plan(2, 16384, 8, 128, 128, 132) == 4096  # 4 segments a sequence (0.68 -> 0.61)
+    assert plan(1, 32768, 32, 128, 128, 132) is None  # 2 segments fill the SMs twice
+    assert plan(1, 100000, 4, 128, 128, 132) == 6272  # 16 segments, the length rounded up to whole chunks
+    assert plan(1, 4096, 1, 128, 128, 132) is None  # too short
+    assert plan(1, 32768, 4, 256, 512, 132) == 6592  # 12 CTAs a head and segment: 5 segments fill the SMs twice
+    assert plan(3, 32768, 2, 64, 64, 132) == 2048  # 16 segments capped by the 2048-token minimum
     # without the delta rule (GLA) the summary pass covers V columns, not V + K
     assert plan(1, 131072, 4, 128, 128, 132, delta=False) == 8192  # 16 segments
     assert plan(1, 65536, 8, 128, 128, 132, delta=False) == 8192  # 8 segments
     assert plan(1, 65536, 16, 128, 128, 132, delta=False) is None  # 4 segments: GLA needs 8 (measured a loss)
+    assert plan(1, 16384, 4, 128, 128, 132, delta=False) is None  # too short for GLA
 
 
 def test_front_plans_only_dense_bf16_kda_gdn_gla_calls_on_cuda(monkeypatch):
     """_front's planner routing, with stand-ins for CUDA tensors and the device (CI has no GPU): a
     dense bf16 KDA / GDN / GLA call of one long sequence and few heads is cut as _segments.plan says;
     another family, dtype, device or backend, cu_seqlens, a short sequence, a head size the engines
-    lack, or a CUDA-graph capture in progress leaves it uncut."""
+    lack, or (GLA) a CUDA-graph capture in progress leaves it uncut."""
     torch = pytest.importorskip("torch", reason="torch is not installed")
     from cula import _front
 
@@ -727,17 +730,17 @@ def test_front_plans_only_dense_bf16_kda_gdn_gla_calls_on_cuda(monkeypatch):
         q = Stand((1, T, H, K), dtype, cuda)
         return _front._planned_segment_len(family, q, q, Stand((1, T, H, V), dtype, cuda), opts)
 
-    assert planned() == 4096 and planned("gdn") == 4096 and planned(T=131072) == 16384
-    assert planned(K=64, V=64) == 4096
-    assert planned("gla") == 4096 and planned("gla", T=131072) == 8192  # (V columns a segment: twice the segments)
+    assert planned() == 2048 and planned("gdn") == 2048 and planned(T=131072) == 8192
+    assert planned(K=64, V=64) == 2048
+    assert planned("gla") == 4096 and planned("gla", T=131072) == 8192
     assert planned("simple_gla") is None and planned("lightning") is None
     assert planned(dtype=torch.float16) is None and planned(dtype=torch.float32) is None
     assert planned(cuda=False) is None and planned(backend="cuda") is None
     assert planned(cu_seqlens=object()) is None
-    assert planned(T=16384) is None and planned(H=16) is None
+    assert planned(T=4096) is None and planned(H=64) is None and planned("gla", T=16384) is None
     assert planned(K=96) is None and planned(V=100) is None
-    capturing[0] = True
-    assert planned() is None
+    capturing[0] = True  # the engine's own segments (KDA, GDN) are capturable; GLA's two calls are not
+    assert planned() == 2048 and planned("gdn") == 2048 and planned("gla") is None
 
 
 def test_segment_tokens_zero_turns_the_planner_off(monkeypatch):

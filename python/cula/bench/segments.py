@@ -25,7 +25,7 @@ from ..cli.demo import Progress
 K = V = 128
 LOWER_BOUND = -5.0
 # segment lengths tried (CULA_BENCH_SEGMENTS=L1,L2,... replaces them)
-SEGMENTS = tuple(int(x) for x in os.environ.get("CULA_BENCH_SEGMENTS", "2048,4096,8192,16384").split(","))
+SEGMENTS = tuple(int(x) for x in os.environ.get("CULA_BENCH_SEGMENTS", "1024,2048,4096,8192,16384").split(","))
 CONFIGS = [
     # (family, B, T, H, HV)
     ("kda", 1, 32768, 4, 4),
@@ -33,9 +33,11 @@ CONFIGS = [
     ("kda", 1, 16384, 4, 4),  # below the planner's 32768 tokens
     ("kda", 1, 32768, 8, 8),  # the planner's smallest cut: 4 segments fill the SMs
     ("kda", 2, 16384, 8, 8),
+    ("kda", 1, 8192, 4, 4),  # the planner's shortest cut: 4 segments of 2048 tokens
     ("kda", 1, 8192, 16, 16),
     ("kda", 1, 65536, 16, 16),
     ("kda", 1, 32768, 32, 32),
+    ("gdn", 1, 8192, 2, 4),
     ("gdn", 1, 16384, 2, 4),
     ("gdn", 1, 32768, 2, 4),
     ("gdn", 1, 131072, 2, 4),
@@ -122,6 +124,13 @@ def bench_segments(out_dir: str, gpu_name: str | None = None, configs=None) -> i
 
         impls = [("uncut", uncut)]
         impls += [(f"seg{L}", cut_at(L)) for L in SEGMENTS if L < T]
+        Lp = _segments.plan(B, T, HV, K, V, props.multi_processor_count) if family in _segments.ENGINE_FAMILIES else None
+        if Lp:  # the engine's segments against the same cut as two engine calls (cula/_segments.py)
+            def two_calls(i, s=sets, L=Lp):
+                x = s[i % 2][0]
+                return _segments.forward(family, x["q"], x["k"], x["v"], x["g"], x["beta"], x.get("decay"), seg_len=L,
+                                         output_final_state=True, engine=False, **kw)[0]
+            impls.append(("two_calls", two_calls))
         try:
             module, fname = _FLA[family]
             fla_fn = getattr(importlib.import_module(f"fla.ops.{module}"), fname)
@@ -170,7 +179,7 @@ def write_table(out_dir, meta, records, note=""):
     from .._segments import DIAGONAL, PLAN_FAMILIES, plan
 
     segs = [f"seg{L}" for L in meta["segments"]]
-    cols = ["uncut"] + segs + ["fla_triton"]
+    cols = ["uncut"] + segs + ["two_calls", "fla_triton"]
 
     def planned(c):  # the call the front makes with CULA_SEGMENT_TOKENS unset: "uncut" or "seg<L>"
         L = plan(c["B"], c["T"], c["HV"], c["K"], c["V"], meta["sms"], delta=c["family"] not in DIAGONAL) \
@@ -182,7 +191,10 @@ def write_table(out_dir, meta, records, note=""):
              "`_segments.forward` with segments of L tokens (CULA_SEGMENT_TOKENS=L). Best segments: the fastest "
              "segment length's time over the uncut time (below 1: the segments pay). FLA: FLA's time over the "
              "uncut time. Planned: the call the front makes with CULA_SEGMENT_TOKENS unset (`_segments.plan`: KDA, GDN "
-             "and GLA), and FLA's time over its time.", ""]
+             "and GLA), and FLA's time over its time. KDA and GDN take the chunk engine's own segments (`segment_len`: "
+             "the prep once, a summary pass of states only, the fold on the device); `two_calls`: the planned cut as "
+             "two engine calls and a fold in torch, as GLA runs it (`_segments.forward(..., engine=False)`; measured "
+             "where the planner cuts).", ""]
     for key, title in (("queued_ms", "Queued calls (GPU time)"), ("single_ms", "Single synchronized calls")):
         lines += [f"## {title}", "", "| config | " + " | ".join(cols) + " | best segments / uncut | FLA / uncut | "
                   "planned | FLA / planned |", "|---" * (len(cols) + 5) + "|"]
