@@ -75,8 +75,8 @@ def segment_tokens():
     return n
 
 
-# The planner. The summary pass runs one CTA per (segment, head, 64 of its V + K columns; V without
-# the delta rule), N HV (V + K) / 64 "slices" a segment.
+# The planner. The summary pass runs one CTA per (segment, head, 64 of its V + K columns, 32 at
+# K = 256; V without the delta rule), N HV (V + K) / 64 "slices" a segment.
 # KDA and GDN (the engine's own segments: the prep once, no o in the summary pass, no host work):
 # as many segments as fill the SMs twice in the summary pass, of at least 2048 tokens, at least 4.
 # Measured on an H200 (bench/results/h200/segments.md, queued): KDA 1x32768 H4 1.13 -> 0.40 ms in 16
@@ -106,7 +106,8 @@ def plan(N, T, HV, K, V, sms, delta=True):
     (two engine calls, the summary pass over V columns)."""
     if T < (PLAN_MIN_TOKENS if delta else PLAN_MIN_TOKENS_DIAGONAL) or N * HV <= 0:
         return None
-    slices = N * HV * -(-(V + K if delta else V) // 64)
+    width = 32 if K > 128 else 64  # the scan's columns a CTA (K = 256: 32, its one stage's room)
+    slices = N * HV * -(-(V + K if delta else V) // width)
     if delta:
         S = min(PLAN_WAVES * sms // slices, T // PLAN_MIN_SEGMENT)
     else:

@@ -698,7 +698,8 @@ def test_segment_planner_cuts_only_where_most_sms_would_idle():
     assert plan(1, 32768, 32, 128, 128, 132) is None  # 2 segments fill the SMs twice
     assert plan(1, 100000, 4, 128, 128, 132) == 6272  # 16 segments, the length rounded up to whole chunks
     assert plan(1, 4096, 1, 128, 128, 132) is None  # too short
-    assert plan(1, 32768, 4, 256, 512, 132) == 6592  # 12 CTAs a head and segment: 5 segments fill the SMs twice
+    assert plan(1, 32768, 4, 256, 512, 132) is None  # 24 CTAs of 32 columns a head and segment (K = 256)
+    assert plan(1, 65536, 1, 256, 256, 132) == 4096  # 16 CTAs a segment: 16 segments fill the SMs twice
     assert plan(3, 32768, 2, 64, 64, 132) == 2048  # 16 segments capped by the 2048-token minimum
     # without the delta rule (GLA) the summary pass covers V columns, not V + K
     assert plan(1, 131072, 4, 128, 128, 132, delta=False) == 8192  # 16 segments
