@@ -83,6 +83,8 @@ CASES = [
     ("kda", 64, 128, dict(h0=False, dtype=torch.float16, B=2, T=700, L=192)),
     ("kda", 256, 128, dict(gate="bounded", dtype=torch.float32, B=1, T=600, L=128)),
     ("kda", 128, 128, dict(gate="softplus", B=1, T=8192, L=1024, H=1)),
+    # many segments x heads over V + K = 128 columns (a 128-column scan would read past v's 64)
+    ("kda", 64, 64, dict(gate="bounded", B=1, T=1024, L=64, H=8)),
     ("gdn", 128, 256, dict(gate="softplus", gva=True, layout="k_first", B=1, T=900, L=256)),
     ("gdn", 256, 128, dict(gate="bounded", sdt=torch.bfloat16, B=2, T=500, L=128)),
     ("gdn", 64, 64, dict(dtype=torch.float16, B=1, T=1030, L=64)),

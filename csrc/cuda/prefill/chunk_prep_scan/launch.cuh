@@ -44,9 +44,9 @@ void launch_prep(const Recurrence& r, const FwdParams& p, const int32_t* chunk_b
 // either way, so what it saves is the partial last wave (docs/history; GDN's 16-warp scan was
 // slower, and varlen calls, whose lengths the host does not know, lost where one long sequence
 // started late). Else 64. CULA_SCAN_VB=32|64|128 (read once per process) forces a width where it
-// fits, for benchmarks. (V is a multiple of 64: chunk::tensor_core_declines.)
+// fits, for benchmarks. (V and v's columns v_cols are multiples of 64: chunk::tensor_core_declines.)
 template <int K, class F>
-int pick_vb(int64_t tasks, int64_t HV, int64_t V, bool varlen, int device) {
+int pick_vb(int64_t tasks, int64_t HV, int64_t V, int64_t v_cols, bool varlen, int device) {
   static const int forced = [] {
     const char* e = std::getenv("CULA_SCAN_VB");
     return e ? std::atoi(e) : 0;
@@ -58,7 +58,8 @@ int pick_vb(int64_t tasks, int64_t HV, int64_t V, bool varlen, int device) {
     const int64_t heads = tasks * HV;
     const bool fit64 = ScanLayout<K, 64, F>::bytes <= smem;
     if constexpr (!F::kScalarGate) {
-      const bool wide = V % 128 == 0 && (forced ? forced == 128 : !varlen && heads * (V / 64) > sms);
+      // (a slice reads v's columns whole or not at all: with value_dim, v's own V a multiple of it too)
+      const bool wide = V % 128 == 0 && v_cols % 128 == 0 && (forced ? forced == 128 : !varlen && heads * (V / 64) > sms);
       if (wide && ScanLayout<K, 128, F>::bytes <= smem) return 128;
     }
     return (forced ? forced == 32 || !fit64 : heads * (V / 32) <= sms || !fit64) ? 32 : 64;
@@ -106,7 +107,7 @@ void run(const Recurrence& r, const FwdParams& p, int device, cudaStream_t strea
   if (p.cu) chunk::launch_chunk_base(p, chunk_base, stream);
   launch_prep<K, F, kBlockBarriersOnly>(r, p, chunk_base, work, prep_blocks, stream);
   if (!cut) {
-    launch_scan<K, F, kBlockBarriersOnly>(p, pick_vb<K, F>(r.N, r.HV, r.V, p.cu, device), chunk_base, work, stream);
+    launch_scan<K, F, kBlockBarriersOnly>(p, pick_vb<K, F>(r.N, r.HV, r.V, r.v_cols, p.cu, device), chunk_base, work, stream);
   } else {
     float* init = reinterpret_cast<float*>(work + work_bytes);  // (16-byte aligned: Work's bytes are)
     float* summary = init + segs * r.HV * W * K;
@@ -115,12 +116,12 @@ void run(const Recurrence& r, const FwdParams& p, int device, cudaStream_t strea
     ps.seg = static_cast<int>(r.segment_len), ps.V = static_cast<int>(W), ps.k_last = 1;
     ps.h0 = init, ps.h0_dt = CULA_FLOAT32, ps.ht = summary, ps.ht_dt = CULA_FLOAT32, ps.out = nullptr;
     segments::launch_init(p, per, init, stream);
-    launch_scan<K, F, kBlockBarriersOnly>(ps, pick_vb<K, F>(segs, r.HV, W, false, device), nullptr, work, stream);
+    launch_scan<K, F, kBlockBarriersOnly>(ps, pick_vb<K, F>(segs, r.HV, W, r.V, false, device), nullptr, work, stream);
     segments::launch_fold(p, per, summary, enter, stream);
     FwdParams po = p;  // the output scan from the folded states; final states into init's room
     po.seg = ps.seg, po.k_last = 1, po.h0 = enter, po.h0_dt = CULA_FLOAT32;
     po.ht = p.ht ? init : nullptr, po.ht_dt = CULA_FLOAT32;
-    launch_scan<K, F, kBlockBarriersOnly>(po, pick_vb<K, F>(segs, r.HV, r.V, false, device), nullptr, work, stream);
+    launch_scan<K, F, kBlockBarriersOnly>(po, pick_vb<K, F>(segs, r.HV, r.V, r.V, false, device), nullptr, work, stream);
     if (p.ht) segments::launch_final(p, per, init, stream);
   }
   const cudaError_t launched = cudaGetLastError();
