@@ -283,6 +283,45 @@ TEST(Validation, ValueDimBelowTheValuesIsRefused) {
   expect_fwd_error(p, [&](auto& a) { a.value_dim = p.V - 1; }, {"argument 'value_dim'", "at least v's V"});
 }
 
+// segment_len: 0 or a positive multiple of 64, dense calls only (refused naming it); rows that do not
+// run segments compute the call uncut; a caller built before the field passes none.
+TEST(Validation, SegmentLenIsAMultipleOf64OnDenseCallsOnly) {
+  Problem p = base();
+  expect_fwd_error(p, [](auto& a) { a.segment_len = 100; }, {"argument 'segment_len'", "positive multiple of 64", "100"});
+  expect_fwd_error(p, [](auto& a) { a.segment_len = -64; }, {"argument 'segment_len'", "-64"});
+  HostTensor wide({p.B, p.T, p.HV, 2 * p.V}, CULA_FLOAT32);
+  wide.poison();
+  expect_fwd_error(p, [&](auto& a) { a.segment_len = 64, a.value_dim = 2 * p.V, a.out = wide.ptr(), a.initial_state = nullptr,
+                                     a.final_state = nullptr; }, {"argument 'segment_len'", "value_dim"});
+  Problem inter = base();
+  inter.intermediate = true;
+  inter.make(fresh_seed());
+  expect_fwd_error(inter, [](auto& a) { a.segment_len = 64; }, {"argument 'segment_len'", "intermediate_states"});
+  Problem varlen;
+  varlen.K = 8, varlen.V = 4, varlen.B = 1, varlen.seqlens = {70, 60}, varlen.T = 130;
+  varlen.make(fresh_seed());
+  expect_fwd_error(varlen, [](auto& a) { a.segment_len = 64; }, {"argument 'segment_len'", "cu_seqlens"});
+  // the host rows compute the call uncut: the same bits as without segment_len
+  Problem q = base();
+  q.B = 2, q.T = 150;
+  q.make(fresh_seed());
+  cula_chunk_fwd_args whole = q.fwd_args(CULA_BACKEND_CPU);
+  ASSERT_EQ(cula_chunk_fwd(&whole), CULA_OK) << cula_last_error();
+  const HostTensor out_whole = q.out, ht_whole = q.ht;
+  q.out.poison();
+  q.ht.poison();
+  cula_chunk_fwd_args cut = q.fwd_args(CULA_BACKEND_CPU);
+  cut.segment_len = 64;
+  ASSERT_EQ(cula_chunk_fwd(&cut), CULA_OK) << cula_last_error();
+  EXPECT_EQ(rel_err(q.out, out_whole), 0.0);
+  EXPECT_EQ(rel_err(q.ht, ht_whole), 0.0);
+  // a caller built before segment_len: a value past its struct is not read
+  cula_chunk_fwd_args before = q.fwd_args(CULA_BACKEND_CPU);
+  before.struct_size = offsetof(cula_chunk_fwd_args, segment_len);
+  before.segment_len = 100;
+  EXPECT_EQ(cula_chunk_fwd(&before), CULA_OK) << cula_last_error();
+}
+
 TEST(Validation, UnknownFamilyAndLayout) {
   Problem p = base();
   expect_fwd_error(p, [](auto& a) { a.opt.family = 9; }, {"argument 'family'", "9"});
