@@ -77,7 +77,7 @@ def segment_tokens():
 
 # The planner. The summary pass runs one CTA per (segment, head, 64 of its V + K columns, 32 at
 # K = 256; V without the delta rule), N HV (V + K) / 64 "slices" a segment.
-# KDA and GDN (the engine's own segments: the prep once, no o in the summary pass, no host work):
+# KDA and GDN (the engine's own segments: the prep once, no o stores in the summary pass, no host work):
 # as many segments as fill the SMs twice in the summary pass, of at least 2048 tokens, at least 4.
 # Measured on an H200 (bench/results/h200/segments.md, queued): KDA 1x32768 H4 1.13 -> 0.40 ms in 16
 # segments (0.42 in the 8 that fill the SMs once), 1x131072 H4 4.44 -> 1.21 in 16, 1x16384 H4 0.57 ->
@@ -124,19 +124,20 @@ def forward(family, q, k, v, g, beta, decay, *, seg_len, initial_state=None, out
     calls below also where the engine's own segments would run (for comparing them)."""
     import torch
 
+    host = opts.pop("cu_seqlens_host", None)
+    if engine and cu_seqlens is None and family in ENGINE_FAMILIES and q.device.type == "cuda":
+        # the engine's own segments (none of the host-made lists below)
+        return ops.chunk_fwd(family, q, k, v, g, beta, decay, initial_state=initial_state,
+                             output_final_state=output_final_state, state_layout=state_layout,
+                             state_dtype=state_dtype, A_log=A_log, dt_bias=dt_bias, segment_len=seg_len, **opts)
     B, T, H, K = (int(s) for s in q.shape)
     HV, V = int(v.shape[2]), int(v.shape[3])
     dev = q.device
-    host = opts.pop("cu_seqlens_host", None)
     if cu_seqlens is None:
         offsets = [b * T for b in range(B + 1)]
     else:
         offsets = [int(x) for x in (host if host is not None else cu_seqlens).tolist()]
     N = len(offsets) - 1
-    if engine and cu_seqlens is None and family in ENGINE_FAMILIES and dev.type == "cuda":  # the engine's own segments
-        return ops.chunk_fwd(family, q, k, v, g, beta, decay, initial_state=initial_state,
-                             output_final_state=output_final_state, state_layout=state_layout,
-                             state_dtype=state_dtype, A_log=A_log, dt_bias=dt_bias, segment_len=seg_len, **opts)
     flat = lambda x: None if x is None else x.reshape(1, B * T, *x.shape[2:])  # noqa: E731
     qf, kf, vf, gf, bf = flat(q), flat(k), flat(v), flat(g), flat(beta)
     segs = cut(offsets, seg_len)
