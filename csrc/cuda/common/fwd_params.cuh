@@ -44,6 +44,12 @@ struct FwdParams {
   int seg;
 };
 
+// Segments per sequence of T tokens cut every seg tokens (seg > 0): the one count the launch
+// grid, the slice tasks and the segments' state buffers share.
+__host__ __device__ __forceinline__ int segments_per_sequence(int64_t T, int64_t seg) {
+  return static_cast<int>((T + seg - 1) / seg);
+}
+
 __device__ __forceinline__ int64_t state_elem(const FwdParams& p, int64_t slot, int hv, int j, int kk) {
   const int64_t base = (slot * p.HV + hv) * static_cast<int64_t>(p.K) * p.V;
   return p.k_last ? base + static_cast<int64_t>(j) * p.K + kk : base + static_cast<int64_t>(kk) * p.V + j;

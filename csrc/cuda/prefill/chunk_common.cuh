@@ -47,7 +47,7 @@ __device__ __forceinline__ SliceTask slice_task(const FwdParams& p, const int32_
   tk.hv = static_cast<int>((task / nvb) % p.HV);
   tk.n = static_cast<int>(task / (static_cast<unsigned>(nvb) * p.HV));
   if (kSegments && p.seg) {  // segment j of sequence b: its chunks are those of the whole sequence from j seg on
-    const int per = (p.T + p.seg - 1) / p.seg, b = tk.n / per, j = tk.n % per;
+    const int per = segments_per_sequence(p.T, p.seg), b = tk.n / per, j = tk.n % per;
     const int64_t bos = static_cast<int64_t>(j) * p.seg;
     tk.sq = Seq{bos, min(bos + p.seg, static_cast<int64_t>(p.T)), b};
     tk.cbase = static_cast<int64_t>(b) * chunks_of(p) + bos / kChunk;

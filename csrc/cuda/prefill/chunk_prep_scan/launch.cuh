@@ -71,7 +71,7 @@ template <int K, class F, bool kBlockBarriersOnly>
 void launch_scan(const FwdParams& p, int vb, const int32_t* chunk_base, const unsigned char* work, cudaStream_t stream) {
   auto scan = [&](auto kernel, int VB, int bytes) {
     chunk::allow_smem(kernel, bytes);
-    const int64_t tasks = p.seg ? static_cast<int64_t>(p.N) * ((p.T + p.seg - 1) / p.seg) : p.N;
+    const int64_t tasks = p.seg ? static_cast<int64_t>(p.N) * segments_per_sequence(p.T, p.seg) : p.N;
     kernel<<<static_cast<unsigned>(tasks * p.HV * (p.V / VB)), 32 * scan_warps(VB), bytes, stream>>>(p, chunk_base,
                                                                                                       work);
   };
@@ -91,7 +91,7 @@ template <int K, class F, bool kBlockBarriersOnly>
 void run(const Recurrence& r, const FwdParams& p, int device, cudaStream_t stream) {
   const int64_t max_chunks = chunk::max_chunks(p), base_bytes = chunk::base_bytes(p);
   const bool cut = r.segment_len > 0 && r.T > r.segment_len;
-  const int per = cut ? static_cast<int>((r.T + r.segment_len - 1) / r.segment_len) : 1;
+  const int per = cut ? segments_per_sequence(r.T, r.segment_len) : 1;
   const int64_t segs = r.N * per, W = r.V + K;
   // segments: init (then the final states) [segs, HV, W, K], summary the same, enter [segs, HV, V, K]
   const int64_t state_floats = cut ? segs * r.HV * K * (2 * W + r.V) : 0;
