@@ -195,6 +195,49 @@ def replot(out_dir):
     return 0
 
 
+def merge_reports(out_dir, inputs, order=None):
+    """One results file from several runs of the same suite on one GPU (each of a few rows, say when a
+    single call cannot hold the whole grid): the per-configuration records of every input, a later
+    input's rows replacing an earlier one's of the same name, the tables and geometric means rebuilt
+    from them (each ratio stays within its own run), meta["runs"] saying what was merged. order: config
+    names in the order the rows should appear (others after them)."""
+    runs, by_name, meta = [], {}, None
+    for path in inputs:
+        with open(path) as f:
+            data = json.load(f)
+        m = data["meta"]
+        meta = meta or dict(m)
+        if m.get("gpu") != meta.get("gpu"):
+            raise ValueError(f"merge_reports: {path} is of {m.get('gpu')}, expected {meta.get('gpu')}")
+        recs = [r for r in data["records"] if isinstance(r.get("config"), dict)]
+        names = list(dict.fromkeys(r["config"]["name"] for r in recs))
+        runs.append(dict(file=os.path.basename(os.path.dirname(os.path.abspath(path))) + "/" + os.path.basename(path),
+                         date=m.get("date"), rows=names))
+        for n in names:
+            by_name[n] = [r for r in recs if r["config"]["name"] == n]
+    if not by_name:
+        raise ValueError("merge_reports: no configuration records in the inputs")
+    op = next(iter(by_name.values()))[0]["op"]
+    order = list(dict.fromkeys(order or []))
+    names = [n for n in order if n in by_name] + [n for n in by_name if n not in order]
+    records, rows, queued_rows, peers = [], [], [], []
+    for n in names:
+        recs = by_name[n]
+        records += recs
+        res = {r["impl"]: r["median_ms"] for r in recs if "median_ms" in r and r["impl"] != "floor"}
+        resq = {r["impl"]: r["median_ms_queued"] for r in recs if "median_ms_queued" in r}
+        floor = next((r["median_ms"] for r in recs if r["impl"] == "floor"), float("nan"))
+        kern = next((r for r in recs if r["impl"] == "cula_kernel"), {})
+        peers += [p for p in res if p != "cula" and p not in peers]
+        rows.append((n, res, floor, kern.get("name", "-"), {"rel_vs_fla": kern.get("rel_vs_fla", float("nan"))}))
+        if resq:
+            queued_rows.append((n, resq, floor, kern.get("name", "-"), {}))
+    meta.pop("title", None)
+    meta["runs"] = runs
+    title = json.load(open(inputs[0]))["meta"].get("title", op)
+    return write_report(out_dir, op, title, meta, rows, records, peers, quiet=True, queued_rows=queued_rows or None)
+
+
 def _table(op, rows, peers, records, suffix, with_checks):
     """Markdown lines of one timing method's table and geometric means; appends the geometric-mean
     records (impl geomean_<peer>_over_cula<suffix>) to records."""

@@ -26,6 +26,20 @@ def _info() -> int:
     return 0
 
 
+def _config_order():
+    """Every GPU suite's configuration names in its grid's order (merged tables keep that order)."""
+    names = []
+    for mod in ("kda", "coverage", "fwd", "train", "segments"):
+        try:
+            m = __import__(f"cula.bench.{mod}", fromlist=["CONFIGS"])
+        except Exception:
+            continue
+        for c in getattr(m, "CONFIGS", []):
+            names.append(m.config_name(*c) if hasattr(m, "config_name") else c[0])
+        names += [c[0] for c in getattr(m, "DECODE_CONFIGS", [])]
+    return names
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="cula", description="cula: linear-attention kernels")
     sub = parser.add_subparsers(dest="cmd")
@@ -34,7 +48,7 @@ def main(argv=None) -> int:
     demo.add_argument("--quick", action="store_true", help="smaller sizes (for tests)")
     bench = sub.add_parser("bench", help="benchmarks")
     bench.add_argument("suite", choices=["cpu", "decode", "kda", "gdn", "gla", "simple_gla", "lightning", "coverage",
-                                          "train", "cp", "segments", "replot"],
+                                          "train", "cp", "segments", "replot", "merge"],
                        help="cpu: fast CPU path vs the float64 reference; decode: CUDA decode vs FLA; kda: KDA chunked "
                        "forward vs FLA, FlashKDA and SDPA; gdn, gla, simple_gla, lightning: that family's chunked "
                        "forward vs FLA and SDPA; coverage: the configurations real models run (Kimi-Linear, Qwen3-Next, "
@@ -42,7 +56,8 @@ def main(argv=None) -> int:
                        "torch + a GPU); cp: context parallelism over the machine's GPUs vs FLA's KCP and one GPU (--world ranks; "
                        "--device cpu: a check of the harness on gloo host ranks); segments: few heads, long sequences, uncut vs "
                        "parallel segments vs FLA; replot: re-draw the PNG beside "
-                       "every results JSON in --out (needs matplotlib)")
+                       "every results JSON in --out (needs matplotlib); merge: one results file in --out from the "
+                       "--inputs of several runs of one suite (later rows replace earlier ones of the same name)")
     bench.add_argument("--only", default=None, help="chunked-forward suites: comma-separated config names to run "
                        "(default: all)")
     bench.add_argument("--out", default=None, help="directory for the JSON and Markdown results "
@@ -50,6 +65,7 @@ def main(argv=None) -> int:
     bench.add_argument("--resume", action="store_true", help="kda: keep the configurations already in --out's "
                        "kda_fwd.json (same GPU) and run only the others")
     bench.add_argument("--reps", type=int, default=5)
+    bench.add_argument("--inputs", nargs="+", default=None, help="merge: the results JSON files to merge")
     bench.add_argument("--world", type=int, default=None, help="cp: the number of ranks (default: every GPU)")
     bench.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cp: cuda (NCCL) or cpu (gloo)")
     bench.add_argument("--forward-only", action="store_true", help="cp: the forward rows only (no backward)")
@@ -66,6 +82,14 @@ def main(argv=None) -> int:
             from ..bench.common import replot
 
             return replot(args.out or "bench/results/gpu")
+        if args.suite == "merge":
+            from ..bench.common import merge_reports
+
+            if not args.inputs or not args.out:
+                parser.error("bench merge: --inputs and --out are required")
+            merge_reports(args.out, args.inputs, order=_config_order())
+            print(f"merged {len(args.inputs)} files into {args.out}")
+            return 0
         if args.suite == "cpu":
             from ..bench.cpu import bench_cpu
 

@@ -643,10 +643,14 @@ __global__ void __launch_bounds__(32 * prep_warps<F>(), prep_ctas_per_sm<F>())
     // rounded remainder (lo) transposed into the workspace's Kt slot, where kt_product reads it
     // before writing Kt over it: k's bf16 rounding in Kt was the rest of the fp16 error
     // (tools/analysis/gdn_fp16_rounding.py)
+    // Lanes 0-15 and 16-31 take the warp's 16 rows at two 8-channel columns per step, so that each
+    // of the lo plane's transposed 2-byte stores is 32 contiguous bytes per half-warp (16 rows of one
+    // channel; row-major lanes made it 16 sectors per store, 2.7x the bf16 prep's time at K = 128).
     bf16* kd_lo = reinterpret_cast<bf16*>(blk + Wk::oKt);
+    const int row = bI + lane % 16;
+    const float fw = ksc_s[row] * dev::exp_ftz(glast - grow_s[row]);
     for (int idx = lane; idx < 16 * (K / 8); idx += 32) {
-      const int row = bI + idx / (K / 8), c8 = (idx % (K / 8)) * 8;
-      const float fw = ksc_s[row] * dev::exp_ftz(glast - grow_s[row]);
+      const int c8 = (idx / 16) * 8;
       const bool exact16 = half_in && row < Lc;
       const uint4 kv = exact16 ? *reinterpret_cast<const uint4*>(static_cast<const bf16*>(p.k) + b_row * p.k_s[0] +
                                                                  (t0 + row) * p.k_s[1] + h * p.k_s[2] + c8)
