@@ -128,6 +128,28 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
     mma::cp_async_commit();
   };
 
+  // fp16 inputs: this thread's own copies of stage st (Lc rows of the chunk) to bf16 in place
+  // (GDN reads v once, as fp16, into Y's fp32 sum: its bf16 rounding was most of the fp16 error,
+  // tools/analysis/gdn_fp16_rounding.py)
+  // kHalfAhead: GDN's raw q and k (a whole K-wide tile each, where the other families convert a
+  // v slice) are converted a chunk ahead: they were on the critical path before B1 (+29% scan time
+  // at 1x8192 H16/HV32); KDA's 128-column scans spill with the ahead path compiled in.
+  constexpr bool kHalfAhead = F::kRawQK && Ly::kStages == 2;
+  auto half_stage_to_bf16 = [&](int st, int Lc) {
+    unsigned char* base = smem + st * Ly::stage;
+    if constexpr (!F::kRawQK)
+#pragma unroll
+      for (int j = 0; j < CopyV::J; ++j)
+        if (cv.row(j) < Lc) half8_to_bf16_at(base + Ly::sU + (cv.row(j) * LDV + cv.c8) * 2);
+    if constexpr (F::kRawQK) {
+#pragma unroll
+      for (int j = 0; j < CopyK::J; ++j)
+        if (ck.row(j) < Lc) {
+          half8_to_bf16_at(base + Ly::sQ + left_at(ck.row(j), ck.c8));
+          half8_to_bf16_at(base + Ly::sKd + left_at(ck.row(j), ck.c8));
+        }
+    }
+  };
   if (kWg && tid == 0 && (mma::smem_addr(smem) & 1023)) __trap();  // the swizzle needs 1024-byte panels
   // Two stages, one chunk ahead; at K = 256 one stage fits (ScanLayout::kStages): the next chunk's
   // copies go out once this one's stage is free
@@ -156,22 +178,9 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
     if (!F::kDelta) state_to_smem();
     if (p.inter) S.store(p, p.inter, p.inter_dt, cbase + c, hv);
     mma::cp_async_wait_pending(kStages - 1);
-    if (half_in) {  // fp16 inputs: this thread's own copies of the stage to bf16 in place
-      // (GDN reads v once, as fp16, into Y's fp32 sum: its bf16 rounding was most of the fp16
-      // error, tools/analysis/gdn_fp16_rounding.py)
-      if constexpr (!F::kRawQK)
-#pragma unroll
-        for (int j = 0; j < CopyV::J; ++j)
-          if (cv.row(j) < Lc) half8_to_bf16_at(vin_s + cv.row(j) * LDV + cv.c8);
-      if constexpr (F::kRawQK) {
-#pragma unroll
-        for (int j = 0; j < CopyK::J; ++j)
-          if (ck.row(j) < Lc) {
-            half8_to_bf16_at(smem + st * Ly::stage + Ly::sQ + left_at(ck.row(j), ck.c8));
-            half8_to_bf16_at(smem + st * Ly::stage + Ly::sKd + left_at(ck.row(j), ck.c8));
-          }
-      }
-    }
+    // fp16 inputs: this chunk's copies here, or (kHalfAhead) the first chunk's only, the others'
+    // converted at the end of the chunk before, under its state update
+    if (half_in && (!kHalfAhead || c == 0)) half_stage_to_bf16(st, Lc);
     if constexpr (kWg) wg::fence_proxy_async();  // the stage and S, written by this thread, to wgmma
     __syncthreads();  // B1: this chunk's stage landed; S visible
 
@@ -319,6 +328,10 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
     for (int Jb = 0; Jb < 3; ++Jb)
       if (Jb < I) am_block(Jb, std::false_type{});
     am_block(I, std::bool_constant<Wk::kAPlanes == 2>{});
+    if (kHalfAhead && half_in && c + 1 < nchunks) {  // the next chunk's copies (landed by now), while
+      mma::cp_async_wait_pending(0);                  // the update's products run
+      half_stage_to_bf16(st ^ 1, static_cast<int>(min(int64_t{kBT}, sq.eos - t0 - kBT)));
+    }
     if constexpr (kWgUpdate) S.wait_wg();
     else if (F::kDelta) state_to_smem();
 #pragma unroll
