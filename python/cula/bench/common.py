@@ -211,12 +211,18 @@ def merge_reports(out_dir, inputs, order=None):
             raise ValueError(f"merge_reports: {path} is of {m.get('gpu')}, expected {meta.get('gpu')}")
         recs = [r for r in data["records"] if isinstance(r.get("config"), dict)]
         names = list(dict.fromkeys(r["config"]["name"] for r in recs))
-        runs.append(dict(file=os.path.basename(os.path.dirname(os.path.abspath(path))) + "/" + os.path.basename(path),
-                         date=m.get("date"), rows=names))
-        for n in names:
-            by_name[n] = [r for r in recs if r["config"]["name"] == n]
+        # a merged input keeps its own runs (each row credited to the run it came from)
+        given = m.get("runs") or [dict(file=os.path.basename(os.path.dirname(os.path.abspath(path))) + "/" +
+                                       os.path.basename(path), date=m.get("date"), rows=names)]
+        for run in given:
+            runs.append(dict(run, rows=[n for n in run["rows"] if n in names]))
+            for n in runs[-1]["rows"]:
+                by_name[n] = ([r for r in recs if r["config"]["name"] == n], len(runs) - 1)
     if not by_name:
         raise ValueError("merge_reports: no configuration records in the inputs")
+    runs = [dict(run, rows=[n for n in run["rows"] if by_name[n][1] == i]) for i, run in enumerate(runs)]
+    runs = [run for run in runs if run["rows"]]
+    by_name = {n: recs for n, (recs, _) in by_name.items()}
     op = next(iter(by_name.values()))[0]["op"]
     order = list(dict.fromkeys(order or []))
     names = [n for n in order if n in by_name] + [n for n in by_name if n not in order]
