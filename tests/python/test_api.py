@@ -226,6 +226,50 @@ def test_kda_bench_resume_keeps_measured_rows_and_recomputes_the_means(tmp_path)
     assert "q." in queued_part and f"| {names[0]} | 0.100 | 0.950 | 3.950 |" in queued_part
 
 
+def test_bench_merge_takes_each_row_from_its_latest_run_and_rebuilds_the_means(tmp_path):
+    """cula bench merge: rows of several runs of one suite in one results file, a later run's row
+    replacing an earlier one of the same name, each row credited to its run, geometric means over the
+    merged rows (each ratio within its own run), grid order kept; merging the result again changes
+    nothing; inputs of another GPU are refused."""
+    import json
+
+    from cula.bench.common import merge_reports
+    from cula.cli import main
+
+    def run(path, gpu, date, rows):
+        records = []
+        for name, cula_ms, fla_ms in rows:
+            cfg = dict(name=name, B=1, T=64, H=1)
+            records += [dict(op="cov", config=cfg, impl="cula", median_ms=cula_ms, median_ms_queued=cula_ms / 2),
+                        dict(op="cov", config=cfg, impl="fla_triton", median_ms=fla_ms, median_ms_queued=fla_ms / 2),
+                        dict(op="cov", config=cfg, impl="floor", median_ms=0.1),
+                        dict(op="cov", config=cfg, impl="cula_kernel", name="cuda_mma", rel_vs_fla=1e-3)]
+        path.write_text(json.dumps(dict(meta=dict(gpu=gpu, copy_gb_per_s=1.0, method="m", queued_method="q",
+                                                  date=date, title="T"), records=records)))
+        return str(path)
+
+    a = run(tmp_path / "a.json", "g", "d1", [("r1", 1.0, 2.0), ("r2", 1.0, 0.5)])
+    b = run(tmp_path / "b.json", "g", "d2", [("r2", 1.0, 4.0), ("r0", 2.0, 2.0)])
+    out = tmp_path / "out"
+    assert main(["bench", "merge", "--out", str(out), "--inputs", a, b]) == 0
+    merge_reports(str(out), [a, b], order=["r0", "r1", "r2"])
+    data = json.loads((out / "cov.json").read_text())
+    assert [r["rows"] for r in data["meta"]["runs"]] == [["r1"], ["r2", "r0"]]
+    r2 = [r for r in data["records"] if isinstance(r["config"], dict) and r["config"]["name"] == "r2"]
+    assert {r["impl"]: r.get("median_ms") for r in r2}["fla_triton"] == 4.0 and len(r2) == 4
+    gm = {r["impl"]: r for r in data["records"] if r["config"] == "grid"}
+    assert abs(gm["geomean_fla_triton_over_cula"]["ratio"] - (1.0 * 2.0 * 4.0) ** (1 / 3)) < 1e-3
+    assert gm["geomean_fla_triton_over_cula_queued"]["worst"] == 1.0
+    md = (out / "cov.md").read_text()
+    assert md.index("| r0 |") < md.index("| r1 |") < md.index("| r2 |") and "## Queued calls" in md
+    merge_reports(str(out), [str(out / "cov.json")], order=["r0", "r1", "r2"])
+    assert (out / "cov.md").read_text() == md
+    assert json.loads((out / "cov.json").read_text())["meta"]["runs"] == data["meta"]["runs"]
+    c = run(tmp_path / "c.json", "other", "d3", [("r3", 1.0, 1.0)])
+    with pytest.raises(ValueError, match="other"):
+        merge_reports(str(out), [a, c])
+
+
 def test_decode_markdown_shows_both_modes_ratios(tmp_path):
     """decode.md is drawn from decode.json's records: one row per configuration in measured order,
     with FLA / cula for eager calls and for graph replay; without FLA the peer columns are dashes."""
