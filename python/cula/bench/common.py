@@ -195,6 +195,27 @@ def replot(out_dir):
     return 0
 
 
+def rows_of_records(records, names=None):
+    """Table rows and queued-timing rows (write_report's rows and queued_rows) of a results file's
+    per-configuration records, for the configurations in names (default: all, as they first appear):
+    what a resumed or merged report is rebuilt from."""
+    by_name = {}
+    for r in records:
+        if isinstance(r.get("config"), dict):
+            by_name.setdefault(r["config"]["name"], []).append(r)
+    rows, queued_rows = [], []
+    for name in by_name if names is None else names:
+        mine = by_name[name]
+        res = {r["impl"]: r["median_ms"] for r in mine if "median_ms" in r and r["impl"] != "floor"}
+        floor = next((r["median_ms"] for r in mine if r["impl"] == "floor"), float("nan"))
+        kern = next((r for r in mine if r["impl"] == "cula_kernel"), {})
+        rows.append((name, res, floor, kern.get("name", "-"), {k: v for k, v in kern.items() if k == "rel_vs_fla"}))
+        resq = {r["impl"]: r["median_ms_queued"] for r in mine if "median_ms_queued" in r}
+        if "cula" in resq:
+            queued_rows.append((name, resq, floor, kern.get("name", "-"), {}))
+    return rows, queued_rows
+
+
 def merge_reports(out_dir, inputs, order=None):
     """One results file from several runs of the same suite on one GPU (each of a few rows, say when a
     single call cannot hold the whole grid): the per-configuration records of every input, a later
@@ -222,25 +243,14 @@ def merge_reports(out_dir, inputs, order=None):
         raise ValueError("merge_reports: no configuration records in the inputs")
     runs = [dict(run, rows=[n for n in run["rows"] if by_name[n][1] == i]) for i, run in enumerate(runs)]
     runs = [run for run in runs if run["rows"]]
-    by_name = {n: recs for n, (recs, _) in by_name.items()}
-    op = next(iter(by_name.values()))[0]["op"]
     order = list(dict.fromkeys(order or []))
     names = [n for n in order if n in by_name] + [n for n in by_name if n not in order]
-    records, rows, queued_rows, peers = [], [], [], []
-    for n in names:
-        recs = by_name[n]
-        records += recs
-        res = {r["impl"]: r["median_ms"] for r in recs if "median_ms" in r and r["impl"] != "floor"}
-        resq = {r["impl"]: r["median_ms_queued"] for r in recs if "median_ms_queued" in r}
-        floor = next((r["median_ms"] for r in recs if r["impl"] == "floor"), float("nan"))
-        kern = next((r for r in recs if r["impl"] == "cula_kernel"), {})
-        peers += [p for p in res if p != "cula" and p not in peers]
-        rows.append((n, res, floor, kern.get("name", "-"), {"rel_vs_fla": kern.get("rel_vs_fla", float("nan"))}))
-        if resq:
-            queued_rows.append((n, resq, floor, kern.get("name", "-"), {}))
-    meta.pop("title", None)
+    records = [r for n in names for r in by_name[n][0]]
+    rows, queued_rows = rows_of_records(records, names)
+    peers = list(dict.fromkeys(p for _, res, *_ in rows for p in res if p != "cula"))
+    op = records[0]["op"]
+    title = meta.pop("title", op)
     meta["runs"] = runs
-    title = json.load(open(inputs[0]))["meta"].get("title", op)
     return write_report(out_dir, op, title, meta, rows, records, peers, quiet=True, queued_rows=queued_rows or None)
 
 

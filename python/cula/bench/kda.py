@@ -22,7 +22,7 @@ import json
 import os
 import time
 
-from .common import PEERS_AND_BASELINE_METHOD, QUEUED_METHOD, causal_sdpa, measure_config, write_report
+from .common import PEERS_AND_BASELINE_METHOD, QUEUED_METHOD, causal_sdpa, measure_config, rows_of_records, write_report
 from .decode import _version, cuda_device
 from .. import _lib
 from ..cli.demo import Progress
@@ -98,17 +98,7 @@ def _done_rows(out_dir, gpu, method):
     if meta.get("gpu") != gpu or meta.get("method") != method:  # rows of one file share one method
         return [], [], []
     records = [r for r in data["records"] if isinstance(r.get("config"), dict)]
-    rows, queued_rows = [], []
-    for name in dict.fromkeys(r["config"]["name"] for r in records):
-        mine = [r for r in records if r["config"]["name"] == name]
-        res = {r["impl"]: r["median_ms"] for r in mine if "median_ms" in r and r["impl"] != "floor"}
-        floor = next(r["median_ms"] for r in mine if r["impl"] == "floor")
-        kern = next(r for r in mine if r["impl"] == "cula_kernel")
-        rows.append((name, res, floor, kern["name"], {k: v for k, v in kern.items() if k == "rel_vs_fla"}))
-        resq = {r["impl"]: r["median_ms_queued"] for r in mine if "median_ms_queued" in r}
-        if "cula" in resq:
-            queued_rows.append((name, resq, floor, kern["name"], {}))
-    return records, rows, queued_rows
+    return (records, *rows_of_records(records))
 
 
 def _segment_len(B, T, H, seqlens, sms):
