@@ -66,8 +66,9 @@ int pick_vb(int64_t tasks, int64_t HV, int64_t V, int64_t v_cols, bool varlen, i
   }
 }
 
-// The scan of p (p.N sequences, or segments with p.seg) at slice width vb.
-template <int K, class F, bool kBlockBarriersOnly>
+// The scan of p (p.N sequences, or segments with p.seg) at slice width vb; kStatesOnly: the
+// segments' summary scan (states only, no o).
+template <int K, class F, bool kBlockBarriersOnly, bool kStatesOnly = false>
 void launch_scan(const FwdParams& p, int vb, const int32_t* chunk_base, const unsigned char* work, cudaStream_t stream) {
   auto scan = [&](auto kernel, int VB, int bytes) {
     chunk::allow_smem(kernel, bytes);
@@ -76,12 +77,12 @@ void launch_scan(const FwdParams& p, int vb, const int32_t* chunk_base, const un
                                                                                                       work);
   };
   if constexpr (K <= 128 && !F::kScalarGate) {
-    if (vb == 128) return scan(chunk_scan_kernel<K, 128, F, kBlockBarriersOnly>, 128, ScanLayout<K, 128, F>::bytes);
+    if (vb == 128) return scan(chunk_scan_kernel<K, 128, F, kBlockBarriersOnly, kStatesOnly>, 128, ScanLayout<K, 128, F>::bytes);
   }
   if constexpr (K <= 128) {
-    if (vb == 64) return scan(chunk_scan_kernel<K, 64, F, kBlockBarriersOnly>, 64, ScanLayout<K, 64, F>::bytes);
+    if (vb == 64) return scan(chunk_scan_kernel<K, 64, F, kBlockBarriersOnly, kStatesOnly>, 64, ScanLayout<K, 64, F>::bytes);
   }
-  scan(chunk_scan_kernel<K, 32, F, kBlockBarriersOnly>, 32, ScanLayout<K, 32, F>::bytes);
+  scan(chunk_scan_kernel<K, 32, F, kBlockBarriersOnly, kStatesOnly>, 32, ScanLayout<K, 32, F>::bytes);
 }
 
 // Workspace, prep and scan of one call; with r.segment_len < T, the segments (segments.h): the prep
@@ -116,7 +117,8 @@ void run(const Recurrence& r, const FwdParams& p, int device, cudaStream_t strea
     ps.seg = static_cast<int>(r.segment_len), ps.V = static_cast<int>(W), ps.k_last = 1;
     ps.h0 = init, ps.h0_dt = CULA_FLOAT32, ps.ht = summary, ps.ht_dt = CULA_FLOAT32, ps.out = nullptr;
     segments::launch_init(p, per, init, stream);
-    launch_scan<K, F, kBlockBarriersOnly>(ps, pick_vb<K, F>(segs, r.HV, W, r.V, false, device), nullptr, work, stream);
+    launch_scan<K, F, kBlockBarriersOnly, true>(ps, pick_vb<K, F>(segs, r.HV, W, r.V, false, device), nullptr, work,
+                                                stream);
     segments::launch_fold(p, per, summary, enter, stream);
     FwdParams po = p;  // the output scan from the folded states; final states into init's room
     po.seg = ps.seg, po.k_last = 1, po.h0 = enter, po.h0_dt = CULA_FLOAT32;

@@ -18,7 +18,9 @@ namespace cula {
 namespace chunk_prep_scan {
 
 // kBlockBarriersOnly: the debug instantiation for racecheck (DESIGN.md), launched only on request.
-template <int K, int VB, class F, bool kBlockBarriersOnly = false>
+// kStatesOnly: the segments' summary scan (launch.cuh), which wants the states and not o: no Qg
+// (or q) and AM tiles copied, no products of o, nothing stored but the states.
+template <int K, int VB, class F, bool kBlockBarriersOnly = false, bool kStatesOnly = false>
 __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
     chunk_scan_kernel(const FwdParams p, const int32_t* __restrict__ chunk_base, const unsigned char* __restrict__ work) {
   using Ly = ScanLayout<K, VB, F>;
@@ -88,16 +90,17 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
           unsigned char* dk = dst + Ly::sKd + left_at(r, ck.c8);
           if (r < Lc) {
             const int64_t tok = static_cast<int64_t>(c) * kBT + r;
-            mma::cp_async16(dq, q_in + tok * p.q_s[1]);
+            if (!kStatesOnly) mma::cp_async16(dq, q_in + tok * p.q_s[1]);
             mma::cp_async16(dk, k_in + tok * p.k_s[1]);
           } else {
-            *reinterpret_cast<uint4*>(dq) = make_uint4(0, 0, 0, 0);
+            if (!kStatesOnly) *reinterpret_cast<uint4*>(dq) = make_uint4(0, 0, 0, 0);
             *reinterpret_cast<uint4*>(dk) = make_uint4(0, 0, 0, 0);
           }
         }
       } else {
 #pragma unroll
         for (int m = 3 - kMats; m < (F::kDelta ? 2 : 3); ++m) {  // (Kt^T above)
+          if (kStatesOnly && m == 1) continue;  // (Qg: o's only)
           const int so = m == 0 ? Ly::sW : m == 1 ? Ly::sQ : Ly::sKd, go = m == 0 ? Wk::oW : m == 1 ? Wk::oQ : Wk::oKd;
 #pragma unroll
           for (int j = 0; j < CopyK::J; ++j)
@@ -106,7 +109,7 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
         }
       }
 #pragma unroll
-      for (int j = 0; j < CopyA::J; ++j) {  // rows 64..127: the lo plane, its diagonal blocks only
+      for (int j = 0; j < (kStatesOnly ? 0 : CopyA::J); ++j) {  // rows 64..127: the lo plane, its diagonal blocks only
         const int r = ca.row(j), rb = (r % kBT) / 16;  // blocks on or below the diagonal
         if (ca.c8 < 16 * (rb + 1) && (r < kBT || ca.c8 >= 16 * rb))
           mma::cp_async16(dst + Ly::sA + (r * LDT + ca.c8) * 2, blk + Wk::oA + (r * kBT + ca.c8) * 2);
@@ -145,7 +148,7 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
 #pragma unroll
       for (int j = 0; j < CopyK::J; ++j)
         if (ck.row(j) < Lc) {
-          half8_to_bf16_at(base + Ly::sQ + left_at(ck.row(j), ck.c8));
+          if (!kStatesOnly) half8_to_bf16_at(base + Ly::sQ + left_at(ck.row(j), ck.c8));
           half8_to_bf16_at(base + Ly::sKd + left_at(ck.row(j), ck.c8));
         }
     }
@@ -206,9 +209,18 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
       // rows hc0..) read once per group
       const uint32_t aw0 = mma::smem_addr(F::kRawQK ? kd_s : w_s), aq0 = mma::smem_addr(qg_s), bs0 = mma::smem_addr(s_s);
       wg::fence_operand(vn);
-      wg::fence_operand(o);
+      if constexpr (!kStatesOnly) wg::fence_operand(o);
       wg::fence();
-      if constexpr (kYtOwn) {
+      if constexpr (kStatesOnly) {  // Y's product only (none without the delta rule)
+        if constexpr (F::kDelta) {
+#pragma unroll
+          for (int kk = 0; kk < KS; ++kk)
+            wg::mma_bf16<NTH>(vn, wg::desc_kstep(aw0, kBT, 0, kk), wg::desc_kstep(bs0, VB, hc0, kk));
+          wg::commit();
+          wg::wait_all();
+          wg::fence_operand(vn);
+        }
+      } else if constexpr (kYtOwn) {
         // W' S and Qg S as two groups: Y waits for the first only; Qg S runs on through Y^T's
         // store, B2 and the update's issue, and is waited for before AM Y adds to o
 #pragma unroll
@@ -233,12 +245,12 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
         wg::fence_operand(vn);
         wg::fence_operand(o);
       }
-    } else {
+    } else if constexpr (F::kDelta || !kStatesOnly) {
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk) {
       uint32_t aw[4], aq[4];
       if (F::kDelta) mma::ldsm_x4(aw, (F::kRawQK ? kd_s : w_s) + (bI + mma::a_row(lane)) * LDK + 16 * kk + mma::a_col(lane));
-      mma::ldsm_x4(aq, qg_s + (bI + mma::a_row(lane)) * LDK + 16 * kk + mma::a_col(lane));
+      if (!kStatesOnly) mma::ldsm_x4(aq, qg_s + (bI + mma::a_row(lane)) * LDK + 16 * kk + mma::a_col(lane));
 #pragma unroll
       for (int np = 0; np < NTH / 2; ++np) {
         uint32_t b[4];
@@ -247,8 +259,10 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
           mma::mma16816(vn[2 * np], aw, b[0], b[1]);
           mma::mma16816(vn[2 * np + 1], aw, b[2], b[3]);
         }
-        mma::mma16816(o[2 * np], aq, b[0], b[1]);
-        mma::mma16816(o[2 * np + 1], aq, b[2], b[3]);
+        if (!kStatesOnly) {
+          mma::mma16816(o[2 * np], aq, b[0], b[1]);
+          mma::mma16816(o[2 * np + 1], aq, b[2], b[3]);
+        }
       }
     }
     }
@@ -296,7 +310,7 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
     if constexpr (kWgUpdate) S.update_wg(mma::smem_addr(base + Ly::sKt), yt, decay);
     else if constexpr (F::kDelta) S.update_kt_sw128(mma::smem_addr(base + Ly::sKt), vin_s, LDV, decay, lane);
     else S.update(kd_s, LDK, vin_s, LDV, decay, lane);
-    if constexpr (kYtOwn) {  // Qg S done (the update, committed last, may still run)
+    if constexpr (kYtOwn && !kStatesOnly) {  // Qg S done (the update, committed last, may still run)
       wg::wait_pending<1>();
       wg::fence_operand(o);
     }
@@ -324,10 +338,12 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
         }
       }
     };
+    if constexpr (!kStatesOnly) {
 #pragma unroll
-    for (int Jb = 0; Jb < 3; ++Jb)
-      if (Jb < I) am_block(Jb, std::false_type{});
-    am_block(I, std::bool_constant<Wk::kAPlanes == 2>{});
+      for (int Jb = 0; Jb < 3; ++Jb)
+        if (Jb < I) am_block(Jb, std::false_type{});
+      am_block(I, std::bool_constant<Wk::kAPlanes == 2>{});
+    }
     if (kHalfAhead && half_in && c + 1 < nchunks) {  // the next chunk's copies (landed by now), while
       mma::cp_async_wait_pending(0);                  // the update's products run
       half_stage_to_bf16(st ^ 1, static_cast<int>(min(int64_t{kBT}, sq.eos - t0 - kBT)));
@@ -335,9 +351,9 @@ __global__ void __launch_bounds__(32 * scan_warps(VB), 1)
     if constexpr (kWgUpdate) S.wait_wg();
     else if (F::kDelta) state_to_smem();
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
+    for (int hh = 0; hh < (kStatesOnly ? 0 : 2); ++hh) {
       const int row = bI + g + 8 * hh;
-      if (row >= Lc || !p.out) continue;  // (no out: the segments' summary pass wants states only)
+      if (row >= Lc) continue;
       const int64_t dst = sq.b_row * p.out_s[0] + (t0 + row) * p.out_s[1] + hv * p.out_s[2] + v0 + hc0 + 2 * t;
 #pragma unroll
       for (int nt = 0; nt < NTH; ++nt) store_out2(p.out, out_f32, half_in, dst + nt * 8, o[nt][2 * hh], o[nt][2 * hh + 1]);
