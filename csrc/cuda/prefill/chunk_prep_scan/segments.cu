@@ -28,40 +28,59 @@ __global__ void __launch_bounds__(kThreads) init_kernel(const FwdParams p, int p
   init[(static_cast<int64_t>(s) * p.HV + hv) * W * p.K + e] = x;
 }
 
-// CTA (sequence, head, kRows value rows), thread c = key column: E_{j-1}'s rows in shared memory,
-// M's rows read as the k loop needs them (consecutive threads, consecutive columns).
-constexpr int kRows = 8;
-__global__ void __launch_bounds__(256) fold_kernel(const FwdParams p, int per, const float* __restrict__ summary,
-                                                   float* __restrict__ enter) {
-  __shared__ float e_s[kRows][256];
+// CTA (sequence, head, kRows value rows) of kFoldThreads: thread (c, s) takes key column c and the
+// s-th of KS = kFoldThreads / K ranges of the k index; E_{j-1}'s rows in shared memory by k (two
+// vector loads give all kRows), M_{j-1}'s rows read from L2 as the k loop needs them; group 0 adds
+// the other groups' partial sums in order s = 1, 2, ... (one thread per column had each warp walk
+// all of k with a load and eight scalar shared reads per step: issue-bound at four warps per SM).
+constexpr int kRows = 8, kFoldThreads = 512;
+__global__ void __launch_bounds__(kFoldThreads) fold_kernel(const FwdParams p, int per, const float* __restrict__ summary,
+                                                            float* __restrict__ enter) {
+  __shared__ __align__(16) float e_t[256][kRows];                      // E_{j-1}^T rows of this CTA, by k
+  __shared__ float part[(kFoldThreads - 64) * kRows];                  // [s - 1][r][c]
   const int K = p.K, V = p.V, W = V + K, b = blockIdx.x / p.HV, hv = blockIdx.x % p.HV;
-  const int r0 = blockIdx.y * kRows, c = threadIdx.x;
+  const int r0 = blockIdx.y * kRows, c = threadIdx.x % K, grp = threadIdx.x / K, KS = kFoldThreads / K, KQ = K / KS;
   const int64_t s0 = static_cast<int64_t>(b) * per;
   auto sum_at = [&](int64_t s, int w) { return summary + ((s * p.HV + hv) * W + w) * K + c; };
   auto enter_at = [&](int64_t s, int w) { return enter + ((s * p.HV + hv) * V + w) * K + c; };
   float acc[kRows];
+  if (grp == 0) {
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    *enter_at(s0, r0 + r) = p.h0 ? dev::ld(p.h0, p.h0_dt, state_elem(p, b, hv, r0 + r, c)) : 0.0f;
-    acc[r] = *sum_at(s0, r0 + r);  // E_1 = A_0 (segment 0 started from the initial state)
-    *enter_at(s0 + 1, r0 + r) = acc[r];
+    for (int r = 0; r < kRows; ++r) {
+      *enter_at(s0, r0 + r) = p.h0 ? dev::ld(p.h0, p.h0_dt, state_elem(p, b, hv, r0 + r, c)) : 0.0f;
+      acc[r] = *sum_at(s0, r0 + r);  // E_1 = A_0 (segment 0 started from the initial state)
+      *enter_at(s0 + 1, r0 + r) = acc[r];
+    }
   }
   for (int j = 2; j < per; ++j) {
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) e_s[r][c] = acc[r];
-    __syncthreads();
+    if (grp == 0) {
+      *reinterpret_cast<float4*>(&e_t[c][0]) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      *reinterpret_cast<float4*>(&e_t[c][4]) = make_float4(acc[4], acc[5], acc[6], acc[7]);
+    }
+    __syncthreads();  // e_t written
     const int64_t prev = s0 + j - 1;
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) acc[r] = *sum_at(prev, r0 + r);
-#pragma unroll 8
-    for (int kk = 0; kk < K; ++kk) {
+    for (int r = 0; r < kRows; ++r) acc[r] = grp == 0 ? *sum_at(prev, r0 + r) : 0.0f;
+    const int k0 = grp * KQ;
+#pragma unroll 4
+    for (int kk = k0; kk < k0 + KQ; ++kk) {
       const float m = *sum_at(prev, V + kk);
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) acc[r] = fmaf(e_s[r][kk], m, acc[r]);
+      const float4 e0 = *reinterpret_cast<const float4*>(&e_t[kk][0]), e1 = *reinterpret_cast<const float4*>(&e_t[kk][4]);
+      acc[0] = fmaf(e0.x, m, acc[0]), acc[1] = fmaf(e0.y, m, acc[1]), acc[2] = fmaf(e0.z, m, acc[2]);
+      acc[3] = fmaf(e0.w, m, acc[3]), acc[4] = fmaf(e1.x, m, acc[4]), acc[5] = fmaf(e1.y, m, acc[5]);
+      acc[6] = fmaf(e1.z, m, acc[6]), acc[7] = fmaf(e1.w, m, acc[7]);
     }
+    if (grp > 0)
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) *enter_at(s0 + j, r0 + r) = acc[r];
-    __syncthreads();  // e_s read by every thread before the next step's writes
+      for (int r = 0; r < kRows; ++r) part[((grp - 1) * kRows + r) * K + c] = acc[r];
+    __syncthreads();  // partial sums written; e_t read by every thread before group 0 writes it again
+    if (grp == 0) {
+      for (int q = 1; q < KS; ++q)
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) acc[r] += part[((q - 1) * kRows + r) * K + c];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) *enter_at(s0 + j, r0 + r) = acc[r];
+    }
   }
 }
 
@@ -83,9 +102,9 @@ void launch_init(const FwdParams& p, int per, float* init, cudaStream_t stream) 
 }
 
 void launch_fold(const FwdParams& p, int per, const float* summary, float* enter, cudaStream_t stream) {
-  // (K <= 256 threads, one per column; V a multiple of 64, so of kRows)
+  // (K in {64, 128, 256} divides the threads; V a multiple of 64, so of kRows)
   const dim3 grid(static_cast<unsigned>(p.N) * p.HV, static_cast<unsigned>(p.V / kRows));
-  fold_kernel<<<grid, p.K, 0, stream>>>(p, per, summary, enter);
+  fold_kernel<<<grid, kFoldThreads, 0, stream>>>(p, per, summary, enter);
 }
 
 void launch_final(const FwdParams& p, int per, const float* fin, cudaStream_t stream) {
