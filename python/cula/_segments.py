@@ -35,11 +35,11 @@ write no caller buffer, in two ways:
   CUDA graph is captured: its cut sends host-made index lists to the device);
 - `CULA_SEGMENT_TOKENS=L` (a positive multiple of 64) for segments of L tokens in any call of any
   family, and `CULA_SEGMENT_TOKENS=0` for none.
-On an H200 (`bench/results/h200/segments.md`, queued): KDA 1x32768 H4 1.13 -> 0.40 ms (FLA 1.16),
-1x131072 H4 4.44 -> 1.21 (FLA 4.44); GDN 1x32768 H2/HV4 1.14 -> 0.43 (FLA 0.81), 1x131072 4.49 ->
-1.23 (FLA 3.13); GLA 1x32768 H4 1.01 -> 0.69 (FLA 0.71), 1x131072 H4 4.00 -> 2.15 (FLA 2.83). At KDA
-1x32768 H4 in 8 segments the engine's own take 0.41 ms of GPU time against 0.56 as two calls (the
-prep once instead of twice), and a single call's host work is one C call.
+On an H200 (`bench/results/h200/segments.md`, queued): KDA 1x32768 H4 1.13 -> 0.34 ms (FLA 1.55),
+1x131072 H4 4.41 -> 1.04 (FLA 5.94); GDN 1x32768 H2/HV4 1.15 -> 0.34 (FLA 0.81), 1x131072 4.50 ->
+1.00 (FLA 3.11); GLA 1x32768 H4 1.00 -> 0.68 (FLA 0.78), 1x131072 H4 3.95 -> 2.11 (FLA 3.10). At KDA
+1x32768 H4 the engine's own segments take 0.34 ms of GPU time against 0.67 as two calls (the prep
+once instead of twice, the summary pass without o), and a single call's host work is one C call.
 """
 
 from __future__ import annotations
@@ -77,14 +77,16 @@ def segment_tokens():
 
 # The planner. The summary pass runs one CTA per (segment, head, 64 of its V + K columns, 32 at
 # K = 256; V without the delta rule), N HV (V + K) / 64 "slices" a segment.
-# KDA and GDN (the engine's own segments: the prep once, no o stores in the summary pass, no host work):
-# as many segments as fill the SMs twice in the summary pass, of at least 2048 tokens, at least 4.
-# Measured on an H200 (bench/results/h200/segments.md, queued): KDA 1x32768 H4 1.13 -> 0.40 ms in 16
-# segments (0.42 in the 8 that fill the SMs once), 1x131072 H4 4.44 -> 1.21 in 16, 1x16384 H4 0.57 ->
-# 0.25 in 8, 1x32768 H8 1.16 -> 0.63 in 8, 2x16384 H8 0.68 -> 0.61 in 4 a sequence.
+# KDA and GDN (the engine's own segments: the prep once, no o's products in the summary pass, no
+# host work): as many segments as fill the SMs twice in the summary pass, of at least 2048 tokens
+# (up to 8 of at least 1024 where that leaves fewer than 8), at least 4. Measured on an H200
+# (bench/results/h200/segments.md, queued): KDA 1x32768 H4 1.13 -> 0.34 ms in 16 segments (0.36 in 8),
+# 1x131072 H4 4.41 -> 1.04 in 16, 1x16384 H4 0.57 -> 0.21 in 8 (0.21 in 16), 1x8192 H4 0.29 -> 0.13
+# in 8 of 1024 (0.16 in 4 of 2048), 1x32768 H8 1.16 -> 0.55 in 8, 2x16384 H8 0.67 -> 0.54 in 4 a sequence.
 PLAN_FAMILIES = ("kda", "gdn", "gla")
 PLAN_MIN_TOKENS = 8192
 PLAN_MIN_SEGMENT = 2048
+PLAN_SHORT_SEGMENT, PLAN_SHORT_SEGMENTS = 1024, 8
 PLAN_MIN_SEGMENTS = 4
 PLAN_WAVES = 2
 # GLA (two engine calls, the prep run twice, host-made index lists): segments that fill the SMs once,
@@ -109,7 +111,7 @@ def plan(N, T, HV, K, V, sms, delta=True):
     width = 32 if K > 128 else 64  # the scan's columns a CTA (K = 256: 32, its one stage's room)
     slices = N * HV * -(-(V + K if delta else V) // width)
     if delta:
-        S = min(PLAN_WAVES * sms // slices, T // PLAN_MIN_SEGMENT)
+        S = min(PLAN_WAVES * sms // slices, max(T // PLAN_MIN_SEGMENT, min(T // PLAN_SHORT_SEGMENT, PLAN_SHORT_SEGMENTS)))
     else:
         S = min(sms // slices, T // PLAN_MIN_SEGMENT_DIAGONAL)
     if S < (PLAN_MIN_SEGMENTS if delta else PLAN_MIN_SEGMENTS_DIAGONAL):
