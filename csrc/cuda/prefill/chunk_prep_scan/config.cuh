@@ -132,17 +132,20 @@ __device__ __forceinline__ bool kda_steep(float first, float sum) { return first
 // sU holds the v slice read from the input, replaced in place by Y with the delta rule (sm_80; on
 // sm_90a Y^T takes a buffer of its own, oYT, for KDA at VB >= 64, so that Qg S, which reads S^T,
 // can still run while Y^T is written; else the S^T buffer). F::kRawQK: sW holds Kt^T, sQ and sKd the
-// raw q and k.
-template <int K, int VB, class F>
+// raw q and k. kCompact (the segments' summary scan at up to 64 columns and K <= 128,
+// compact_summary): no Qg / q and no A slots, and Y^T in the S^T buffer (there is no Qg S to
+// overlap), so that two CTAs share an SM.
+template <int K, int VB, class F, bool kCompact = false>
 struct ScanLayout {
   static constexpr int LDK = K + 8, LDV = VB + 8, LDT = kBT + 8;
-  static constexpr int sW = 0, sQ = sW + (F::kDelta ? kBT * LDK * 2 : 0), sKd = sQ + kBT * LDK * 2, sA = sKd + kBT * LDK * 2,
-                       sU = sA + a_planes<F>() * kBT * LDT * 2, sDL = sU + kBT * LDV * 2, sRF = sDL + K * 4,
+  static constexpr int sW = 0, sQ = sW + (F::kDelta ? kBT * LDK * 2 : 0), sKd = sQ + (kCompact ? 0 : kBT * LDK * 2),
+                       sA = sKd + kBT * LDK * 2, sU = sA + (kCompact ? 0 : a_planes<F>() * kBT * LDT * 2),
+                       sDL = sU + kBT * LDV * 2, sRF = sDL + K * 4,
                        stage = (sRF + row_factors<F>() * kBT * 4 + 1023) / 1024 * 1024;
   // (stages on 1024-byte boundaries: sm_90a keeps the products' left operands and S^T there in the
   // 128-byte swizzle, wgmma.cuh)
   // (VB = 32 keeps Y^T in S^T: its A100 KDA scan at K = 128 has no 4 KB to spare)
-  static constexpr bool kYtOwn = F::kDelta && !F::kRawQK && VB >= 64;
+  static constexpr bool kYtOwn = F::kDelta && !F::kRawQK && VB >= 64 && !kCompact;
   // stages streamed: two (one chunk ahead) up to K = 128; one at K = 256 (a stage is ~124 KB)
   static constexpr int kStages = K <= 128 ? 2 : 1;
   static constexpr int oS = kStages * stage, oYT = oS + K * LDV * 2, bytes = oYT + (kYtOwn ? VB * kBT * 2 : 0);
@@ -151,6 +154,13 @@ struct ScanLayout {
   static_assert(sKt % 1024 == 0 && K * kBT * 2 <= kBT * LDK * 2, "Kt^T fits its slot");
   static_assert(sQ % 1024 == 0 && sKd % 1024 == 0 && VB * K * 2 <= K * LDV * 2, "swizzled tiles fit their slots");
 };
+
+// The states-only scan's compact layout and two CTAs an SM (its shared memory fits twice, its
+// registers held to 128): up to 64 columns at K <= 128. GDN's summary scan at 1x131072 H2/HV4 in 16
+// segments (H200): 349 -> 296 us. KDA's at 128 columns keeps the full layout, one CTA an SM: the
+// compact one was 3% slower there, and two CTAs of 64 columns no faster (274 against 269 us).
+constexpr bool compact_summary(int K, int vb, bool states_only) { return states_only && vb <= 64 && K <= 128; }
+constexpr int scan_ctas_per_sm(int K, int vb, bool states_only) { return compact_summary(K, vb, states_only) ? 2 : 1; }
 
 // Key head sizes with kernels (the instantiations/ folder holds one translation unit per family and
 // K). The value head size is no template parameter: the scan slices V into VB-column CTAs, so any

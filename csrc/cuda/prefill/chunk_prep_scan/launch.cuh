@@ -45,6 +45,8 @@ void launch_prep(const Recurrence& r, const FwdParams& p, const int32_t* chunk_b
 // slower, and varlen calls, whose lengths the host does not know, lost where one long sequence
 // started late). Else 64. CULA_SCAN_VB=32|64|128 (read once per process) forces a width where it
 // fits, for benchmarks. (V and v's columns v_cols are multiples of 64: chunk::tensor_core_declines.)
+// (The segments' summary scan runs two CTAs of up to 64 columns an SM at K <= 128,
+// compact_summary; KDA's still takes 128 columns where it would.)
 template <int K, class F>
 int pick_vb(int64_t tasks, int64_t HV, int64_t V, int64_t v_cols, bool varlen, int device) {
   static const int forced = [] {
@@ -77,12 +79,12 @@ void launch_scan(const FwdParams& p, int vb, const int32_t* chunk_base, const un
                                                                                                       work);
   };
   if constexpr (K <= 128 && !F::kScalarGate) {
-    if (vb == 128) return scan(chunk_scan_kernel<K, 128, F, kBlockBarriersOnly, kStatesOnly>, 128, ScanLayout<K, 128, F>::bytes);
+    if (vb == 128) return scan(chunk_scan_kernel<K, 128, F, kBlockBarriersOnly, kStatesOnly>, 128, ScanLayout<K, 128, F, compact_summary(K, 128, kStatesOnly)>::bytes);
   }
   if constexpr (K <= 128) {
-    if (vb == 64) return scan(chunk_scan_kernel<K, 64, F, kBlockBarriersOnly, kStatesOnly>, 64, ScanLayout<K, 64, F>::bytes);
+    if (vb == 64) return scan(chunk_scan_kernel<K, 64, F, kBlockBarriersOnly, kStatesOnly>, 64, ScanLayout<K, 64, F, compact_summary(K, 64, kStatesOnly)>::bytes);
   }
-  scan(chunk_scan_kernel<K, 32, F, kBlockBarriersOnly, kStatesOnly>, 32, ScanLayout<K, 32, F>::bytes);
+  scan(chunk_scan_kernel<K, 32, F, kBlockBarriersOnly, kStatesOnly>, 32, ScanLayout<K, 32, F, compact_summary(K, 32, kStatesOnly)>::bytes);
 }
 
 // Workspace, prep and scan of one call; with r.segment_len < T, the segments (segments.h): the prep
@@ -117,8 +119,8 @@ void run(const Recurrence& r, const FwdParams& p, int device, cudaStream_t strea
     ps.seg = static_cast<int>(r.segment_len), ps.V = static_cast<int>(W), ps.k_last = 1;
     ps.h0 = init, ps.h0_dt = CULA_FLOAT32, ps.ht = summary, ps.ht_dt = CULA_FLOAT32, ps.out = nullptr;
     segments::launch_init(p, per, init, stream);
-    launch_scan<K, F, kBlockBarriersOnly, true>(ps, pick_vb<K, F>(segs, r.HV, W, r.V, false, device), nullptr, work,
-                                                stream);
+    launch_scan<K, F, kBlockBarriersOnly, true>(ps, pick_vb<K, F>(segs, r.HV, W, r.V, false, device), nullptr,
+                                                work, stream);
     segments::launch_fold(p, per, summary, enter, stream);
     FwdParams po = p;  // the output scan from the folded states; final states into init's room
     po.seg = ps.seg, po.k_last = 1, po.h0 = enter, po.h0_dt = CULA_FLOAT32;

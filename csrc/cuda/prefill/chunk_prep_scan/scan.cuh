@@ -21,9 +21,9 @@ namespace chunk_prep_scan {
 // kStatesOnly: the segments' summary scan (launch.cuh), which wants the states and not o: no Qg
 // (or q) and AM tiles copied, no products of o, nothing stored but the states.
 template <int K, int VB, class F, bool kBlockBarriersOnly = false, bool kStatesOnly = false>
-__global__ void __launch_bounds__(32 * scan_warps(VB), 1)
+__global__ void __launch_bounds__(32 * scan_warps(VB), scan_ctas_per_sm(K, VB, kStatesOnly))
     chunk_scan_kernel(const FwdParams p, const int32_t* __restrict__ chunk_base, const unsigned char* __restrict__ work) {
-  using Ly = ScanLayout<K, VB, F>;
+  using Ly = ScanLayout<K, VB, F, compact_summary(K, VB, kStatesOnly)>;
   using Wk = Work<K, F>;
   constexpr int LDK = Ly::LDK, LDV = Ly::LDV, LDT = Ly::LDT;
   constexpr int KS = K / 16;
