@@ -24,7 +24,8 @@ gives its incoming state X (``_cp_exchange``: an all-gather, or a log-depth scan
 messages beyond 8 ranks); its outputs are then o_t + X Q~_t and its final states A + X M. Dense batches:
 every sequence spans every rank. Packed varlen batches (B = 1): ``cu_seqlens`` holds the *global*
 offsets (the same tensor on every rank), and sequences may cross rank boundaries; the local slice
-is the rank's tokens in rank order (``split_tokens_for_sp`` / ``split_cu_seqlens_for_sp``).
+is the rank's tokens in rank order (``split_tokens_for_sp`` / ``split_cu_seqlens_for_sp``), in any
+proportions (``shares``; ``cp_shares`` gives the first rank, which runs no summary columns, more).
 Sequence-complete partitioning is the other mode (``split_sequences_for_sp``: runs of whole
 sequences per rank, the boundaries at the sequence boundaries nearest the even token split): given
 the same global ``cu_seqlens``, chunk_cp sees that no sequence crosses a rank and runs Level 1 on
@@ -63,6 +64,7 @@ __all__ = [
     "cula_kda_tp", "cula_kda_cp", "cula_kda_tp_cp", "cula_gdn_tp", "cula_gdn_cp", "cula_gdn_tp_cp",
     "cula_lightning_tp", "cula_lightning_cp",
     "alloc_state_buffer", "alloc_decode_state_pool", "shard_heads", "split_tokens_for_sp", "split_cu_seqlens_for_sp",
+    "cp_shares",
     "split_sequences_for_sp",
 ]
 
@@ -975,17 +977,46 @@ def shard_heads(x, tp_size, tp_rank, dim=2):
     return x.narrow(dim, tp_rank * per, per)
 
 
-def _token_range(total, sp_size, sp_rank):
-    per, extra = divmod(total, sp_size)
-    start = sp_rank * per + min(sp_rank, extra)
-    return start, start + per + (1 if sp_rank < extra else 0)
+def _token_range(total, sp_size, sp_rank, shares=None):
+    """Rank sp_rank's global tokens [start, end) of total: an even split (the first total % sp_size
+    ranks one token more), or with shares (one positive weight per rank) tokens in proportion to the
+    weights, the remainder by largest fraction (ties to the lower rank)."""
+    if not 0 <= sp_rank < sp_size:
+        raise CulaError(f"argument 'sp_rank': expected a rank in [0, {sp_size}), got {sp_rank}")
+    if shares is None:
+        per, extra = divmod(total, sp_size)
+        start = sp_rank * per + min(sp_rank, extra)
+        return start, start + per + (1 if sp_rank < extra else 0)
+    w = [float(x) for x in shares]
+    if len(w) != sp_size or not all(x > 0 and x != float("inf") for x in w):
+        raise CulaError(f"argument 'shares': expected {sp_size} positive finite weights (one per rank), got {list(shares)}")
+    exact = [total * x / sum(w) for x in w]
+    counts = [int(e) for e in exact]
+    for r in sorted(range(sp_size), key=lambda r: (counts[r] - exact[r], r))[:total - sum(counts)]:
+        counts[r] += 1
+    start = sum(counts[:sp_rank])
+    return start, start + counts[sp_rank]
 
 
-def split_tokens_for_sp(x, sp_size, sp_rank, dim=1):
+def split_tokens_for_sp(x, sp_size, sp_rank, dim=1, shares=None):
     """This rank's contiguous slice of the tokens (dimension dim): the first total % sp_size ranks
-    get one token more."""
-    start, end = _token_range(int(x.shape[dim]), sp_size, sp_rank)
+    get one token more; shares (one positive weight per rank, e.g. ``cp_shares(...)``) splits the
+    tokens in proportion instead."""
+    start, end = _token_range(int(x.shape[dim]), sp_size, sp_rank, shares)
     return x.narrow(dim, start, end - start)
+
+
+def cp_shares(family, K, V, sp_size):
+    """Token shares for context parallelism that balance the ranks' passes under the cost model of
+    docs/DIST.md: with the delta rule (KDA, GDN, DeltaNet) every rank but the first runs its pass
+    over V + K value columns (the summary's) and the first over V, so the first takes (V + K) / V
+    times the others' tokens (2x at K = V: a 4-rank bound of (w + 1) / 2 = 2.5x one GPU, against
+    w / 2 = 2x for the even split). The families without the delta rule run one pass of V columns
+    on every rank: even shares. A model, not a measurement: ``cula bench cp`` times both splits."""
+    if sp_size < 1:
+        raise CulaError(f"argument 'sp_size': expected a positive group size, got {sp_size}")
+    first = (V + K) / V if family not in _DIAGONAL else 1.0
+    return [first] + [1.0] * (sp_size - 1)
 
 
 def split_sequences_for_sp(cu_seqlens, sp_size, sp_rank):
@@ -1009,14 +1040,14 @@ def split_sequences_for_sp(cu_seqlens, sp_size, sp_rank):
     return _rank_offsets(cu, bounds[sp_rank], bounds[sp_rank + 1], sp_rank, sp_size, cu_seqlens.device)
 
 
-def split_cu_seqlens_for_sp(cu_seqlens, sp_rank, sp_size, max_seqlen=None):
-    """The token split split_tokens_for_sp makes of a packed batch: (local offsets of the pieces of
-    the sequences on this rank [pieces + 1] int32, the rank's global token range [start, end] int64).
-    chunk_cp takes the global cu_seqlens; this is for callers that index their own tensors.
-    max_seqlen is accepted for the RFC's signature and not needed."""
+def split_cu_seqlens_for_sp(cu_seqlens, sp_rank, sp_size, max_seqlen=None, shares=None):
+    """The token split split_tokens_for_sp makes of a packed batch (with the same shares): (local
+    offsets of the pieces of the sequences on this rank [pieces + 1] int32, the rank's global token
+    range [start, end] int64). chunk_cp takes the global cu_seqlens; this is for callers that index
+    their own tensors. max_seqlen is accepted for the RFC's signature and not needed."""
     del max_seqlen
     cu = [int(x) for x in cu_seqlens.tolist()]
-    return _rank_offsets(cu, *_token_range(cu[-1], sp_size, sp_rank), sp_rank, sp_size, cu_seqlens.device)
+    return _rank_offsets(cu, *_token_range(cu[-1], sp_size, sp_rank, shares), sp_rank, sp_size, cu_seqlens.device)
 
 
 def _rank_offsets(cu, start, end, rank, size, device):

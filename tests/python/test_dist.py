@@ -129,36 +129,36 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
-def _cp_dense(rank, world, device, rng, family, exchange="auto"):
+def _cp_dense(rank, world, device, rng, family, exchange="auto", shares=None):
     d, kw, h0 = _problem(rng, family, 2, 150, 2, 4, 32, 32, device)  # GVA: two value heads per q/k head
     kw["scale"] = 0.3
     o_ref, s_ref = _reference(family, d, kw, h0)
-    local = {n: dist.split_tokens_for_sp(x, world, rank) for n, x in d.items()}
+    local = {n: dist.split_tokens_for_sp(x, world, rank, shares=shares) for n, x in d.items()}
     decay = kw.pop("decay", None)
     with torch.no_grad():
         o, s = dist.chunk_cp(family, local["q"], local["k"], local["v"], local.get("g"), local.get("beta"), decay,
                              initial_state=h0, sp_size=world, sp_rank=rank, exchange=exchange, **kw)
     assert dist.last_exchange()["exchange"] == (exchange if exchange != "auto" else "all_gather")
     tol = TOL_CUDA if device == "cuda" else TOL
-    assert _rel(o, dist.split_tokens_for_sp(o_ref, world, rank)) < tol, (rank, family, _rel(o, dist.split_tokens_for_sp(o_ref, world, rank)))
+    assert _rel(o, dist.split_tokens_for_sp(o_ref, world, rank, shares=shares)) < tol, (rank, family, _rel(o, dist.split_tokens_for_sp(o_ref, world, rank, shares=shares)))
     assert _rel(s, s_ref) < tol, (rank, family, _rel(s, s_ref), float(s_ref.abs().max()))
 
 
-def _cp_varlen(rank, world, device, rng, family, exchange="auto"):
+def _cp_varlen(rank, world, device, rng, family, exchange="auto", shares=None):
     seqlens = [5, 0, 70, 3, 90, 0, 12]
     T = sum(seqlens)
     cu = torch.tensor(np.cumsum([0] + seqlens), dtype=torch.int32, device=device)
     d, kw, h0 = _problem(rng, family, 1, T, 2, 2, 32, 32, device, N=len(seqlens))
     o_ref, s_ref = _reference(family, d, kw, h0, cu)
-    local = {n: dist.split_tokens_for_sp(x, world, rank) for n, x in d.items()}
+    local = {n: dist.split_tokens_for_sp(x, world, rank, shares=shares) for n, x in d.items()}
     decay = kw.pop("decay", None)
     with torch.no_grad():
         o, s = dist.chunk_cp(family, local["q"], local["k"], local["v"], local.get("g"), local.get("beta"), decay,
                              initial_state=h0, cu_seqlens=cu, exchange=exchange, **kw)
     tol = TOL_CUDA if device == "cuda" else TOL
-    assert _rel(o, dist.split_tokens_for_sp(o_ref, world, rank)) < tol, rank
+    assert _rel(o, dist.split_tokens_for_sp(o_ref, world, rank, shares=shares)) < tol, rank
     assert _rel(s, s_ref) < tol, rank
-    local_cu, span = dist.split_cu_seqlens_for_sp(cu, rank, world)
+    local_cu, span = dist.split_cu_seqlens_for_sp(cu, rank, world, shares=shares)
     assert int(local_cu[-1]) == int(span[1] - span[0]) == local["q"].shape[1]
     if family == "kda":  # FLA's cp_context through the drop-in: this rank's offsets, chain flags, no states
         pieces = dist._pieces([int(x) for x in cu.tolist()], int(span[0]), int(span[1]), rank, world)
@@ -167,7 +167,7 @@ def _cp_varlen(rank, world, device, rng, family, exchange="auto"):
         o_ref0, _ = _reference(family, d, dict(kw, decay=decay) if decay is not None else dict(kw), None, cu)
         with torch.no_grad():
             o_fla = kda_dropin(local["q"], local["k"], local["v"], local["g"], local["beta"], cp_context=ctx, **kw)[0]
-        assert _rel(o_fla, dist.split_tokens_for_sp(o_ref0, world, rank)) < tol, rank
+        assert _rel(o_fla, dist.split_tokens_for_sp(o_ref0, world, rank, shares=shares)) < tol, rank
 
 
 @contextlib.contextmanager
@@ -533,6 +533,19 @@ def _cp_scan_all(rank, world, device, rng):
             dist.chunk_cp("gdn", local["q"], local["k"], local["v"], local["g"], local["beta"], exchange="ring", **kw)
 
 
+def _cp_shares_all(rank, world, device, rng):
+    """Uneven token splits: cp_shares' (the first rank, which runs no summary columns, twice the
+    others' tokens at K = V) and arbitrary weights, dense and packed."""
+    assert dist.cp_shares("kda", 32, 32, world) == [2.0] + [1.0] * (world - 1)
+    assert dist.cp_shares("gla", 32, 32, world) == [1.0] * world
+    uneven = dist.split_tokens_for_sp(torch.empty(1, 150), world, 0, shares=dist.cp_shares("kda", 32, 32, world))
+    assert uneven.shape[1] == round(150 * 2 / (world + 1)) > dist.split_tokens_for_sp(torch.empty(1, 150), world, 0).shape[1]
+    for family in ("kda", "gdn"):
+        _cp_dense(rank, world, device, rng, family, shares=dist.cp_shares(family, 32, 32, world))
+    _cp_varlen(rank, world, device, rng, "kda", shares=[3.0] + [1.0] * (world - 1))
+    _cp_varlen(rank, world, device, rng, "gla", shares=[1.0] * (world - 1) + [2.5])
+
+
 def _tp_all(rank, world, device, rng):
     _each(_tp, ("kda", "gdn", "lightning"))(rank, world, device, rng)
 
@@ -555,6 +568,33 @@ def test_context_parallel_varlen_with_sequences_across_ranks(rng, backend, world
 @pytest.mark.parametrize("world", [2, 4])
 def test_context_parallel_on_whole_sequences_runs_level1_without_exchange(rng, backend, world):
     _spawn(_cp_whole_sequences_all, _world(backend, world), backend, int(rng.integers(1 << 31)))
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_with_uneven_token_shares_matches_one_process(rng, backend, world):
+    _spawn(_cp_shares_all, _world(backend, world), backend, int(rng.integers(1 << 31)))
+
+
+def test_token_shares_split_in_proportion():
+    """split_tokens_for_sp / split_cu_seqlens_for_sp with shares: every token once, in rank order,
+    in proportion to the weights (the remainder by largest fraction), bad weights refused."""
+    x = torch.arange(1000).view(1, 1000)
+    for shares in ([2.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [0.5, 3.0], [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]):
+        parts = [dist.split_tokens_for_sp(x, len(shares), r, shares=shares) for r in range(len(shares))]
+        assert torch.equal(torch.cat(parts, dim=1), x)
+        for p, w in zip(parts, shares):
+            assert abs(p.shape[1] - 1000 * w / sum(shares)) < 1
+    assert [dist.split_tokens_for_sp(x, 3, r, shares=[1, 1, 1]).shape[1] for r in range(3)] == \
+        [dist.split_tokens_for_sp(x, 3, r).shape[1] for r in range(3)]
+    cu = torch.tensor([0, 5, 5, 75, 78, 168, 168, 180], dtype=torch.int32)
+    local, span = dist.split_cu_seqlens_for_sp(cu, 0, 4, shares=dist.cp_shares("gdn", 128, 128, 4))
+    assert span.tolist() == [0, 72] and local.tolist() == [0, 5, 5, 72]
+    for bad in ([1.0, 0.0], [1.0, -2.0], [1.0], [1.0, float("inf")]):
+        with pytest.raises(cula.CulaError, match="argument 'shares'"):
+            dist.split_tokens_for_sp(x, 2, 0, shares=bad)
+    with pytest.raises(cula.CulaError, match="argument 'sp_rank'"):
+        dist.split_tokens_for_sp(x, 2, 2)
 
 
 def test_split_sequences_for_sp_cuts_at_the_sequence_boundaries_nearest_the_even_split():
@@ -653,7 +693,7 @@ def test_bench_cp_harness_runs_on_host_ranks(tmp_path):
     assert bench_cp(str(tmp_path), device="cpu", configs=SMOKE_CONFIGS[:1]) == 0
     records = json.load(open(tmp_path / "cp_x2.json"))["records"]
     got = {(r["impl"], r["step"]) for r in records}
-    assert got == {(i, s) for i in ("cula_cp", "cula_cp_scan", "cula_cp_det", "one_gpu")
+    assert got == {(i, s) for i in ("cula_cp", "cula_cp_shares", "cula_cp_scan", "cula_cp_det", "one_gpu")
                    for s in ("forward", "forward + backward")}
     assert all(r["median_ms"] > 0 for r in records)
     assert "| kda 1x192 H2 | forward + backward |" in (tmp_path / "cp_x2.md").read_text()

@@ -7,7 +7,9 @@ and implementation: warm-up steps, then steps each between two barriers, timed b
 every rank; a step's time is the slowest rank's (all-reduced max), the result is the median over
 steps. "one_gpu" runs the whole sequence on rank 0 alone (the others wait at the barrier);
 "cula_cp_scan" is chunk_cp with the log-depth scan exchange in place of the all-gather (the
-planner's two choices, measured side by side); "cula_cp_det" is chunk_cp's deterministic mode
+planner's two choices, measured side by side); "cula_cp_shares" is chunk_cp on the uneven split of
+``dist.cp_shares`` (delta-rule families: the first rank, which runs no summary columns, takes
+(V + K) / V times the others' tokens); "cula_cp_det" is chunk_cp's deterministic mode
 (segments of SEGMENT tokens). The
 implementations take turns step by step. --device cpu runs cula's rows on gloo host ranks with small
 shapes (a check of the harness, not a measurement).
@@ -91,13 +93,21 @@ def _worker(rank, world, backend, store, out_dir, configs, families, with_fla, s
             do_whole = torch.randn_like(x["v"])
             do_mine = dist.split_tokens_for_sp(do_whole, world, rank).contiguous()
 
-            def cula_cp(grad, exchange="auto"):
-                inp = {n: t.detach().requires_grad_(grad) for n, t in mine.items()}
+            def cula_cp(grad, exchange="auto", split=(mine, do_mine)):
+                inp = {n: t.detach().requires_grad_(grad) for n, t in split[0].items()}
                 with torch.set_grad_enabled(grad):
                     o, _ = dist.chunk_cp(family, inp["q"], inp["k"], inp["v"], inp["g"], inp.get("beta"),
                                          cu_seqlens=cu, output_final_state=False, exchange=exchange, **kw)
                     if grad:
-                        torch.autograd.grad(o, list(inp.values()), do_mine)
+                        torch.autograd.grad(o, list(inp.values()), split[1])
+
+            # the first rank, which runs no summary columns, with cp_shares' larger part of the tokens
+            shares = dist.cp_shares(family, Kd, Vd, world)
+            mine_s = {n: dist.split_tokens_for_sp(t, world, rank, shares=shares).contiguous() for n, t in x.items()}
+            do_mine_s = dist.split_tokens_for_sp(do_whole, world, rank, shares=shares).contiguous()
+
+            def cula_cp_shares(grad):
+                cula_cp(grad, split=(mine_s, do_mine_s))
 
             def cula_cp_scan(grad):  # the log-depth exchange in place of the all-gather (the planner's choice)
                 cula_cp(grad, exchange="scan")
@@ -122,6 +132,8 @@ def _worker(rank, world, backend, store, out_dir, configs, families, with_fla, s
                         torch.autograd.grad(o, list(inp.values()), do_mine)
 
             impls = [("cula_cp", cula_cp), ("cula_cp_scan", cula_cp_scan), ("one_gpu", one_gpu)]
+            if len(set(shares)) > 1:
+                impls.insert(1, ("cula_cp_shares", cula_cp_shares))
             segment = SEGMENT if cuda else SEGMENT_SMOKE
             if all(dist.split_tokens_for_sp(x["q"], world, r).shape[1] % segment == 0 for r in range(world)):
                 impls.insert(1, ("cula_cp_det", cula_cp_det))
@@ -221,9 +233,9 @@ def table(records, world, method, gpu):
              f"({world} x cula_cp) (1.0 = linear); exchanged: the summary each rank contributes per layer (float32 "
              "A [HV, V, K] and M [HV, K, K]), independent of the tokens; an all-gather delivers the other ranks' to each.",
              "",
-             "| config | step | cula_cp | cula_cp scan exchange | cula_cp deterministic | fla_kcp | one_gpu | fla_kcp/cula_cp "
-             "| one_gpu/cula_cp | scaling efficiency | exchanged per rank |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| config | step | cula_cp | cula_cp scan exchange | cula_cp cp_shares split | cula_cp deterministic | fla_kcp "
+             "| one_gpu | fla_kcp/cula_cp | one_gpu/cula_cp | scaling efficiency | exchanged per rank |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (name, step), t in rows.items():
         c = t.get("cula_cp")
         f = lambda x: f"{x:.3f}" if x is not None else "-"  # noqa: E731
@@ -231,7 +243,8 @@ def table(records, world, method, gpu):
         one = t.get("one_gpu")
         eff = f"{one / (world * c):.2f}" if one is not None and c else "-"
         mib = f"{exchange_bytes(configs[(name, step)]) / 2**20:.2f} MiB"
-        lines.append(f"| {name} | {step} | {f(c)} | {f(t.get('cula_cp_scan'))} | {f(t.get('cula_cp_det'))} | "
+        lines.append(f"| {name} | {step} | {f(c)} | {f(t.get('cula_cp_scan'))} | {f(t.get('cula_cp_shares'))} | "
+                     f"{f(t.get('cula_cp_det'))} | "
                      f"{f(t.get('fla_kcp'))} | {f(one)} | {ratio(t.get('fla_kcp'))} | {ratio(one)} | {eff} | {mib} |")
     return "\n".join(lines) + "\n"
 
