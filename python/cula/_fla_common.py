@@ -8,6 +8,7 @@ import numpy as np
 
 from . import ops
 from ._front import chunk, reject_unknown
+from ._lib import CulaError
 from ._tensor import is_torch
 
 
@@ -52,11 +53,12 @@ def fla_chunk_size(fn_name: str, chunk_size, return_intermediate_states: bool = 
     ValueError for the values FLA refuses: 32 or 64 for KDA, 16, 32 or 64 for GDN, a power of 2 for
     simple GLA and Lightning). The function computed does not depend on it, so every accepted value
     runs the engines' 64-token chunks; only the intermediate states (one per chunk) follow it."""
+    whole = isinstance(chunk_size, (int, np.integer)) and not isinstance(chunk_size, bool)
     if fn_name in _CHUNK_SIZES:
         allowed, msg = _CHUNK_SIZES[fn_name]
-        if chunk_size not in allowed:
+        if not whole or chunk_size not in allowed:
             raise ValueError(msg.format(chunk_size))
-    elif chunk_size is not None and chunk_size != 2 ** (chunk_size.bit_length() - 1):
+    elif chunk_size is not None and (not whole or chunk_size != 2 ** (int(chunk_size).bit_length() - 1)):
         raise ValueError(f"`chunk_size` must be a power of 2, got {chunk_size}.")
     return int(chunk_size) if return_intermediate_states and chunk_size is not None else 64
 
@@ -78,8 +80,12 @@ def float32_or_64(*xs):
     return np.float64 if wide else np.float32
 
 
-def _filled(like, shape, value: float):
-    """A tensor of ``value`` (float32_or_64), on like's device and of its kind."""
+def _filled(like, like_name, value: float, shape=None):
+    """A tensor of ``value`` (float32_or_64) shaped like the argument like_name (or shape), on its
+    device and of its kind."""
+    if like is None:
+        raise CulaError(f"argument '{like_name}': expected a tensor, got None")
+    shape = tuple(like.shape) if shape is None else shape
     if is_torch(like):
         import torch
 
@@ -89,12 +95,12 @@ def _filled(like, shape, value: float):
 
 def per_token_head(v, value: float):
     """[B, T, HV] of ``value`` shaped after v [B, T, HV, V]: FLA's defaults for an omitted gate or beta."""
-    return _filled(v, tuple(v.shape[:-1]), value)
+    return _filled(v, "v", value, tuple(v.shape[:-1]) if v is not None else None)
 
 
 def zero_gate(k):
     """A zero log-gate shaped like k [B, T, H, K] (FLA's omitted per-key gate: no decay)."""
-    return _filled(k, tuple(k.shape), 0.0)
+    return _filled(k, "k", 0.0)
 
 
 def unsupported(fn_name: str, use_graph=False, max_num_seqs=None) -> None:

@@ -59,11 +59,24 @@ def _widen_half_state(state):
     return state.float() if is_torch(state) else state.astype("float32")
 
 
+def _same_kind(q, **arrays):
+    """Every array argument of q's kind (torch tensors with torch q, numpy arrays with numpy q): a
+    number or a numpy array beside torch tensors would otherwise fail deep in the call, or not at all."""
+    torch_q = is_torch(q)
+    if not torch_q and not hasattr(q, "__array_interface__"):
+        raise CulaError(f"argument 'q': expected a torch tensor or a numpy array, got {type(q).__name__}")
+    for name, x in arrays.items():
+        if x is not None and (is_torch(x) != torch_q or (not torch_q and not hasattr(x, "__array_interface__"))):
+            raise CulaError(f"argument '{name}': expected a {'torch tensor' if torch_q else 'numpy array'} as q is, "
+                            f"got {type(x).__name__}")
+
+
 def chunk(family: str, q, k, v, g=None, beta=None, decay=None, *, A_log=None, dt_bias=None, initial_state=None,
           **opts):
     """chunk_fwd with autograd when any torch input requires grad (backward: cula.ops.chunk_bwd).
     Torch tensors go through the registered op cula::chunk_fwd, whose autograd formula calls
     cula::chunk_bwd (traceable by torch.compile, forward and backward)."""
+    _same_kind(q, k=k, v=v, g=g, beta=beta, decay=decay, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state)
     initial_state = _widen_half_state(initial_state)
     if _fit_needed(q, v, opts):
         return _fit_head_size(family, q, k, v, g, beta, decay, A_log, dt_bias, initial_state, opts)

@@ -8,7 +8,7 @@ import functools
 import numpy as np
 
 from ._fla_common import fla_chunk_size
-from ._front import chunk, compiling, reject_unknown
+from ._front import _same_kind, chunk, compiling, reject_unknown
 from ._tensor import is_torch
 
 __all__ = ["chunk_lightning_attn", "fused_recurrent_lightning_attn", "lightning_decay"]
@@ -48,6 +48,7 @@ def chunk_lightning_attn(q, k, v, layer_idx, num_layers, scale=None, initial_sta
         raise DeprecationWarning("head_first has been removed. Inputs must be in `[B, T, H, ...]` format.")
     chunk_size = fla_chunk_size("chunk_lightning_attn", kwargs.pop("chunk_size", None))
     reject_unknown("chunk_lightning_attn", kwargs)
+    _same_kind(q)  # (q's heads size the decays)
     decay = lightning_decay(q.shape[2], layer_idx, num_layers, like=q)
     return chunk("lightning", q, k, v, decay=decay, initial_state=initial_state, scale=scale,
                  output_final_state=output_final_state, chunk_size=chunk_size, cu_seqlens=cu_seqlens,

@@ -39,6 +39,19 @@ class Options:
                 raise CulaError(f"argument '{name}': expected a float or None, got {type(x).__name__}")
         if self.scale is not None and math.isnan(self.scale):  # (NaN is the C ABI's "None": K^-0.5)
             raise CulaError("argument 'scale': expected a finite number (or None for K^-0.5), got nan")
+        for name in ("scale", "lower_bound"):  # the kernels take them as float32
+            x = getattr(self, name)
+            if x is not None and not abs(x) <= _FLOAT32_MAX:
+                raise CulaError(f"argument '{name}': expected a finite float32 number, got {x!r}")
+        for name in _BOOL_FIELDS:  # FLA tests them for truth: anything with one truth value, stored as a bool
+            x = getattr(self, name)
+            if not isinstance(x, bool):
+                try:
+                    truth = bool(x)
+                except Exception:  # noqa: BLE001 (a tensor of several values, say)
+                    raise CulaError(f"argument '{name}': expected a bool, got {type(x).__name__} "
+                                    f"{tuple(getattr(x, 'shape', ())) or ''}".rstrip()) from None
+                object.__setattr__(self, name, truth)
         if self.state_layout not in LAYOUTS:
             raise CulaError(f"argument 'state_layout': expected 'k_last' or 'k_first', got {self.state_layout!r}")
 
@@ -64,6 +77,8 @@ class Options:
 
 
 NAMES = tuple(f.name for f in dataclasses.fields(Options))
+_BOOL_FIELDS = tuple(f.name for f in dataclasses.fields(Options) if f.type == "bool")
+_FLOAT32_MAX = 3.4028234663852886e38
 
 # torch.library schema types of the fields (their annotations, strings under `from __future__ import
 # annotations`), for the registered ops (torch_ops.py)

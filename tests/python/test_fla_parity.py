@@ -1,5 +1,6 @@
 """The FLA drop-ins take and refuse FLA's arguments as FLA 0.6.0 does: chunk_size per op (FLA's
-exception type and message), A_log / dt_bias in any shape holding their values, T = 0, a NaN scale. Host arrays run everywhere; the CUDA cases skip without a
+exception type and message), A_log / dt_bias in any shape holding their values, T = 0, a NaN scale,
+arguments of the wrong kind. Host arrays run everywhere; the CUDA cases skip without a
 device."""
 
 import numpy as np
@@ -7,6 +8,7 @@ import pytest
 from conftest import rel
 
 import cula
+import cula.delta_rule
 import cula.gated_delta_rule
 import cula.gla
 import cula.kda
@@ -116,3 +118,36 @@ def test_nan_scale_is_refused(rng):
     q, k, v, g, beta = _kda_inputs(rng, "cpu")
     with pytest.raises(cula.CulaError, match=r"argument 'scale': expected a finite number.*got nan"):
         cula.kda.chunk_kda(q, k, v, -g.abs(), beta, scale=float("nan"))
+
+
+def test_arguments_of_the_wrong_kind_are_refused_naming_them(rng):
+    """Inputs that used to fail deep inside a call (a torch cast error, an attribute error) or give
+    a silently non-finite output are refused up front with the argument named."""
+    q, k, v, g, beta = _kda_inputs(rng, "cpu")
+    g = -g.abs()
+    A_log, dt_bias = torch.rand(2), torch.rand(2 * 64)
+    kw = dict(use_gate_in_kernel=True, lower_bound=-5.0)
+    refusals = [  # (call, argument named)
+        (lambda: cula.kda.chunk_kda(q, k, v, g, beta, scale=1e40), "scale"),  # finite, but not in float32
+        (lambda: cula.kda.chunk_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=True,
+                                    lower_bound=float("-inf")), "lower_bound"),
+        (lambda: cula.kda.chunk_kda(q, k, v, g, beta, A_log=-5.0, dt_bias=dt_bias, **kw), "A_log"),
+        (lambda: cula.kda.chunk_kda(q, k, v, g, beta, A_log=A_log.numpy(), dt_bias=dt_bias, **kw), "A_log"),
+        (lambda: cula.kda.chunk_kda(q, k, v, g, beta, A_log=A_log, dt_bias=True, **kw), "dt_bias"),
+        (lambda: cula.kda.chunk_kda(q, k, v, g, beta, safe_gate=torch.ones(3)), "safe_gate"),
+        (lambda: cula.kda.chunk_kda(q, k, v, g.numpy(), beta), "g"),
+        (lambda: cula.lightning_attn.chunk_lightning_attn(None, k, v, 1, 4), "q"),
+        (lambda: cula.delta_rule.chunk_delta_rule(q, k, None, beta), "v"),
+        (lambda: cula.gla.fused_recurrent_gla(q, None, v), "k"),
+    ]
+    for call, name in refusals:
+        with pytest.raises(cula.CulaError, match=f"argument '{name}'"):
+            call()
+    with pytest.raises(ValueError, match="`chunk_size` must be a power of 2"):  # FLA's message
+        cula.simple_gla.chunk_simple_gla(q, k, v, g[..., 0], chunk_size=torch.tensor(64))
+    with pytest.raises(ValueError, match="`chunk_size` must be either 32 or 64"):
+        cula.kda.chunk_kda(q, k, v, g, beta, chunk_size=64.0)
+    # a truth value of another type is taken as FLA takes it
+    o1 = cula.kda.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=1)[0]
+    o2 = cula.kda.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+    assert torch.equal(o1, o2)
