@@ -9,7 +9,7 @@ ones it does not know. ``backend_for(op, device)`` tells which kernel runs.
 from __future__ import annotations
 
 from . import ops
-from ._front import chunk, compiling, reject_unknown
+from ._front import _same_kind, chunk, compiling, reject_unknown
 from ._lib import CulaError, CulaUnsupportedError
 from ._tensor import is_torch
 
@@ -60,6 +60,19 @@ def _int32_offsets(cu_seqlens):
     return np.asarray(cu_seqlens).astype(np.int32)
 
 
+def _arrays(fn, q, dims, **arrays):
+    """Every array argument of q's kind (torch or numpy) and the ones named in dims of their number
+    of dimensions (a tuple: any of them), before Level 1 reads their shapes; cu_seqlens, when given,
+    one dimension."""
+    _same_kind(q, **arrays)
+    if arrays.get("cu_seqlens") is not None:
+        dims = dict(dims, cu_seqlens=(arrays["cu_seqlens"], (1,), "[N + 1] offsets"))
+    for name, (x, nd, what) in dims.items():
+        if x is None or len(x.shape) not in nd:
+            got = "None" if x is None else f"{len(x.shape)} dimensions {list(x.shape)}"
+            raise CulaError(f"{fn}: argument '{name}': expected {what}, got {got}")
+
+
 def _check_state(name, state, expect_shape):
     if state is None:
         return
@@ -82,6 +95,9 @@ def cula_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_s
     reject_unknown("cula_kda", kwargs)
     _require_backend("kda", q, device)
     del disable_recompute
+    _arrays("cula_kda", q, dict(q=(q, (4,), "[B, T, H, K]"), k=(k, (4,), "[B, T, H, K]"), v=(v, (4,), "[B, T, HV, V]"),
+                                g=(g, (3, 4), "[B, T, HV] or [B, T, HV, K]")),
+            k=k, v=v, g=g, beta=beta, initial_state=initial_state, cu_seqlens=cu_seqlens)
     family = "gdn" if len(g.shape) == 3 else "kda"
     B, T, H, K = (int(s) for s in q.shape)
     HV, V = int(v.shape[2]), int(v.shape[3])
@@ -101,6 +117,11 @@ def cula_lightning(Q, K, V, decay, *, scale=None, initial_state=None, output_fin
     from and written back to the pool in place, and the pool is returned as the final state."""
     reject_unknown("cula_lightning", kwargs)
     _require_backend("lightning", Q, device)
+    _arrays("cula_lightning", Q, dict(Q=(Q, (4,), "[B, T, H, K]"), K=(K, (4,), "[B, T, H, K]"),
+                                      V=(V, (4,), "[B, T, H, V]")) | (
+                {} if state_pool is None else dict(state_pool=(state_pool, (4,), "[P, H, V, K]"))),
+            K=K, V=V, decay=decay, initial_state=initial_state, cu_seqlens=cu_seqlens, state_pool=state_pool,
+            initial_state_indices=initial_state_indices)
     B, T, H, Kd = (int(s) for s in Q.shape)
     HV, Vd = int(V.shape[2]), int(V.shape[3])
     n = B if cu_seqlens is None else int(cu_seqlens.shape[0]) - 1
@@ -131,6 +152,10 @@ def cula_decode(q, k, v, state, *, mode="kda", state_indices=None, scale=None, d
     if mode not in ("kda", "gdn", "lightning"):
         raise CulaError(f"cula_decode: argument 'mode': expected 'kda', 'gdn' or 'lightning', got {mode!r}")
     _require_backend("decode", q, device)
+    _arrays("cula_decode", q, dict(q=(q, (4,), "[N, T, H, K] or [1, N, H, K]"), v=(v, (4,), "[N, T, HV, V]")),
+            k=k, v=v, state=state, state_indices=state_indices,
+            **{n: x for n, x in extra.items() if n not in ("lower_bound", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
+                                                          "use_beta_sigmoid_in_kernel", "allow_neg_eigval")})
     packed = int(q.shape[0]) == 1 and int(q.shape[1]) > 1 and state_indices is not None \
         and len(state_indices.shape) == 1 and int(state_indices.shape[0]) == int(q.shape[1])
     if packed:  # [1, N, ...] -> [N, 1, ...]

@@ -151,3 +151,24 @@ def test_arguments_of_the_wrong_kind_are_refused_naming_them(rng):
     o1 = cula.kda.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=1)[0]
     o2 = cula.kda.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
     assert torch.equal(o1, o2)
+
+
+def test_level1_arguments_of_the_wrong_kind_or_rank_are_refused_naming_them(rng):
+    """Level 1 reads shapes to pick the family and check states: a missing or misshapen array, a
+    number where a tensor belongs, is a CulaError naming the argument, not an attribute or index error."""
+    q, k, v, g, beta = _kda_inputs(rng, "cpu")
+    g = -g.abs()
+    pool = torch.zeros(4, 2, 64, 64)
+    refusals = [
+        (lambda: cula.cula_kda(q, k, v, None, beta), "g"),
+        (lambda: cula.cula_kda(q, k, v[..., 0], g, beta), "v"),
+        (lambda: cula.cula_kda(q, k, v, g, beta, cu_seqlens=torch.tensor(40, dtype=torch.int32)), "cu_seqlens"),
+        (lambda: cula.cula_lightning(q, k, None, torch.rand(2)), "V"),
+        (lambda: cula.cula_lightning(q, k, v, torch.rand(2), state_pool=16,
+                                     initial_state_indices=torch.tensor([0], dtype=torch.int32)), "state_pool"),
+        (lambda: cula.cula_decode(q[:, :1], k[:, :1], v[:, :1], pool, state_indices=torch.tensor([1], dtype=torch.int32),
+                                  g=g[:, :1], beta=beta[:, :1], dt_bias=32), "dt_bias"),
+    ]
+    for call, name in refusals:
+        with pytest.raises(cula.CulaError, match=f"argument '{name}'"):
+            call()
