@@ -161,6 +161,9 @@ struct ScanLayout {
 // compact one was 3% slower there, and two CTAs of 64 columns no faster (274 against 269 us).
 constexpr bool compact_summary(int K, int vb, bool states_only) { return states_only && vb <= 64 && K <= 128; }
 constexpr int scan_ctas_per_sm(int K, int vb, bool states_only) { return compact_summary(K, vb, states_only) ? 2 : 1; }
+// The layout of the scan kernel with these template arguments (the kernel and its launch agree on it).
+template <int K, int VB, class F, bool kStatesOnly>
+using ScanLayoutOf = ScanLayout<K, VB, F, compact_summary(K, VB, kStatesOnly)>;
 
 // Key head sizes with kernels (the instantiations/ folder holds one translation unit per family and
 // K). The value head size is no template parameter: the scan slices V into VB-column CTAs, so any

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdlib>
+#include <type_traits>
 
 #include "common/error.h"
 #include "cuda/prefill/chunk_prep_scan/launcher.h"
@@ -72,19 +73,22 @@ int pick_vb(int64_t tasks, int64_t HV, int64_t V, int64_t v_cols, bool varlen, i
 // segments' summary scan (states only, no o).
 template <int K, class F, bool kBlockBarriersOnly, bool kStatesOnly = false>
 void launch_scan(const FwdParams& p, int vb, const int32_t* chunk_base, const unsigned char* work, cudaStream_t stream) {
-  auto scan = [&](auto kernel, int VB, int bytes) {
+  auto scan = [&](auto width) {  // the kernel of slice width VB and its layout's shared memory
+    constexpr int VB = decltype(width)::value;
+    const auto kernel = chunk_scan_kernel<K, VB, F, kBlockBarriersOnly, kStatesOnly>;
+    constexpr int bytes = ScanLayoutOf<K, VB, F, kStatesOnly>::bytes;
     chunk::allow_smem(kernel, bytes);
     const int64_t tasks = p.seg ? static_cast<int64_t>(p.N) * segments_per_sequence(p.T, p.seg) : p.N;
     kernel<<<static_cast<unsigned>(tasks * p.HV * (p.V / VB)), 32 * scan_warps(VB), bytes, stream>>>(p, chunk_base,
                                                                                                       work);
   };
   if constexpr (K <= 128 && !F::kScalarGate) {
-    if (vb == 128) return scan(chunk_scan_kernel<K, 128, F, kBlockBarriersOnly, kStatesOnly>, 128, ScanLayout<K, 128, F, compact_summary(K, 128, kStatesOnly)>::bytes);
+    if (vb == 128) return scan(std::integral_constant<int, 128>{});
   }
   if constexpr (K <= 128) {
-    if (vb == 64) return scan(chunk_scan_kernel<K, 64, F, kBlockBarriersOnly, kStatesOnly>, 64, ScanLayout<K, 64, F, compact_summary(K, 64, kStatesOnly)>::bytes);
+    if (vb == 64) return scan(std::integral_constant<int, 64>{});
   }
-  scan(chunk_scan_kernel<K, 32, F, kBlockBarriersOnly, kStatesOnly>, 32, ScanLayout<K, 32, F, compact_summary(K, 32, kStatesOnly)>::bytes);
+  scan(std::integral_constant<int, 32>{});
 }
 
 // Workspace, prep and scan of one call; with r.segment_len < T, the segments (segments.h): the prep

@@ -23,7 +23,7 @@ namespace chunk_prep_scan {
 template <int K, int VB, class F, bool kBlockBarriersOnly = false, bool kStatesOnly = false>
 __global__ void __launch_bounds__(32 * scan_warps(VB), scan_ctas_per_sm(K, VB, kStatesOnly))
     chunk_scan_kernel(const FwdParams p, const int32_t* __restrict__ chunk_base, const unsigned char* __restrict__ work) {
-  using Ly = ScanLayout<K, VB, F, compact_summary(K, VB, kStatesOnly)>;
+  using Ly = ScanLayoutOf<K, VB, F, kStatesOnly>;
   using Wk = Work<K, F>;
   constexpr int LDK = Ly::LDK, LDV = Ly::LDV, LDT = Ly::LDT;
   constexpr int KS = K / 16;
