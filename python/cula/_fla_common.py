@@ -80,12 +80,12 @@ def float32_or_64(*xs):
     return np.float64 if wide else np.float32
 
 
-def _filled(like, like_name, value: float, shape=None):
-    """A tensor of ``value`` (float32_or_64) shaped like the argument like_name (or shape), on its
-    device and of its kind."""
+def _filled(like, like_name, value: float, dims: int):
+    """A tensor of ``value`` (float32_or_64) shaped like the first dims dimensions of the argument
+    like_name, on its device and of its kind."""
     if like is None:
         raise CulaError(f"argument '{like_name}': expected a tensor, got None")
-    shape = tuple(like.shape) if shape is None else shape
+    shape = tuple(like.shape[:dims])
     if is_torch(like):
         import torch
 
@@ -95,12 +95,12 @@ def _filled(like, like_name, value: float, shape=None):
 
 def per_token_head(v, value: float):
     """[B, T, HV] of ``value`` shaped after v [B, T, HV, V]: FLA's defaults for an omitted gate or beta."""
-    return _filled(v, "v", value, tuple(v.shape[:-1]) if v is not None else None)
+    return _filled(v, "v", value, 3)
 
 
 def zero_gate(k):
     """A zero log-gate shaped like k [B, T, H, K] (FLA's omitted per-key gate: no decay)."""
-    return _filled(k, "k", 0.0)
+    return _filled(k, "k", 0.0, 4)
 
 
 def unsupported(fn_name: str, use_graph=False, max_num_seqs=None) -> None:

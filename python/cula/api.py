@@ -139,8 +139,9 @@ def cula_lightning(Q, K, V, decay, *, scale=None, initial_state=None, output_fin
                  state_layout="k_last", state_dtype="float32")
 
 
-_DECODE_KW = {"g", "beta", "decay", "A_log", "dt_bias", "lower_bound", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
-              "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "num_accepted_tokens", "out"}
+_DECODE_ARRAYS = {"g", "beta", "decay", "A_log", "dt_bias", "num_accepted_tokens", "out"}
+_DECODE_KW = _DECODE_ARRAYS | {"lower_bound", "use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel",
+                               "allow_neg_eigval"}
 
 
 def cula_decode(q, k, v, state, *, mode="kda", state_indices=None, scale=None, device=None, **kwargs):
@@ -153,9 +154,7 @@ def cula_decode(q, k, v, state, *, mode="kda", state_indices=None, scale=None, d
         raise CulaError(f"cula_decode: argument 'mode': expected 'kda', 'gdn' or 'lightning', got {mode!r}")
     _require_backend("decode", q, device)
     _arrays("cula_decode", q, dict(q=(q, (4,), "[N, T, H, K] or [1, N, H, K]"), v=(v, (4,), "[N, T, HV, V]")),
-            k=k, v=v, state=state, state_indices=state_indices,
-            **{n: x for n, x in extra.items() if n not in ("lower_bound", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
-                                                          "use_beta_sigmoid_in_kernel", "allow_neg_eigval")})
+            k=k, v=v, state=state, state_indices=state_indices, **{n: x for n, x in extra.items() if n in _DECODE_ARRAYS})
     packed = int(q.shape[0]) == 1 and int(q.shape[1]) > 1 and state_indices is not None \
         and len(state_indices.shape) == 1 and int(state_indices.shape[0]) == int(q.shape[1])
     if packed:  # [1, N, ...] -> [N, 1, ...]

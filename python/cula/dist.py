@@ -977,12 +977,16 @@ def shard_heads(x, tp_size, tp_rank, dim=2):
     return x.narrow(dim, tp_rank * per, per)
 
 
+def _check_rank(sp_size, sp_rank):
+    if not 0 <= sp_rank < sp_size:
+        raise CulaError(f"argument 'sp_rank': expected a rank in [0, {sp_size}), got {sp_rank}")
+
+
 def _token_range(total, sp_size, sp_rank, shares=None):
     """Rank sp_rank's global tokens [start, end) of total: an even split (the first total % sp_size
     ranks one token more), or with shares (one positive weight per rank) tokens in proportion to the
     weights, the remainder by largest fraction (ties to the lower rank)."""
-    if not 0 <= sp_rank < sp_size:
-        raise CulaError(f"argument 'sp_rank': expected a rank in [0, {sp_size}), got {sp_rank}")
+    _check_rank(sp_size, sp_rank)
     if shares is None:
         per, extra = divmod(total, sp_size)
         start = sp_rank * per + min(sp_rank, extra)
@@ -990,7 +994,8 @@ def _token_range(total, sp_size, sp_rank, shares=None):
     w = [float(x) for x in shares]
     if len(w) != sp_size or not all(x > 0 and x != float("inf") for x in w):
         raise CulaError(f"argument 'shares': expected {sp_size} positive finite weights (one per rank), got {list(shares)}")
-    exact = [total * x / sum(w) for x in w]
+    sum_w = sum(w)
+    exact = [total * x / sum_w for x in w]
     counts = [int(e) for e in exact]
     for r in sorted(range(sp_size), key=lambda r: (counts[r] - exact[r], r))[:total - sum(counts)]:
         counts[r] += 1
@@ -1029,8 +1034,7 @@ def split_sequences_for_sp(cu_seqlens, sp_size, sp_rank):
     cu = [int(x) for x in cu_seqlens.tolist()]
     if len(cu) < 2 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
         raise CulaError(f"argument 'cu_seqlens': expected non-decreasing offsets from 0, got {cu}")
-    if not 0 <= sp_rank < sp_size:
-        raise CulaError(f"argument 'sp_rank': expected a rank in [0, {sp_size}), got {sp_rank}")
+    _check_rank(sp_size, sp_rank)
     total, bounds = cu[-1], [0]
     for r in range(1, sp_size):
         target = r * total / sp_size

@@ -33,15 +33,15 @@ class Options:
     state_layout: str = "k_last"
 
     def __post_init__(self):
-        for name in ("scale", "lower_bound"):
+        for name in ("scale", "lower_bound"):  # (the kernels take them as float32)
             x = getattr(self, name)
-            if x is not None and (isinstance(x, bool) or not isinstance(x, (int, float))):
+            if x is None:
+                continue
+            if isinstance(x, bool) or not isinstance(x, (int, float)):
                 raise CulaError(f"argument '{name}': expected a float or None, got {type(x).__name__}")
-        if self.scale is not None and math.isnan(self.scale):  # (NaN is the C ABI's "None": K^-0.5)
-            raise CulaError("argument 'scale': expected a finite number (or None for K^-0.5), got nan")
-        for name in ("scale", "lower_bound"):  # the kernels take them as float32
-            x = getattr(self, name)
-            if x is not None and not abs(x) <= _FLOAT32_MAX:
+            if name == "scale" and math.isnan(x):  # (NaN is the C ABI's "None": K^-0.5)
+                raise CulaError("argument 'scale': expected a finite number (or None for K^-0.5), got nan")
+            if not abs(x) <= _FLOAT32_MAX:
                 raise CulaError(f"argument '{name}': expected a finite float32 number, got {x!r}")
         for name in _BOOL_FIELDS:  # FLA tests them for truth: anything with one truth value, stored as a bool
             x = getattr(self, name)
