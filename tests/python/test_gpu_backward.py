@@ -160,6 +160,32 @@ def test_small_backward_matches_the_reference(rng, family):
     assert kernels == {"cuda", "cuda_chunk"}, kernels
 
 
+@pytest.mark.sanitize
+@pytest.mark.parametrize("family", ["gla", "simple_gla", "lightning"])
+def test_wide_scans_of_the_families_without_the_delta_rule_match_the_reference(rng, family):
+    """Enough value heads that the chunk form's scans run 32 columns per CTA (the grid at that width
+    at least 1.5 CTAs per SM of this device): K = 64 and 128, states in and out, against the float64
+    reference."""
+    t = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32))  # noqa: E731
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    B, T, V = 2, 150, 128
+    H = -(-3 * sms // (4 * B * (V // 32)))  # 2 roles x B x H x V/32 CTAs >= 1.5 sms
+    for K in (64, 128):
+        d = dict(q=t(B, T, H, K).bfloat16(), k=(t(B, T, H, K) * K ** -0.5).bfloat16(), v=t(B, T, H, V).bfloat16(),
+                 d_out=t(B, T, H, V).bfloat16(), initial_state=t(B, H, V, K) * 0.3, d_final_state=t(B, H, V, K))
+        if family == "lightning":
+            d["decay"] = torch.rand(H)
+        else:
+            d["g"] = (-t(B, T, H, K).abs() if family == "gla" else -t(B, T, H).abs()) * 0.1
+        kw = dict(state_layout="k_last")
+        ref = _reference(family, d, None, kw)
+        got = _run(family, d, None, kw, _poisoned(d))
+        torch.cuda.synchronize()
+        assert cula.last_kernel() == "cuda_chunk", (family, K)
+        errs = _errors(got, ref)
+        assert not _failing(errs, "cuda_chunk"), (family, K, H, errs)
+
+
 @pytest.mark.parametrize("family", ["kda", "gdn", "lightning"])
 def test_cuda_backward_is_bitwise_deterministic(rng, family):
     d, cu, kw = _problem(rng, family)

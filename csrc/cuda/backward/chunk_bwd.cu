@@ -1094,12 +1094,26 @@ __global__ void __launch_bounds__(NT) pair_grad_kernel(const Params bp) {
 // operands converted and packed per k-step) and past FLA's dg tolerance in a test case.
 constexpr int kFastProducts = tf32::kOneTF32;
 constexpr int VS = 16;  // columns per scan CTA: the two roles' shared memory fits two CTAs per SM
+// Without the delta rule (no W tile) a 32-column scan CTA still fits two per SM at K <= 128, and each
+// step's products serve twice the columns for one chain of barriers. It pays where the grid stays
+// at least 1.5 CTAs per SM (H200, backward scans: GLA, simple GLA and Lightning 1x8192 H32 -22%,
+// simple GLA 4x2048 H16 -19%); below that the step's latency is the scan's time, and half the CTAs
+// means twice the steps' work on each (1x8192 H8: +41%).
+constexpr int VS_WIDE = 32;
+template <int K, bool DELTA>
+constexpr bool wide_scans_fit() {
+  return !DELTA && K <= 128;
+}
+bool wide_scans_pay(int64_t N, int HV, int V, int sms) {
+  return 2 * N * HV * (V / VS_WIDE) * 2 >= 3 * static_cast<int64_t>(sms);
+}
 
 template <int K, bool DELTA>
 int max_smem() {
   int b = FactorsLayoutOf<K, DELTA>::bytes;
   b = b > ScanInputsLayout<K>::bytes ? b : ScanInputsLayout<K>::bytes;
   b = b > ScanLayout<K, DELTA, VS>::bytes ? b : ScanLayout<K, DELTA, VS>::bytes;
+  if (wide_scans_fit<K, DELTA>()) b = b > ScanLayout<K, DELTA, VS_WIDE>::bytes ? b : ScanLayout<K, DELTA, VS_WIDE>::bytes;
   b = b > ValueLayout<K>::bytes ? b : ValueLayout<K>::bytes;
   b = b > KeyLayout::bytes ? b : KeyLayout::bytes;
   return b > PairLayout<K>::bytes ? b : PairLayout<K>::bytes;
@@ -1120,7 +1134,7 @@ int smem_needed(const Recurrence& r) {
 }
 
 template <int K, bool DELTA, bool SCALAR, int PREC>
-void run_kernels(const Params& bp, int64_t chunks, int N, int HV, int V, cudaStream_t stream) {
+void run_kernels(const Params& bp, int64_t chunks, int N, int HV, int V, int sms, cudaStream_t stream) {
   auto go = [&](auto kernel, int64_t grid, int bytes, int threads = NT) {
     if (grid <= 0) return;
     chunk::allow_smem(kernel, bytes);
@@ -1128,7 +1142,16 @@ void run_kernels(const Params& bp, int64_t chunks, int N, int HV, int V, cudaStr
   };
   go(chunk_factors_kernel<K, DELTA, SCALAR, PREC>, chunks * HV, FactorsLayoutOf<K, DELTA>::bytes);
   go(scan_inputs_kernel<K, DELTA, PREC>, chunks * HV * (V / VE), ScanInputsLayout<K>::bytes);
-  go(state_scans_kernel<K, DELTA, VS, PREC>, 2 * static_cast<int64_t>(N) * HV * (V / VS), ScanLayout<K, DELTA, VS>::bytes, ST);
+  auto scans = [&](auto width) {
+    constexpr int W = decltype(width)::value;
+    go(state_scans_kernel<K, DELTA, W, PREC>, 2 * static_cast<int64_t>(N) * HV * (V / W), ScanLayout<K, DELTA, W>::bytes, ST);
+  };
+  if constexpr (wide_scans_fit<K, DELTA>()) {
+    if (wide_scans_pay(N, HV, V, sms)) scans(std::integral_constant<int, VS_WIDE>{});
+    else scans(std::integral_constant<int, VS>{});
+  } else {
+    scans(std::integral_constant<int, VS>{});
+  }
   if (DELTA) go(value_grad_kernel<K, PREC>, chunks * HV * (V / VE), ValueLayout<K>::bytes);
   go(key_grad_kernel<K, DELTA, PREC>, chunks * HV * (K / VE), KeyLayout::bytes);
   go(pair_grad_kernel<K, DELTA, SCALAR, PREC>, chunks * HV, PairLayout<K>::bytes);
@@ -1203,7 +1226,7 @@ void cuda_chunk_bwd(const Recurrence& r, const cula_chunk_bwd_args& a) {
 
   if (bp.chunk_base) chunk::launch_chunk_base(bp.f, bp.chunk_base, stream);
   bwd::launch_token_inputs(bp.f, bp.x, /*log_decay=*/true, stream);
-  const int N = static_cast<int>(r.N);
+  const int N = static_cast<int>(r.N), sms = cuda_sm_count(device);
   with_key_size(static_cast<int>(K), [&](auto k) {
     constexpr int KK = decltype(k)::value;
     const int hv = static_cast<int>(HV), v = static_cast<int>(V);
@@ -1217,8 +1240,8 @@ void cuda_chunk_bwd(const Recurrence& r, const cula_chunk_bwd_args& a) {
     const bool precise = r.gate_in_kernel || a.q->dtype != CULA_BFLOAT16 || a.v->dtype != CULA_BFLOAT16;
     auto run = [&](auto delta, auto scalar) {
       constexpr bool D = decltype(delta)::value, SC = decltype(scalar)::value;
-      if (precise) run_kernels<KK, D, SC, tf32::kThreeTF32>(bp, chunks, N, hv, v, stream);
-      else run_kernels<KK, D, SC, kFastProducts>(bp, chunks, N, hv, v, stream);
+      if (precise) run_kernels<KK, D, SC, tf32::kThreeTF32>(bp, chunks, N, hv, v, sms, stream);
+      else run_kernels<KK, D, SC, kFastProducts>(bp, chunks, N, hv, v, sms, stream);
     };
     using yes = std::true_type;
     using no = std::false_type;
