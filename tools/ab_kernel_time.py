@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Back-to-back time of cula's chunked forward under two or more builds of libcula.so, taken in
+"""Back-to-back time of cula's chunked forward (or backward) under two or more builds of libcula.so, taken in
 turns: each round runs every library once, each in a fresh process (CULA_LIBRARY names it), so
 the builds see the same machine state and a drift of the machine shows in every column. This is
 how the kernel changes in the engines' design docs are measured ("kernel time back to back, N rounds
@@ -7,6 +7,9 @@ alternating"); the benchmarks against peers are `cula bench`.
 
     python3 tools/ab_kernel_time.py --lib old=exp/lib_old.so --lib new=build/libcula.so \\
         --family kda --config 1x8192:64 --config varlen:1024,1024,1024:64 --rounds 3
+
+--op bwd times the backward op (cula.ops.chunk_bwd, gradient buffers reused across calls) on the
+same inputs with a random d_out; Lightning takes FLA's decay of the first of 24 layers.
 
 A config is BxT:H or varlen:L1,L2,...:H (one packed sequence of those lengths). Inputs are bf16
 torch tensors on the GPU with the benchmark's options (in-kernel gate with lower bound -5, l2norm,
@@ -61,17 +64,25 @@ def _child(args):
     for text in args.config:
         B, T, H, lens = parse_config(text)
         g_shape = (B, T, H, K) if args.family in ("kda", "gla") else (B, T, H)
+        gated = args.family != "lightning"
 
         def make(*shape, scale=1.0):
             if cuda:  # drawn on the GPU: numpy takes tens of seconds for the large configurations
                 return (torch.randn(shape, device="cuda", generator=gen) * scale).to(torch.bfloat16)
             return (rng.standard_normal(shape) * scale).astype(np.float32)
 
-        sets = [dict(q=make(B, T, H, K), k=make(B, T, H, K), v=make(B, T, H, V), g=make(*g_shape),
-                     beta=make(B, T, H)) for _ in range(2)]
+        sets = [dict(q=make(B, T, H, K), k=make(B, T, H, K), v=make(B, T, H, V), g=make(*g_shape) if gated else None,
+                     beta=make(B, T, H), d_out=make(B, T, H, V)) for _ in range(2)]
         for s in sets:
+            if args.op == "bwd" and args.family in ("gla", "simple_gla"):  # a log-decay, not a raw draw
+                s["g"] = -abs(s["g"]) * 0.1 if not cuda else (-s["g"].float().abs() * 0.1).to(s["g"].dtype)
             s["out"] = torch.empty(B, T, H, V, device="cuda", dtype=torch.bfloat16) if cuda \
                 else np.empty((B, T, H, V), np.float32)
+        decay = None
+        if args.family == "lightning":
+            from cula.lightning_attn import lightning_decay
+
+            decay = lightning_decay(H, 0, 24, like=sets[0]["q"])
         A_log = (rng.random(H) - 0.5).astype(np.float32)
         dt_bias = (rng.standard_normal((H, K) if args.family == "kda" else (H,)) * 0.1).astype(np.float32)
         cu = np.array([0] + list(itertools.accumulate(lens)), np.int64) if lens else None
@@ -83,10 +94,18 @@ def _child(args):
             kw.update(use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0, A_log=A_log, dt_bias=dt_bias,
                       use_beta_sigmoid_in_kernel=True)
 
+        if decay is not None:
+            kw["decay"] = decay
+
         def run(i):
             x = sets[i % 2]
             beta = x["beta"] if args.family in ("kda", "gdn") else None
-            ops.chunk_fwd(args.family, x["q"], x["k"], x["v"], x["g"], beta, **{**kw, "out": x["out"]})
+            if args.op == "fwd":
+                ops.chunk_fwd(args.family, x["q"], x["k"], x["v"], x["g"], beta, **{**kw, "out": x["out"]})
+            else:
+                bkw = {n: a for n, a in kw.items() if n != "out"}
+                x["grads"] = ops.chunk_bwd(args.family, x["q"], x["k"], x["v"], x["g"], beta, x["d_out"],
+                                           grads=x.get("grads"), **bkw)
 
         for i in range(3):
             run(i)
@@ -114,7 +133,7 @@ def run_rounds(args, libs):
     """{name: {config: [ms per round]}}, each library's last kernel name and the path it loaded."""
     times = {name: {c: [] for c in args.config} for name, _ in libs}
     kernels, loaded = {}, {}
-    child_args = ["--family", args.family, "--device", args.device, "--kv", str(args.kv), "--reps", str(args.reps),
+    child_args = ["--family", args.family, "--op", args.op, "--device", args.device, "--kv", str(args.kv), "--reps", str(args.reps),
                   "--groups", str(args.groups)] + [x for c in args.config for x in ("--config", c)]
     for r in range(args.rounds):
         for name, path in libs:
@@ -144,14 +163,15 @@ def table(args, libs, times):
         base = statistics.median(times[first][c])
         cells = [" ".join(f"{x:.3f}" for x in times[n][c]) for n, _ in libs]
         ratios = [f"{statistics.median(times[n][c]) / base:.3f}" for n, _ in libs[1:]]
-        lines.append(f"| {args.family} {c} | " + " | ".join(cells + ratios) + " |")
+        lines.append(f"| {args.family} {args.op} {c} | " + " | ".join(cells + ratios) + " |")
     return lines
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lib", action="append", default=[], metavar="NAME=PATH", help="a build to time (two or more)")
-    p.add_argument("--family", default="kda", choices=["kda", "gdn", "gla", "simple_gla"])
+    p.add_argument("--family", default="kda", choices=["kda", "gdn", "gla", "simple_gla", "lightning"])
+    p.add_argument("--op", default="fwd", choices=["fwd", "bwd"], help="the chunked forward or the backward")
     p.add_argument("--config", action="append", default=None, help="BxT:H or varlen:L1,L2,...:H (repeatable)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--reps", type=int, default=10, help="back-to-back calls per timed group")
@@ -182,7 +202,7 @@ def main(argv=None) -> int:
     print("kernels: " + ", ".join(f"{n} {k}" for n, k in kernels.items()))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(family=args.family, device=args.device, rounds=args.rounds, reps=args.reps,
+            json.dump(dict(family=args.family, op=args.op, device=args.device, rounds=args.rounds, reps=args.reps,
                            groups=args.groups, libs=dict(libs), loaded=loaded, kernels=kernels, ms=times), f, indent=1)
     return 0
 

@@ -41,10 +41,8 @@ def test_ncu_source_summary_reads_the_source_page(tmp_path):
     assert tool.main([str(path), "--top", "1"]) == 0
 
 
-def test_ab_kernel_time_takes_turns_between_builds(tmp_path):
-    """Each round runs every library in a process of its own that loads that library (CPU backend,
-    small shapes): a time per round for every config, and the JSON names what each process loaded."""
-    import json
+def _two_builds(tmp_path):
+    """Two copies of the loaded libcula.so under tmp_path, as ab_kernel_time's --lib arguments take them."""
     import shutil
 
     import pytest
@@ -55,6 +53,15 @@ def test_ab_kernel_time_takes_turns_between_builds(tmp_path):
         (tmp_path / name).mkdir()
         libs[name] = str(tmp_path / name / "libcula.so")
         shutil.copy(str(cula_lib.LIB.path), libs[name])
+    return libs
+
+
+def test_ab_kernel_time_takes_turns_between_builds(tmp_path):
+    """Each round runs every library in a process of its own that loads that library (CPU backend,
+    small shapes): a time per round for every config, and the JSON names what each process loaded."""
+    import json
+
+    libs = _two_builds(tmp_path)
     out = tmp_path / "ab.json"
     tool = _tool("ab_kernel_time")
     configs = ["1x96:2", "varlen:40,0,57:2"]
@@ -69,6 +76,24 @@ def test_ab_kernel_time_takes_turns_between_builds(tmp_path):
         assert all(len(v) == 2 and min(v) > 0 for v in data["ms"][name].values())
     assert tool.parse_config("varlen:40,0,57:2") == (1, 97, 2, [40, 0, 57])
     assert tool.parse_config("2x8192:64") == (2, 8192, 64, None)
+
+
+def test_ab_kernel_time_times_the_backward_of_every_family(tmp_path):
+    """--op bwd: the backward op of each family (Lightning with its decay) under two builds, on the
+    CPU backend's reference backward; the JSON records the op."""
+    import json
+
+    libs = _two_builds(tmp_path)
+    tool = _tool("ab_kernel_time")
+    for family in ("kda", "gdn", "gla", "simple_gla", "lightning"):
+        out = tmp_path / f"{family}.json"
+        argv = [x for n, p in libs.items() for x in ("--lib", f"{n}={p}")] + [
+            "--device", "cpu", "--kv", "64", "--rounds", "1", "--reps", "1", "--groups", "1", "--family", family,
+            "--op", "bwd", "--config", "varlen:40,0,23:2", "--json", str(out)]
+        assert tool.main(argv) == 0, family
+        data = json.loads(out.read_text())
+        assert data["op"] == "bwd" and data["kernels"] == {"old": "reference", "new": "reference"}, data
+        assert all(min(v["varlen:40,0,23:2"]) > 0 for v in data["ms"].values())
 
 
 def test_ab_kernel_time_rejects_bad_arguments(tmp_path, capsys):
