@@ -268,3 +268,21 @@ def test_backward_error_model_puts_bf16_gdn_token_gradients_within_fla_tolerance
         assert err["bf16"] > 0, (n, err)
         if n in ("dq", "dk", "dv"):
             assert err["bf16"] < tol, (n, err)
+
+
+def test_bf16x2_rounding_is_a_pair_of_bf16_values_near_float32():
+    """The precision models' hi / lo bf16 operand: hi and lo each a bf16 value, their sum within
+    2^-16 of the float32 input (relative), far closer than one bf16 or one TF32 rounding."""
+    import numpy as np
+
+    r = _tool("analysis/rounding")
+    x = np.random.default_rng(7).standard_normal(4096) * np.exp(np.random.default_rng(8).uniform(-20, 20, 4096))
+    hi = r.bf16(r.f32(x))
+    lo = r.bf16(r.f32(x) - hi)
+    got = r.bf16x2(x)
+    assert np.array_equal(got, hi + lo)
+    assert np.array_equal(r.bf16(hi), hi) and np.array_equal(r.bf16(lo), lo)
+    rel = np.abs(got - r.f32(x)) / np.abs(r.f32(x))
+    assert rel.max() < 2.0 ** -16
+    tf32_rel = np.abs(r.tf32(x) - r.f32(x)) / np.abs(r.f32(x))
+    assert rel.max() < 0.1 * tf32_rel.max()

@@ -14,7 +14,8 @@ states S0 and state gradients dS where the per-chunk products read them by `stat
 themselves accumulate in float64 here). Errors are FLA's ratio (rms of the difference over rms of
 the float64 values).
 
-Run: python3 tools/analysis/bwd_rounding.py [--gdn] [T ...] (default 4096 16384). Read it for which
+Run: python3 tools/analysis/bwd_rounding.py [--gdn] [--only=TEXT ...] [T ...] (default 4096 16384;
+--only keeps the variants whose name holds TEXT). Read it for which
 roundings matter and how they grow with T, calibrated against the 1xTF32 measurement above.
 --gdn: Gated DeltaNet as Qwen3-Next runs it instead: one log-decay per token (the same softplus gate,
 scalar), its gradient dg the sum of da over the channels, and no dA_log (FLA's GDN takes g computed
@@ -24,7 +25,7 @@ outside the kernel, so A_log's gradient comes from dg through autograd, at dg's 
 import sys
 
 import numpy as np
-from rounding import bf16, exact, f32, tf32
+from rounding import bf16, bf16x2, exact, f32, tf32
 
 K = V = 128
 C = 64
@@ -137,6 +138,9 @@ VARIANTS = [
     ("bf16 in the value kernel's products only", dict(op=dict(_F32, value=bf16), fac=f32, state=f32)),
     ("bf16 in the key kernel's products only", dict(op=dict(_F32, key=bf16), fac=f32, state=f32)),
     ("bf16 in the pair kernel's products only", dict(op=dict(_F32, pair=bf16), fac=f32, state=f32)),
+    ("bf16x3 per-chunk products, float32 states", dict(op=bf16x2, fac=f32, state=f32)),
+    ("bf16x3 everywhere (states as hi/lo operands)", dict(op=bf16x2, fac=f32, state=bf16x2)),
+    ("bf16x3 everywhere, factor block as hi/lo", dict(op=bf16x2, fac=bf16x2, state=bf16x2)),
 ]
 TOL = dict(dq=8e-3, dk=8e-3, dv=8e-3, dbeta=2e-2, da=2e-2, dA_log=3e-3)
 TOL_GDN = dict(dq=8e-3, dk=8e-3, dv=8e-3, dbeta=2e-2, dg=2e-2)
@@ -155,7 +159,8 @@ def error(got, ref, n):
 
 def main():
     scalar = "--gdn" in sys.argv
-    lengths = [int(x) for x in sys.argv[1:] if x != "--gdn"] or [4096, 16384]
+    only = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--only=")]
+    lengths = [int(x) for x in sys.argv[1:] if not x.startswith("--")] or [4096, 16384]
     tol = TOL_GDN if scalar else TOL
     finish = with_dg if scalar else (lambda grads: grads)
     for T in lengths:
@@ -164,6 +169,8 @@ def main():
         ref = finish(backward(q, k, v, beta, a, dO, dST, starts))
         print(f"T = {T}: error / FLA's tolerance ({' '.join(tol)})")
         for name, kw in VARIANTS:
+            if only and not any(o in name for o in only):
+                continue
             got = finish(backward(q, k, v, beta, a, dO, dST, starts, **kw))
             ratios = [error(got, ref, n) / t for n, t in tol.items()]
             print(f"  {name:48s} " + " ".join(f"{r:6.3f}" for r in ratios), flush=True)

@@ -16,6 +16,15 @@ def bf16(x):
     return _drop_bits(x, 16)
 
 
+def bf16x2(x):
+    """x as a pair of bf16 values, hi = bf16(x) and lo = bf16(x - hi) (float32 x): the operands of a
+    three-product bf16 scheme (hi hi + hi lo + lo hi on bf16 tensor cores), about 16 bits of
+    mantissa. The scheme's dropped lo lo term (about 2^-18 of the product) is not modelled."""
+    x32 = f32(x)
+    hi = bf16(x32)
+    return hi + bf16(x32 - hi)
+
+
 def tf32(x):
     """TF32, the tensor cores' 10-bit mantissa (one product of the 3xTF32 scheme)."""
     return _drop_bits(x, 13)
