@@ -1114,7 +1114,8 @@ constexpr bool wide_scans_fit() {
   return !DELTA && K <= 128;
 }
 bool wide_scans_pay(int64_t N, int HV, int V, int sms) {
-  return 2 * N * HV * (V / VS_WIDE) * 2 >= 3 * static_cast<int64_t>(sms);
+  const int64_t ctas = 2 * N * HV * (V / VS_WIDE);  // two roles per (sequence, value head, slice)
+  return 2 * ctas >= 3 * static_cast<int64_t>(sms);  // at least 1.5 per SM
 }
 
 template <int K, bool DELTA>
