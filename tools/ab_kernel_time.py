@@ -8,7 +8,8 @@ alternating"); the benchmarks against peers are `cula bench`.
     python3 tools/ab_kernel_time.py --lib old=exp/lib_old.so --lib new=build/libcula.so \\
         --family kda --config 1x8192:64 --config varlen:1024,1024,1024:64 --rounds 3
 
---op bwd times the backward op (cula.ops.chunk_bwd, gradient buffers reused across calls) on the
+--split adds each kernel's time per call under torch's profiler (median over the rounds) for every
+build and config, in tables after the main one and in the JSON. --op bwd times the backward op (cula.ops.chunk_bwd, gradient buffers reused across calls) on the
 same inputs with a random d_out; Lightning takes FLA's decay of the first of 24 layers.
 
 A config is BxT:H or varlen:L1,L2,...:H (one packed sequence of those lengths). Inputs are bf16
@@ -60,7 +61,7 @@ def _child(args):
     rng = np.random.default_rng(0)
     gen = torch.Generator(device="cuda").manual_seed(0) if cuda else None
     K = V = args.kv
-    results = {}
+    results, split = {}, {}
     for text in args.config:
         B, T, H, lens = parse_config(text)
         g_shape = (B, T, H, K) if args.family in ("kda", "gla") else (B, T, H)
@@ -125,16 +126,48 @@ def _child(args):
                     run(i)
                 means.append((time.perf_counter() - t0) * 1e3 / args.reps)
         results[text] = statistics.median(means)
-    print(MARK + json.dumps(dict(kernel=ops.last_kernel(), library=str(_lib.LIB.path), ms=results)), flush=True)
+        if args.split:
+            split[text] = _kernel_split(run, cuda, args.split_calls)
+    print(MARK + json.dumps(dict(kernel=ops.last_kernel(), library=str(_lib.LIB.path), ms=results, split=split)),
+          flush=True)
     return 0
 
 
+def _kernel_split(run, cuda, calls):
+    """{kernel: ms per call} over `calls` calls: on the GPU each kernel's device time under torch's
+    profiler, largest first, names cut to 120 characters; on the CPU backend (one host call, no
+    kernels to tell apart) the op's row as last_kernel() names it, wall time."""
+    from cula import ops
+
+    if not cuda:
+        t0 = time.perf_counter()
+        for i in range(calls):
+            run(i)
+        return {f"{ops.last_kernel()} (host)": (time.perf_counter() - t0) * 1e3 / calls}
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(calls):
+            run(i)
+        torch.cuda.synchronize()
+    rows = {}
+    for ev in prof.key_averages():
+        if ev.device_time_total > 0:
+            rows[ev.key[:120]] = rows.get(ev.key[:120], 0.0) + ev.device_time_total / 1e3 / calls
+    return dict(sorted(rows.items(), key=lambda kv: -kv[1]))
+
+
 def run_rounds(args, libs):
-    """{name: {config: [ms per round]}}, each library's last kernel name and the path it loaded."""
+    """{name: {config: [ms per round]}}, each library's last kernel name and the path it loaded, and
+    with --split {name: {config: [{kernel: ms} per round]}}."""
     times = {name: {c: [] for c in args.config} for name, _ in libs}
+    splits = {name: {c: [] for c in args.config} for name, _ in libs}
     kernels, loaded = {}, {}
     child_args = ["--family", args.family, "--op", args.op, "--device", args.device, "--kv", str(args.kv), "--reps", str(args.reps),
                   "--groups", str(args.groups)] + [x for c in args.config for x in ("--config", c)]
+    if args.split:
+        child_args += ["--split", "--split-calls", str(args.split_calls)]
     for r in range(args.rounds):
         for name, path in libs:
             env = dict(os.environ, CULA_LIBRARY=os.path.abspath(path))
@@ -148,10 +181,29 @@ def run_rounds(args, libs):
             kernels[name], loaded[name] = res["kernel"], res["library"]
             for c, ms in res["ms"].items():
                 times[name][c].append(ms)
+            for c, rows in res["split"].items():
+                splits[name][c].append(rows)
             # each round as it ends, so a run cut short still shows what it measured
             print(f"round {r + 1} {name}: " + ", ".join(f"{c} {ms:.3f}" for c, ms in res["ms"].items()),
                   file=sys.stderr, flush=True)
-    return times, kernels, loaded
+    return times, kernels, loaded, splits
+
+
+def split_table(args, libs, splits, config):
+    """One config's kernels: each library's median ms per call over the rounds (0 where a build does
+    not run that kernel), the rows in the first library's order, then the kernels only later ones run."""
+    med = {n: {} for n, _ in libs}
+    for n, _ in libs:
+        names = {k for rows in splits[n][config] for k in rows}
+        med[n] = {k: statistics.median(rows.get(k, 0.0) for rows in splits[n][config]) for k in names}
+    order = []
+    for n, _ in libs:
+        order += [k for k in sorted(med[n], key=lambda k: -med[n][k]) if k not in order]
+    lines = [f"| {args.family} {args.op} {config}: kernel | " + " | ".join(f"{n} (ms)" for n, _ in libs) + " |",
+             "|---" * (len(libs) + 1) + "|"]
+    for k in order:
+        lines.append(f"| {k} | " + " | ".join(f"{med[n].get(k, 0.0):.3f}" for n, _ in libs) + " |")
+    return lines
 
 
 def table(args, libs, times):
@@ -179,12 +231,15 @@ def main(argv=None) -> int:
     p.add_argument("--kv", type=int, default=128, help="K = V")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--json", default=None, help="also write the times per round here")
+    p.add_argument("--split", action="store_true", help="also each kernel's time per call (torch profiler), per build")
+    p.add_argument("--split-calls", type=int, default=3, help="calls profiled per config for --split")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.config = args.config or ["1x8192:64", "varlen:" + ",".join(["1024"] * 8) + ":64", "2x8192:64"]
     for c in args.config:
         parse_config(c)
-    for name, value in (("--rounds", args.rounds), ("--reps", args.reps), ("--groups", args.groups)):
+    for name, value in (("--rounds", args.rounds), ("--reps", args.reps), ("--groups", args.groups),
+                        ("--split-calls", args.split_calls)):
         if value < 1:
             raise SystemExit(f"argument {name}: expected a positive count, got {value}")
     if args.child:
@@ -197,13 +252,17 @@ def main(argv=None) -> int:
         libs.append((name, path))
     if len(libs) < 2 or len({n for n, _ in libs}) != len(libs):
         raise SystemExit(f"argument --lib: expected two or more libraries with distinct names, got {len(libs)}")
-    times, kernels, loaded = run_rounds(args, libs)
+    times, kernels, loaded, splits = run_rounds(args, libs)
     print("\n".join(table(args, libs, times)))
+    if args.split:
+        for c in args.config:
+            print("\n" + "\n".join(split_table(args, libs, splits, c)))
     print("kernels: " + ", ".join(f"{n} {k}" for n, k in kernels.items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(family=args.family, op=args.op, device=args.device, rounds=args.rounds, reps=args.reps,
-                           groups=args.groups, libs=dict(libs), loaded=loaded, kernels=kernels, ms=times), f, indent=1)
+                           groups=args.groups, libs=dict(libs), loaded=loaded, kernels=kernels, ms=times,
+                           split=splits if args.split else None), f, indent=1)
     return 0
 
 

@@ -80,7 +80,8 @@ def test_ab_kernel_time_takes_turns_between_builds(tmp_path):
 
 def test_ab_kernel_time_times_the_backward_of_every_family(tmp_path):
     """--op bwd: the backward op of each family (Lightning with its decay) under two builds, on the
-    CPU backend's reference backward; the JSON records the op."""
+    CPU backend's reference backward; the JSON records the op, and --split each build's rows per round
+    (on the host, the op's one row)."""
     import json
 
     libs = _two_builds(tmp_path)
@@ -89,11 +90,14 @@ def test_ab_kernel_time_times_the_backward_of_every_family(tmp_path):
         out = tmp_path / f"{family}.json"
         argv = [x for n, p in libs.items() for x in ("--lib", f"{n}={p}")] + [
             "--device", "cpu", "--kv", "64", "--rounds", "1", "--reps", "1", "--groups", "1", "--family", family,
-            "--op", "bwd", "--config", "varlen:40,0,23:2", "--json", str(out)]
+            "--op", "bwd", "--config", "varlen:40,0,23:2", "--split", "--json", str(out)]
         assert tool.main(argv) == 0, family
         data = json.loads(out.read_text())
         assert data["op"] == "bwd" and data["kernels"] == {"old": "reference", "new": "reference"}, data
         assert all(min(v["varlen:40,0,23:2"]) > 0 for v in data["ms"].values())
+        for name in libs:
+            (rows,) = data["split"][name]["varlen:40,0,23:2"]
+            assert list(rows) == ["reference (host)"] and rows["reference (host)"] > 0, rows
 
 
 def test_ab_kernel_time_rejects_bad_arguments(tmp_path, capsys):
@@ -110,6 +114,8 @@ def test_ab_kernel_time_rejects_bad_arguments(tmp_path, capsys):
         tool.main(["--lib", f"a={lib}"])
     with pytest.raises(SystemExit, match=r"argument --rounds: expected a positive count, got 0"):
         tool.main(["--lib", f"a={lib}", "--lib", f"b={lib}", "--rounds", "0"])
+    with pytest.raises(SystemExit, match=r"argument --split-calls: expected a positive count, got 0"):
+        tool.main(["--lib", f"a={lib}", "--lib", f"b={lib}", "--split", "--split-calls", "0"])
 
 
 FAKE_FLA_TESTS = '''
