@@ -1,16 +1,17 @@
 #!/usr/bin/env python3
-"""Back-to-back time of cula's chunked forward (or backward) under two or more builds of libcula.so, taken in
-turns: each round runs every library once, each in a fresh process (CULA_LIBRARY names it), so
-the builds see the same machine state and a drift of the machine shows in every column. This is
+"""Back-to-back time of cula's chunked forward (or backward) under two or more builds of libcula.so,
+taken in turns: each round runs every library once, each in a fresh process (CULA_LIBRARY names it),
+so the builds see the same machine state and a drift of the machine shows in every column. This is
 how the kernel changes in the engines' design docs are measured ("kernel time back to back, N rounds
 alternating"); the benchmarks against peers are `cula bench`.
 
     python3 tools/ab_kernel_time.py --lib old=exp/lib_old.so --lib new=build/libcula.so \\
         --family kda --config 1x8192:64 --config varlen:1024,1024,1024:64 --rounds 3
 
---split adds each kernel's time per call under torch's profiler (median over the rounds) for every
-build and config, in tables after the main one and in the JSON. --op bwd times the backward op (cula.ops.chunk_bwd, gradient buffers reused across calls) on the
-same inputs with a random d_out; Lightning takes FLA's decay of the first of 24 layers.
+--op bwd times the backward op (cula.ops.chunk_bwd, gradient buffers reused across calls) on the
+same inputs with a random d_out; Lightning takes FLA's decay of the first of 24 layers. --split adds
+each kernel's time per call under torch's profiler (median over the rounds) for every build and
+config, in tables after the main one and in the JSON.
 
 A config is BxT:H or varlen:L1,L2,...:H (one packed sequence of those lengths). Inputs are bf16
 torch tensors on the GPU with the benchmark's options (in-kernel gate with lower bound -5, l2norm,
