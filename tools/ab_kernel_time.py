@@ -98,6 +98,7 @@ def _child(args):
 
         if decay is not None:
             kw["decay"] = decay
+        bkw = {n: a for n, a in kw.items() if n != "out"}  # the backward's options, formed outside the timed calls
 
         def run(i):
             x = sets[i % 2]
@@ -105,7 +106,6 @@ def _child(args):
             if args.op == "fwd":
                 ops.chunk_fwd(args.family, x["q"], x["k"], x["v"], x["g"], beta, **{**kw, "out": x["out"]})
             else:
-                bkw = {n: a for n, a in kw.items() if n != "out"}
                 x["grads"] = ops.chunk_bwd(args.family, x["q"], x["k"], x["v"], x["g"], beta, x["d_out"],
                                            grads=x.get("grads"), **bkw)
 

@@ -15,8 +15,8 @@ themselves accumulate in float64 here). Errors are FLA's ratio (rms of the diffe
 the float64 values).
 
 Run: python3 tools/analysis/bwd_rounding.py [--gdn] [--only=TEXT ...] [T ...] (default 4096 16384;
---only keeps the variants whose name holds TEXT). Read it for which
-roundings matter and how they grow with T, calibrated against the 1xTF32 measurement above.
+--only keeps the variants whose name holds TEXT). Read it for which roundings matter and how they
+grow with T, calibrated against the 1xTF32 measurement above.
 --gdn: Gated DeltaNet as Qwen3-Next runs it instead: one log-decay per token (the same softplus gate,
 scalar), its gradient dg the sum of da over the channels, and no dA_log (FLA's GDN takes g computed
 outside the kernel, so A_log's gradient comes from dg through autograd, at dg's tolerance).
