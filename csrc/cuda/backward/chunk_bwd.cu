@@ -658,22 +658,26 @@ __global__ void __launch_bounds__(ST, 2) state_scans_kernel(const Params bp) {
 }
 
 // ---- 5. value side (delta rule) ----------------------------------------------------------------
+// beta R, the second product's operand, is read through a row-scaled view of R, not stored; where
+// S0's slice holds two C x VE tiles (K >= 2C), dDelta and dB take its place once the first product
+// has read it, so that K = 128 fits two CTAs per SM (107 KB).
 template <int K>
 struct ValueLayout {
   static constexpr int LK = K + 4, LV = VE + 8, LT = C + 4;
   static constexpr int kS0 = K * LV;
-  static constexpr int Kg = 0, S0 = Kg + C * LK, T = S0 + kS0, R = T + C * LT, B = R + C * LV, dD = B + C * LV,
-                       beta = dD + C * LV, floats = beta + C;
+  static constexpr bool kAlias = kS0 >= 2 * C * LV;
+  static constexpr int Kg = 0, S0 = Kg + C * LK, T = S0 + kS0, R = T + C * LT, dD = kAlias ? S0 : R + C * LV,
+                       dB = dD + C * LV, beta = kAlias ? R + C * LV : dB + C * LV, floats = beta + C;
   static constexpr int bytes = floats * 4;
 };
 
 template <int K, int PREC>
-__global__ void __launch_bounds__(NT) value_grad_kernel(const Params bp) {
+__global__ void __launch_bounds__(NT, 2) value_grad_kernel(const Params bp) {
   using Ly = ValueLayout<K>;
   using F = Fac<K>;
   constexpr int LK = Ly::LK, LV = Ly::LV, LT = Ly::LT;
   extern __shared__ __align__(16) float sm[];
-  float *Kg = sm + Ly::Kg, *S0 = sm + Ly::S0, *Tm = sm + Ly::T, *R = sm + Ly::R, *Bm = sm + Ly::B, *dD = sm + Ly::dD;
+  float *Kg = sm + Ly::Kg, *S0 = sm + Ly::S0, *Tm = sm + Ly::T, *R = sm + Ly::R, *dBs = sm + Ly::dB, *dD = sm + Ly::dD;
   float* bet = sm + Ly::beta;
   const FwdParams& p = bp.f;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -688,7 +692,10 @@ __global__ void __launch_bounds__(NT) value_grad_kernel(const Params bp) {
 
   rows_async<C, C>(Tm, LT, fac + F::T, C);
   rows_async<K, VE>(S0, LV, S0g + v0, p.V);
-  rows_async<C, VE>(dD, LV, bp.dDelta + ch.f0 * p.HV * p.V + hv * p.V + v0, static_cast<int64_t>(p.HV) * p.V, Lc);
+  auto load_dDelta = [&] {
+    rows_async<C, VE>(dD, LV, bp.dDelta + ch.f0 * p.HV * p.V + hv * p.V + v0, static_cast<int64_t>(p.HV) * p.V, Lc);
+  };
+  if (!Ly::kAlias) load_dDelta();
   mma::cp_async_commit();
   input_rows<C, VE>(R, LV, p.v, p.v_dt, ch.b_row * p.v_s[0] + ch.t0 * p.v_s[1] + hv * p.v_s[2] + v0, p.v_s[1], Lc);
 #pragma unroll 8
@@ -699,28 +706,25 @@ __global__ void __launch_bounds__(NT) value_grad_kernel(const Params bp) {
   if (tid < C) bet[tid] = tid < Lc ? bp.x.beta[(ch.f0 + tid) * p.HV + hv] : 0.0f;
   mma::cp_async_wait_all();
   __syncthreads();
-  auto residual = [&](int i, int j, float v) {
-    const float r = R[i * LV + j] - v;
-    R[i * LV + j] = r;
-    Bm[i * LV + j] = bet[i] * r;
-  };
-  tf32::gemm<C, VE, K, NW, 2, PREC>(rows(Kg, LK), rows(S0, LV), residual);
-  __syncthreads();
-  tf32::gemm<C, VE, C, NW, 2, PREC>(rows(Tm, LT), rows(Bm, LV), [&](int i, int j, float v) {
+  tf32::gemm<C, VE, K, NW, 2, PREC>(rows(Kg, LK), rows(S0, LV), [&](int i, int j, float v) { R[i * LV + j] -= v; });
+  __syncthreads();  // S0 read (dDelta may take its place), R formed
+  if (Ly::kAlias) load_dDelta(), mma::cp_async_commit();  // lands while the second product runs
+  tf32::gemm<C, VE, C, NW, 2, PREC>(rows(Tm, LT), RowScaled{R, LV, bet}, [&](int i, int j, float v) {
     if (i < Lc) bp.Delta[((ch.f0 + i) * p.HV + hv) * p.V + v0 + j] = v;
   });
-  __syncthreads();  // Bm read; it takes dB
-  tf32::gemm<C, VE, C, NW, 2, PREC>(cols(Tm, LT), rows(dD, LV), [&](int i, int j, float v) { Bm[i * LV + j] = v; });
+  mma::cp_async_wait_all();
+  __syncthreads();  // dDelta in
+  tf32::gemm<C, VE, C, NW, 2, PREC>(cols(Tm, LT), rows(dD, LV), [&](int i, int j, float v) { dBs[i * LV + j] = v; });
   __syncthreads();
   for (int i = tid; i < Lc * VE; i += NT) {
     const int t = i / VE, j = i % VE;
-    const float db = Bm[t * LV + j];
+    const float db = dBs[t * LV + j];
     bp.dB[((ch.f0 + t) * p.HV + hv) * p.V + v0 + j] = db;
     if (bp.io.dv)
       st(bp.io.dv, bp.io.dv_dt, ch.b_row * bp.io.dv_s[0] + (ch.t0 + t) * bp.io.dv_s[1] + hv * bp.io.dv_s[2] + (v0 + j) * bp.io.dv_s[3], bet[t] * db);
   }
   for (int t = warp; t < Lc; t += NW) {
-    float s = Bm[t * LV + lane] * R[t * LV + lane] + Bm[t * LV + lane + 32] * R[t * LV + lane + 32];
+    float s = dBs[t * LV + lane] * R[t * LV + lane] + dBs[t * LV + lane + 32] * R[t * LV + lane + 32];
     s = dev::warp_sum(s);
     if (lane == 0) bp.dbeta_part[((v0 / VE) * bp.BT + ch.f0 + t) * p.HV + hv] = s;
   }
