@@ -292,3 +292,21 @@ def test_bf16x2_rounding_is_a_pair_of_bf16_values_near_float32():
     assert rel.max() < 2.0 ** -16
     tf32_rel = np.abs(r.tf32(x) - r.f32(x)) / np.abs(r.f32(x))
     assert rel.max() < 0.1 * tf32_rel.max()
+
+
+def test_train_bench_compares_every_gradient_with_fla_by_name():
+    """`cula bench train`'s check column: each differentiable input's gradient against FLA's by name
+    (relative Frobenius difference), the gate parameters after the tensors."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from cula.bench import train
+
+    x = {n: torch.randn(3, 4) for n in ("q", "k", "v", "g", "beta")}
+    kw = dict(A_log=torch.randn(2), dt_bias=torch.randn(2, 4), scale=0.5)
+    names = train._wrt_names(x, kw)
+    assert names == ["q", "k", "v", "g", "beta", "A_log", "dt_bias"]
+    ref = train._wrt(x, kw)
+    got = [t.clone() for t in ref]
+    got[2] = got[2] * 1.25
+    diffs = train._grad_rel_diffs(names, got, ref)
+    assert diffs["v"] == pytest.approx(0.25, rel=1e-5)
+    assert all(diffs[n] == 0 for n in names if n != "v")

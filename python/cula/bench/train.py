@@ -106,6 +106,17 @@ def _leaves(torch, family, B, T, H, HV, dev, gate_kw, K=128, V=128):
     return x
 
 
+def _grad_rel_diffs(names, got, ref):
+    """Relative difference (Frobenius norms, float32) of each gradient in got from ref, by input name."""
+    return {n: float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+            for n, a, b in zip(names, got, ref)}
+
+
+def _wrt_names(x, kw):
+    """The names of _wrt's tensors, in its order."""
+    return [n for n in ("q", "k", "v", "g", "beta") if n in x] + [n for n in ("A_log", "dt_bias") if n in kw]
+
+
 def _workspace_peak_mib(dev, reset):
     """cula's workspace pool high-water mark on the device, in MiB (0 for a library without it)."""
     f = getattr(_lib.LIB, "cula_workspace_peak_bytes", None)
@@ -142,7 +153,8 @@ def bench_train(out_dir: str, family: str, gpu_name: str | None = None, configs=
     title = f"{label} training step (forward + backward): cula's drop-in against FLA Triton"
     method = (f"median of {TRAIN_REPS} forward + backward steps (torch.autograd.grad of o against a fixed random "
               "gradient, every differentiable input), single synchronized calls, the implementations taking turns "
-              "call by call, torch SDPA (causal, forward + backward) in a block of its own")
+              "call by call, torch SDPA (causal, forward + backward) in a block of its own; rel. diff vs FLA: the "
+              "largest relative difference (Frobenius norms) of a gradient from FLA's on the same step")
     meta = dict(gpu=gpu_name or props.name, copy_gb_per_s=round(bw, 1), torch=torch.__version__,
                 fla=_version("fla-core"), date=time.strftime("%Y-%m-%d"), binding=_lib.binding(), method=method,
                 queued_method=QUEUED_METHOD.replace(f"median of {REPS}", f"median of {TRAIN_REPS}"))
@@ -170,11 +182,17 @@ def bench_train(out_dir: str, family: str, gpu_name: str | None = None, configs=
 
         config = dict(name=name, family=fam, B=B, T=T, H=H, HV=HV, K=K, V=V, seqlens=seqlens, dtype="bfloat16")
         impls = [("cula", lambda i: step(cula_fn, i))]
+        check = {}
         try:  # a configuration FLA refuses is recorded as its refusal
-            step(fla_fn, 0)
+            fla_grads = step(fla_fn, 0)
             impls.append(("fla_triton", lambda i: step(fla_fn, i)))
         except Exception as e:
             records.append(dict(op=op, config=config, impl="fla_triton", refused=f"{type(e).__name__}: {e}"[:300]))
+        else:  # the same function: every gradient of the same step against FLA's
+            diffs = _grad_rel_diffs(_wrt_names(*sets[0][:2]), step(cula_fn, 0), fla_grads)
+            fla_grads = None
+            check = {"rel_vs_fla": max(diffs.values())}
+            records.append(dict(op=op, config=config, impl="grad_rel_diff_vs_fla", by_input=diffs))
         sdpa_sets = None
         if H == HV:
             sdpa_sets = [{n: torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16, requires_grad=True)
@@ -238,7 +256,7 @@ def bench_train(out_dir: str, family: str, gpu_name: str | None = None, configs=
                                 ratio_backward_queued=round(res_bwd["fla_triton"] / res_bwd["cula"], 3)))
         kernel = _backward_kernel(fam, sets[0])
         records.append(dict(op=op, config=config, impl="cula_kernel", name=kernel))
-        rows.append((name, res, floor, kernel, {}))
+        rows.append((name, res, floor, kernel, check))
         queued_rows.append((name, resq, floor, "", {}))
         extra.append((name, res_bwd, peak))
         prog.step(f"{name}: cula {resq['cula']:.2f} ms queued, backward {res_bwd['cula']:.2f} ms")
