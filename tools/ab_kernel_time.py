@@ -13,7 +13,8 @@ same inputs with a random d_out; Lightning takes FLA's decay of the first of 24 
 each kernel's time per call under torch's profiler (median over the rounds) for every build and
 config, in tables after the main one and in the JSON.
 
-A config is BxT:H or varlen:L1,L2,...:H (one packed sequence of those lengths). Inputs are bf16
+A config is BxT:H or varlen:L1,L2,...:H (one packed sequence of those lengths), H/HV in place of H
+for grouped value heads (KDA and GDN: H q/k heads, HV value heads). Inputs are bf16
 torch tensors on the GPU with the benchmark's options (in-kernel gate with lower bound -5, l2norm,
 beta sigmoid); --device cpu runs float32 host arrays on the CPU backend instead (small shapes;
 for checking the tool itself). A library's time per config is the median over groups of --reps
@@ -36,19 +37,25 @@ MARK = "AB_RESULT "
 
 
 def parse_config(text):
-    """'BxT:H' -> (B, T, H, None); 'varlen:L1,L2:H' -> (1, sum, H, [L1, L2])."""
+    """'BxT:H' -> (B, T, H, H, None); 'BxT:H/HV' (HV value heads over H q/k heads) -> (B, T, H, HV, None);
+    'varlen:L1,L2:H[/HV]' -> (1, sum, H, HV, [L1, L2])."""
     try:
         head, h = text.rsplit(":", 1)
-        H = int(h)
+        H, _, hv = h.partition("/")
+        H = int(H)
+        HV = int(hv) if hv else H
+        if H < 1 or HV % H:
+            raise ValueError
         if head.startswith("varlen:"):
             lens = [int(x) for x in head[len("varlen:"):].split(",")]
             if not lens or min(lens) < 0:
                 raise ValueError
-            return 1, sum(lens), H, lens
+            return 1, sum(lens), H, HV, lens
         b, t = head.split("x")
-        return int(b), int(t), H, None
+        return int(b), int(t), H, HV, None
     except ValueError:
-        raise SystemExit(f"argument --config: expected BxT:H or varlen:L1,L2,...:H, got {text!r}") from None
+        raise SystemExit(f"argument --config: expected BxT:H[/HV] or varlen:L1,L2,...:H[/HV] (HV a multiple of H), "
+                         f"got {text!r}") from None
 
 
 def _child(args):
@@ -64,8 +71,8 @@ def _child(args):
     K = V = args.kv
     results, split = {}, {}
     for text in args.config:
-        B, T, H, lens = parse_config(text)
-        g_shape = (B, T, H, K) if args.family in ("kda", "gla") else (B, T, H)
+        B, T, H, HV, lens = parse_config(text)
+        g_shape = (B, T, HV, K) if args.family in ("kda", "gla") else (B, T, HV)
         gated = args.family != "lightning"
 
         def make(*shape, scale=1.0):
@@ -73,20 +80,20 @@ def _child(args):
                 return (torch.randn(shape, device="cuda", generator=gen) * scale).to(torch.bfloat16)
             return (rng.standard_normal(shape) * scale).astype(np.float32)
 
-        sets = [dict(q=make(B, T, H, K), k=make(B, T, H, K), v=make(B, T, H, V), g=make(*g_shape) if gated else None,
-                     beta=make(B, T, H), d_out=make(B, T, H, V)) for _ in range(2)]
+        sets = [dict(q=make(B, T, H, K), k=make(B, T, H, K), v=make(B, T, HV, V), g=make(*g_shape) if gated else None,
+                     beta=make(B, T, HV), d_out=make(B, T, HV, V)) for _ in range(2)]
         for s in sets:
             if args.op == "bwd" and args.family in ("gla", "simple_gla"):  # a log-decay, not a raw draw
                 s["g"] = -abs(s["g"]) * 0.1 if not cuda else (-s["g"].float().abs() * 0.1).to(s["g"].dtype)
-            s["out"] = torch.empty(B, T, H, V, device="cuda", dtype=torch.bfloat16) if cuda \
-                else np.empty((B, T, H, V), np.float32)
+            s["out"] = torch.empty(B, T, HV, V, device="cuda", dtype=torch.bfloat16) if cuda \
+                else np.empty((B, T, HV, V), np.float32)
         decay = None
         if args.family == "lightning":
             from cula.lightning_attn import lightning_decay
 
             decay = lightning_decay(H, 0, 24, like=sets[0]["q"])
-        A_log = (rng.random(H) - 0.5).astype(np.float32)
-        dt_bias = (rng.standard_normal((H, K) if args.family == "kda" else (H,)) * 0.1).astype(np.float32)
+        A_log = (rng.random(HV) - 0.5).astype(np.float32)
+        dt_bias = (rng.standard_normal((HV, K) if args.family == "kda" else (HV,)) * 0.1).astype(np.float32)
         cu = np.array([0] + list(itertools.accumulate(lens)), np.int64) if lens else None
         if cuda:
             A_log, dt_bias = torch.from_numpy(A_log).cuda(), torch.from_numpy(dt_bias).cuda()
@@ -225,7 +232,7 @@ def main(argv=None) -> int:
     p.add_argument("--lib", action="append", default=[], metavar="NAME=PATH", help="a build to time (two or more)")
     p.add_argument("--family", default="kda", choices=["kda", "gdn", "gla", "simple_gla", "lightning"])
     p.add_argument("--op", default="fwd", choices=["fwd", "bwd"], help="the chunked forward or the backward")
-    p.add_argument("--config", action="append", default=None, help="BxT:H or varlen:L1,L2,...:H (repeatable)")
+    p.add_argument("--config", action="append", default=None, help="BxT:H[/HV] or varlen:L1,L2,...:H[/HV] (repeatable)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--reps", type=int, default=10, help="back-to-back calls per timed group")
     p.add_argument("--groups", type=int, default=5, help="timed groups per config (the median is kept)")
@@ -238,7 +245,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.config = args.config or ["1x8192:64", "varlen:" + ",".join(["1024"] * 8) + ":64", "2x8192:64"]
     for c in args.config:
-        parse_config(c)
+        if parse_config(c)[3] != parse_config(c)[2] and args.family not in ("kda", "gdn"):
+            raise SystemExit(f"argument --config: grouped value heads (H/HV) take the delta-rule families (kda, gdn), "
+                             f"got {c!r} with --family {args.family}")
     for name, value in (("--rounds", args.rounds), ("--reps", args.reps), ("--groups", args.groups),
                         ("--split-calls", args.split_calls)):
         if value < 1:

@@ -74,8 +74,9 @@ def test_ab_kernel_time_takes_turns_between_builds(tmp_path):
     for name in libs:
         assert sorted(data["ms"][name]) == sorted(configs)
         assert all(len(v) == 2 and min(v) > 0 for v in data["ms"][name].values())
-    assert tool.parse_config("varlen:40,0,57:2") == (1, 97, 2, [40, 0, 57])
-    assert tool.parse_config("2x8192:64") == (2, 8192, 64, None)
+    assert tool.parse_config("varlen:40,0,57:2") == (1, 97, 2, 2, [40, 0, 57])
+    assert tool.parse_config("2x8192:64") == (2, 8192, 64, 64, None)
+    assert tool.parse_config("1x8192:16/32") == (1, 8192, 16, 32, None)
 
 
 def test_ab_kernel_time_times_the_backward_of_every_family(tmp_path):
@@ -88,24 +89,30 @@ def test_ab_kernel_time_times_the_backward_of_every_family(tmp_path):
     tool = _tool("ab_kernel_time")
     for family in ("kda", "gdn", "gla", "simple_gla", "lightning"):
         out = tmp_path / f"{family}.json"
+        configs = ["varlen:40,0,23:2"] + (["1x30:1/2"] if family in ("kda", "gdn") else [])  # grouped value heads
         argv = [x for n, p in libs.items() for x in ("--lib", f"{n}={p}")] + [
             "--device", "cpu", "--kv", "64", "--rounds", "1", "--reps", "1", "--groups", "1", "--family", family,
-            "--op", "bwd", "--config", "varlen:40,0,23:2", "--split", "--json", str(out)]
+            "--op", "bwd", "--split", "--json", str(out)] + [x for c in configs for x in ("--config", c)]
         assert tool.main(argv) == 0, family
         data = json.loads(out.read_text())
         assert data["op"] == "bwd" and data["kernels"] == {"old": "reference", "new": "reference"}, data
-        assert all(min(v["varlen:40,0,23:2"]) > 0 for v in data["ms"].values())
-        for name in libs:
-            (rows,) = data["split"][name]["varlen:40,0,23:2"]
-            assert list(rows) == ["reference (host)"] and rows["reference (host)"] > 0, rows
+        for c in configs:
+            assert all(min(v[c]) > 0 for v in data["ms"].values()), (family, c)
+            for name in libs:
+                (rows,) = data["split"][name][c]
+                assert list(rows) == ["reference (host)"] and rows["reference (host)"] > 0, rows
 
 
 def test_ab_kernel_time_rejects_bad_arguments(tmp_path, capsys):
     import pytest
 
     tool = _tool("ab_kernel_time")
-    with pytest.raises(SystemExit, match=r"argument --config: expected BxT:H or varlen:L1,L2,...:H, got '8192:x'"):
+    with pytest.raises(SystemExit, match=r"argument --config: expected BxT:H\[/HV\] or .*, got '8192:x'"):
         tool.main(["--config", "8192:x"])
+    with pytest.raises(SystemExit, match=r"argument --config: expected .*\(HV a multiple of H\), got '1x64:3/4'"):
+        tool.main(["--config", "1x64:3/4"])
+    with pytest.raises(SystemExit, match=r"grouped value heads \(H/HV\) take the delta-rule families .*--family gla"):
+        tool.main(["--config", "1x64:2/4", "--family", "gla"])
     with pytest.raises(SystemExit, match=r"argument --lib: expected NAME=PATH of an existing library, got 'a'"):
         tool.main(["--lib", "a", "--lib", "b=c"])
     lib = tmp_path / "libcula.so"
