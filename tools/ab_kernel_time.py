@@ -200,7 +200,7 @@ def run_rounds(args, libs):
 def split_table(args, libs, splits, config):
     """One config's kernels: each library's median ms per call over the rounds (0 where a build does
     not run that kernel), the rows in the first library's order, then the kernels only later ones run."""
-    med = {n: {} for n, _ in libs}
+    med = {}
     for n, _ in libs:
         names = {k for rows in splits[n][config] for k in rows}
         med[n] = {k: statistics.median(rows.get(k, 0.0) for rows in splits[n][config]) for k in names}
@@ -245,7 +245,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.config = args.config or ["1x8192:64", "varlen:" + ",".join(["1024"] * 8) + ":64", "2x8192:64"]
     for c in args.config:
-        if parse_config(c)[3] != parse_config(c)[2] and args.family not in ("kda", "gdn"):
+        _, _, H, HV, _ = parse_config(c)
+        if HV != H and args.family not in ("kda", "gdn"):
             raise SystemExit(f"argument --config: grouped value heads (H/HV) take the delta-rule families (kda, gdn), "
                              f"got {c!r} with --family {args.family}")
     for name, value in (("--rounds", args.rounds), ("--reps", args.reps), ("--groups", args.groups),

@@ -203,34 +203,31 @@ struct RowScaled {
   __device__ __forceinline__ float operator()(int i, int j) const { return s[i] * p[i * ld + j]; }
 };
 
-// x = hi + lo for four values, each a bf16 pair packed as the tiles hold them (column c in the low
-// half): hi = bf16(x), lo = bf16(x - hi), so hi + lo is within 2^-16 of x (relative).
+// x = hi + lo, hi = bf16(x) (as a float), lo = x - hi.
+__device__ __forceinline__ void hilo(float x, float& hi, float& lo) {
+  hi = __bfloat162float(__float2bfloat16_rn(x));
+  lo = x - hi;
+}
+
+// hilo for four values, each part as bf16 pairs packed as the tiles hold them (column c in the low
+// half): hi + lo is within 2^-16 of x (relative). Paired conversions (one per two values): the
+// scalar form through hilo costs the key kernel registers (it spills).
 __device__ __forceinline__ void split_bf16x4(float4 x, uint2& hi, uint2& lo) {
-  const __nv_bfloat162 h01 = __floats2bfloat162_rn(x.x, x.y), h23 = __floats2bfloat162_rn(x.z, x.w);
-  const float2 f01 = __bfloat1622float2(h01), f23 = __bfloat1622float2(h23);
-  const __nv_bfloat162 l01 = __floats2bfloat162_rn(x.x - f01.x, x.y - f01.y),
-                       l23 = __floats2bfloat162_rn(x.z - f23.x, x.w - f23.y);
-  hi = make_uint2(*reinterpret_cast<const uint32_t*>(&h01), *reinterpret_cast<const uint32_t*>(&h23));
-  lo = make_uint2(*reinterpret_cast<const uint32_t*>(&l01), *reinterpret_cast<const uint32_t*>(&l23));
+  const uint32_t h01 = mma::pack(x.x, x.y), h23 = mma::pack(x.z, x.w);
+  const float2 f01 = mma::unpack(h01), f23 = mma::unpack(h23);
+  hi = make_uint2(h01, h23);
+  lo = make_uint2(mma::pack(x.x - f01.x, x.y - f01.y), mma::pack(x.z - f23.x, x.w - f23.y));
 }
 
 // Four consecutive elements of a bf16, fp16 or fp32 tensor (8- or 16-byte aligned) as floats.
 __device__ __forceinline__ float4 load4(const void* src, int dt, int64_t off) {
   if (dt == CULA_FLOAT32) return *reinterpret_cast<const float4*>(static_cast<const float*>(src) + off);
   const uint2 w = *reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(src) + off);
-  if (dt == CULA_BFLOAT16)
-    return make_float4(__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xffff0000u), __uint_as_float(w.y << 16),
-                       __uint_as_float(w.y & 0xffff0000u));
-  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&w.x)),
-               b = __half22float2(*reinterpret_cast<const __half2*>(&w.y));
+  const float2 a = dt == CULA_BFLOAT16 ? mma::unpack(w.x) : mma::unpack<__half>(w.x),
+               b = dt == CULA_BFLOAT16 ? mma::unpack(w.y) : mma::unpack<__half>(w.y);
   return make_float4(a.x, a.y, b.x, b.y);
 }
 
-// x = hi + lo, hi = bf16(x) (as a float), lo = x - hi.
-__device__ __forceinline__ void hilo(float x, float& hi, float& lo) {
-  hi = __bfloat162float(__float2bfloat16_rn(x));
-  lo = x - hi;
-}
 // Staging a fp32 matrix as bf16 hi / lo tiles in the 128-byte swizzle (wgmma.cuh), the hi tile at dst
 // and the lo tile lo_off bytes after it, each of `rows` rows.
 // Four values of row r from column c:
@@ -994,13 +991,7 @@ __global__ void __launch_bounds__(KeyShape<DELTA>::threads, KeyShape<DELTA>::cta
     unsigned char* tiles = reinterpret_cast<unsigned char*>(sm);
     const uint32_t tbase = mma::smem_addr(tiles);
     enum { tdO = 0, tA = 2, tD = 4, tS0 = 6, tdS = 8 };  // hi at 2i, lo at 2i + 1
-    auto put = [&](int tile, int r, int c, float4 x) {
-      uint2 hi, lo;
-      split_bf16x4(x, hi, lo);
-      const int off = wg::sw128_offset(C, r, c);
-      *reinterpret_cast<uint2*>(tiles + tile * Ly::kTile + off) = hi;
-      *reinterpret_cast<uint2*>(tiles + (tile + 1) * Ly::kTile + off) = lo;
-    };
+    auto put = [&](int tile, int r, int c, float4 x) { put_rows(tiles + tile * Ly::kTile, Ly::kTile, C, r, c, x); };
     constexpr int PER = C * VE / 4 / KT;  // float4s of a 64 x 64 tile per thread
     float aQ[NTL][4] = {}, aK[NTL][4] = {}, aR[NTL][4] = {};
     for (int v0 = 0; v0 < p.V; v0 += VE) {

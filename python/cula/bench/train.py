@@ -82,9 +82,15 @@ def _call(family, fn, x, kw):
     return fn(x["q"], x["k"], x["v"], x["g"], **kw)[0]
 
 
+def _wrt_names(x, kw):
+    """The names of the differentiable inputs of a call: the tensors of x, then A_log and dt_bias
+    where given."""
+    return [n for n in ("q", "k", "v", "g", "beta") if n in x] + [n for n in ("A_log", "dt_bias") if n in kw]
+
+
 def _wrt(x, kw):
-    """The differentiable inputs of a call: the tensors of x, then A_log and dt_bias where given."""
-    return [x[n] for n in ("q", "k", "v", "g", "beta") if n in x] + [kw[n] for n in ("A_log", "dt_bias") if n in kw]
+    """The differentiable inputs of a call, in _wrt_names' order."""
+    return [x[n] if n in x else kw[n] for n in _wrt_names(x, kw)]
 
 
 def _leaves(torch, family, B, T, H, HV, dev, gate_kw, K=128, V=128):
@@ -110,11 +116,6 @@ def _grad_rel_diffs(names, got, ref):
     """Relative difference (Frobenius norms, float32) of each gradient in got from ref, by input name."""
     return {n: float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
             for n, a, b in zip(names, got, ref)}
-
-
-def _wrt_names(x, kw):
-    """The names of _wrt's tensors, in its order."""
-    return [n for n in ("q", "k", "v", "g", "beta") if n in x] + [n for n in ("A_log", "dt_bias") if n in kw]
 
 
 def _workspace_peak_mib(dev, reset):
