@@ -1,6 +1,6 @@
 // Backward in chunk form on tensor cores (3xTF32 mma.sync, fp32 operands in shared memory; on sm_90a
-// the key kernel with the delta rule and the value kernel on warpgroups with bf16x3 operands, split
-// once as they are staged): every family and option, key head sizes 64, 128 and 256, V a multiple of
+// the key kernel with the delta rule, the value kernel and (K <= 128) the scan inputs kernel on
+// warpgroups with bf16x3 operands, split once as they are staged): every family and option, key head sizes 64, 128 and 256, V a multiple of
 // 64. The algebra is DESIGN.md's
 // (checked in float64 by tests/python/test_chunked_backward_algebra.py); chunks of C = 64 tokens, G
 // the inclusive cumulative log-decay inside a chunk, per channel (a scalar or constant gate repeated
@@ -526,12 +526,110 @@ struct ScanInputsLayout {
   static constexpr int bytes = floats * 4;
 };
 
+// sm_90a (K <= 128): every operand staged as it lies in memory, rows along the products' k (tokens),
+// as bf16 hi / lo tiles: P, Qg, T, dO and beta v (bytes below); the products that read P, Qg, dO and
+// beta v transposed take them MN-major (wgmma.cuh desc_mn). One warpgroup a product of 64 x 64:
+// X, U (the delta rule), and Y's row blocks of 64 channels.
+template <int K>
+struct ScanInputsTiles {
+  static constexpr int kC = C * C * 2, kQ = C * K * 2;
+  static constexpr int P = 0, Qg = 2 * kC, dO = Qg + 2 * kQ, T = dO + 2 * kC, bv = T + 2 * kC, beta = bv + 2 * kC,
+                       bytes = beta + C * 4;
+  static_assert(K > 128 || bytes <= ScanInputsLayout<K>::bytes, "the tiles take more than the launch's shared memory");
+};
+
+template <int K, bool DELTA>
+__device__ __forceinline__ void scan_inputs_wg(unsigned char* sb, const Params& bp, const ChunkAt& ch, const float* fac,
+                                               int cidx, int hv, int v0) {
+  using Ty = ScanInputsTiles<K>;
+  using F = Fac<K>;
+  const FwdParams& p = bp.f;
+  const uint32_t base = mma::smem_addr(sb);
+  float* bet = reinterpret_cast<float*>(sb + Ty::beta);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, Lc = ch.Lc;
+  const int role = warp / 4, w4 = warp & 3, g = lane >> 2, q2 = (lane & 3) * 2;
+  const int64_t tok = ch.f0 * p.HV * p.V + hv * p.V + v0, tok_ld = static_cast<int64_t>(p.HV) * p.V;
+  const float4 z = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  if (tid < C) bet[tid] = tid < Lc ? bp.x.beta[(ch.f0 + tid) * p.HV + hv] : 0.0f;
+  for (int i = tid; i < C * (C / 4); i += NT) {  // P and T (rows: tokens)
+    const int t = i / (C / 4), c = (i % (C / 4)) * 4;
+    put_rows(sb + Ty::P, Ty::kC, C, t, c, *reinterpret_cast<const float4*>(fac + F::P + t * C + c));
+    if (DELTA) put_rows(sb + Ty::T, Ty::kC, C, t, c, *reinterpret_cast<const float4*>(fac + F::T + t * C + c));
+  }
+#pragma unroll 2
+  for (int i = tid; i < C * (K / 4); i += NT) {  // Qg
+    const int t = i / (K / 4), c = (i % (K / 4)) * 4;
+    put_rows(sb + Ty::Qg, Ty::kQ, C, t, c, *reinterpret_cast<const float4*>(fac + F::Q + t * K + c));
+  }
+  __syncthreads();  // beta in
+  for (int i = tid; i < C * (VE / 4); i += NT) {  // dO and beta v (U = v without the delta rule); zeros past the chunk
+    const int t = i / (VE / 4), c = (i % (VE / 4)) * 4;
+    const bool in = t < Lc;
+    put_rows(sb + Ty::dO, Ty::kC, C, t, c,
+             in ? load4(bp.io.dO, bp.io.dO_dt,
+                        ch.b_row * bp.io.dO_s[0] + (ch.t0 + t) * bp.io.dO_s[1] + hv * bp.io.dO_s[2] + v0 + c)
+                : z);
+    const float4 v = in ? load4(p.v, p.v_dt, ch.b_row * p.v_s[0] + (ch.t0 + t) * p.v_s[1] + hv * p.v_s[2] + v0 + c) : z;
+    if (DELTA) {
+      const float b = bet[t];
+      put_rows(sb + Ty::bv, Ty::kC, C, t, c, make_float4(b * v.x, b * v.y, b * v.z, b * v.w));
+    } else if (in) {
+      *reinterpret_cast<float4*>(bp.U + tok + t * tok_ld + c) = v;
+    }
+  }
+  wg::fence_proxy_async();
+  __syncthreads();
+  // role 0: X = P^T dO; role 1: U = T (beta v); roles 2, 3: Y = Qg^T dO, channels [64 (role - 2), +64)
+  const bool active = role == 0 || (role == 1 && DELTA) || (role >= 2 && 64 * (role - 2) < K);
+  if (!active) return;
+  float acc[8][4] = {};
+  wg::fence();
+#pragma unroll
+  for (int kk = 0; kk < C / 16; ++kk) {
+    const uint64_t dh = wg::desc_mn(base + Ty::dO, C, kk, 0), dl = wg::desc_mn(base + Ty::dO + Ty::kC, C, kk, 0);
+    if (role == 0) {
+      const uint64_t ah = wg::desc_mn(base + Ty::P, C, kk, 0), al = wg::desc_mn(base + Ty::P + Ty::kC, C, kk, 0);
+      wg::mma_bf16_n64<1, 1>(acc, ah, dh);
+      wg::mma_bf16_n64<1, 1>(acc, ah, dl);
+      wg::mma_bf16_n64<1, 1>(acc, al, dh);
+    } else if (role == 1) {
+      const uint64_t ah = wg::desc_kstep(base + Ty::T, C, 0, kk), al = wg::desc_kstep(base + Ty::T + Ty::kC, C, 0, kk);
+      const uint64_t bh = wg::desc_mn(base + Ty::bv, C, kk, 0), bl = wg::desc_mn(base + Ty::bv + Ty::kC, C, kk, 0);
+      wg::mma_bf16_n64<0, 1>(acc, ah, bh);
+      wg::mma_bf16_n64<0, 1>(acc, ah, bl);
+      wg::mma_bf16_n64<0, 1>(acc, al, bh);
+    } else {
+      const int m0 = 64 * (role - 2);
+      const uint64_t ah = wg::desc_mn(base + Ty::Qg, C, kk, m0), al = wg::desc_mn(base + Ty::Qg + Ty::kQ, C, kk, m0);
+      wg::mma_bf16_n64<1, 1>(acc, ah, dh);
+      wg::mma_bf16_n64<1, 1>(acc, ah, dl);
+      wg::mma_bf16_n64<1, 1>(acc, al, dh);
+    }
+  }
+  wg::commit();
+  wg::wait_all();
+  wg::fence_operand(acc);
+  float* Y = bp.dS + (static_cast<int64_t>(cidx) * p.HV + hv) * K * p.V + v0;
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int r = 16 * w4 + g + 8 * hr;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int c = 8 * j + q2;
+      const float2 x = make_float2(acc[j][2 * hr], acc[j][2 * hr + 1]);
+      if (role == 0 && r < Lc) *reinterpret_cast<float2*>(bp.X + tok + r * tok_ld + c) = x;
+      if (role == 1 && r < Lc) *reinterpret_cast<float2*>(bp.U + tok + r * tok_ld + c) = x;
+      if (role >= 2) *reinterpret_cast<float2*>(Y + static_cast<int64_t>(64 * (role - 2) + r) * p.V + c) = x;
+    }
+  }
+}
+
 template <int K, bool DELTA, int PREC>
 __global__ void __launch_bounds__(NT, 2) scan_inputs_kernel(const Params bp) {
   using Ly = ScanInputsLayout<K>;
   using F = Fac<K>;
   constexpr int LP = Ly::LP, LQ = Ly::LQ, LT = Ly::LT, LV = Ly::LV;
-  extern __shared__ __align__(16) float sm[];
+  extern __shared__ __align__(1024) float sm[];  // (the bf16 tiles' swizzle repeats every 1024 bytes)
   float *Pm = sm + Ly::P, *Qg = sm + Ly::Qg, *Tm = sm + Ly::T, *dO = sm + Ly::dO, *bv = sm + Ly::bv, *bet = sm + Ly::beta;
   const FwdParams& p = bp.f;
   const int tid = threadIdx.x;
@@ -543,6 +641,10 @@ __global__ void __launch_bounds__(NT, 2) scan_inputs_kernel(const Params bp) {
   const int Lc = ch.Lc;
   const int64_t tok = ch.f0 * p.HV * p.V + hv * p.V + v0, tok_ld = static_cast<int64_t>(p.HV) * p.V;
 
+  if constexpr (CULA_WGMMA && K <= 128) {
+    scan_inputs_wg<K, DELTA>(reinterpret_cast<unsigned char*>(sm), bp, ch, fac, cidx, hv, v0);
+    return;
+  }
   rows_async<C, C>(Pm, LP, fac + F::P, C);
   rows_async<C, K>(Qg, LQ, fac + F::Q, K);
   if (DELTA) rows_async<C, C>(Tm, LT, fac + F::T, C);

@@ -46,6 +46,17 @@ __device__ __forceinline__ uint64_t desc_kstep(uint32_t tile, int rows, int row0
   return desc_sw128(tile + (kk / 4) * rows * 128 + row0 * 128 + (kk % 4) * 32);
 }
 
+// Descriptor of k-step kk (16 rows of K) of an MN-major operand: a tile laid out as sw128_offset's
+// with its rows along K and its columns along M (or N), so that a row-major matrix whose rows run
+// over K is staged as it lies; columns from mn0 (a multiple of 64) span 64 elements of M or N. The
+// wgmma's transpose flag for the operand is 1. Leading byte offset: the next 64 columns' panel; stride
+// byte offset: the next 8 rows of K (1024 bytes).
+__device__ __forceinline__ uint64_t desc_mn(uint32_t tile, int rows, int kk, int mn0) {
+  const uint32_t addr = tile + (mn0 / 64) * rows * 128 + kk * 16 * 128;
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>((rows * 128) >> 4) << 16) |
+         (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
+}
+
 __device__ __forceinline__ void fence() {
 #if CULA_WGMMA
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
@@ -109,6 +120,28 @@ __device__ __forceinline__ void mma_bf16<4>(float (&d)[4][4], uint64_t da, uint6
         "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
         "+f"(d[3][2]), "+f"(d[3][3])
       : "l"(da), "l"(db), "n"(1));
+#endif
+}
+
+// d += op(A) op(B) over one k-step of 16 with N = 64: op transposes an operand whose flag is 1
+// (MN-major, desc_mn), else it is K-major (desc_kstep).
+template <int TA, int TB>
+__device__ __forceinline__ void mma_bf16_n64(float (&d)[8][4], uint64_t da, uint64_t db) {
+#if CULA_WGMMA
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,"
+      "%29,%30,%31}, %32, %33, p, 1, 1, %35, %36;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+        "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "l"(da), "l"(db), "n"(1), "n"(TA), "n"(TB));
 #endif
 }
 
