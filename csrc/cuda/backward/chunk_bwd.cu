@@ -1,6 +1,6 @@
 // Backward in chunk form on tensor cores (3xTF32 mma.sync, fp32 operands in shared memory; on sm_90a
-// the key kernel with the delta rule, the value kernel and (K <= 128) the scan inputs kernel on
-// warpgroups with bf16x3 operands, split once as they are staged): every family and option, key head sizes 64, 128 and 256, V a multiple of
+// the key kernel with the delta rule, the value kernel and, at K <= 128, the scan inputs kernel and
+// the delta rule's state scans on warpgroups with bf16x3 operands, split once as they are staged): every family and option, key head sizes 64, 128 and 256, V a multiple of
 // 64. The algebra is DESIGN.md's
 // (checked in float64 by tests/python/test_chunked_backward_algebra.py); chunks of C = 64 tokens, G
 // the inclusive cumulative log-decay inside a chunk, per channel (a scalar or constant gate repeated
@@ -21,7 +21,8 @@
 //     other), per (sequence, value head, VS columns), two CTAs per SM: chunks in order, the state
 //     at every chunk start S0 (fp32): Delta = U - W S, S <- e^{G_C} S + Kr^T Delta; and chunks
 //     last to first, the gradient dS of each chunk's end state: dDelta = X + Kr dS,
-//     dS <- e^{G_C} dS + Y - W^T dDelta. Without the delta rule dDelta is dv.
+//     dS <- e^{G_C} dS + Y - W^T dDelta. Without the delta rule dDelta is dv. On sm_90a with the
+//     delta rule at K <= 128: 32 or 64 columns a CTA, the carried matrix in registers (scan_wg).
 //  5. value_grad_kernel (delta rule), per (chunk, value head, 64 columns): R = v - Kg S0,
 //     Delta = T diag(beta) R, dB = T^T dDelta; dv = beta dB, beta's partial sum dB . R.
 //  6. key_grad_kernel, per (chunk, value head, 64 channels): over V, dQg = dO S0^T,
@@ -803,10 +804,238 @@ __device__ __forceinline__ void state_grad_scan(const Params& bp, float* sm, con
   if (bp.io.dh0) slice_out<K, VS, ST>(bp.io.dh0, bp.io.dh0_dt, p, tk.n, hv, v0, dS, LS);
 }
 
+// sm_90a, the delta rule, K <= 128, VS = 32 or 64 columns: both roles as one loop over a sequence's
+// chunks (the gradients last to first) with the carried matrix (S, or dS) in registers, fp32, as the
+// accumulators of the update's product: warpgroup i holds its rows (channels) 64 i .. 64 i + 63 of
+// the K x VS slice. A step, between three barriers:
+//   B1  the carried matrix, transposed and times -1 for the states, into bf16 hi / lo tiles
+//       (stmatrix.trans); the step's left operands staged before it;
+//   P1  each warpgroup half the columns of the first product over K, its accumulators starting at
+//       the addend: Delta = U + W (-S), or dDelta = X + Kr dS; meanwhile the carried matrix out
+//       (S0, or dS_end over Y);
+//   B2  Delta^T (or -dDelta^T) into hi / lo tiles; then the next chunk's first left operand staged
+//       into the tile P1 has read;
+//   P2  each warpgroup its 64 rows of the update over the chunk's tokens: S <- e^{G_C} S + Kr^T
+//       Delta, or dS <- e^{G_C} dS + Y - W^T dDelta, the left operand read MN-major (desc_mn) from
+//       the tile it was staged in as it lies (rows: tokens);
+//   B3  the next chunk's second left operand staged into the tile P2 has read.
+// Each product bf16x3 (hi hi' + hi lo' + lo hi'). Everything a step reads from global memory is
+// loaded a whole step ahead into registers (ncu: with half a step or less, the steps waited on those
+// loads): the left operands' fp32 rows (W and Kr of the factor block, split as they are staged), the
+// addend rows, e^{G_C} and Y. So one CTA per SM (about 150 registers a thread).
+template <int K, bool DELTA, int VS>
+constexpr bool wg_scan() {
+  return DELTA && K <= 128 && (VS == 32 || VS == 64);
+}
+template <int K, int VS>
+struct ScanTiles {  // bytes: the first product's left operand (W, or Kr for the gradients), the
+                    // update's (Kr, or W), the carried matrix^T (VS x K), the first result^T (VS x C)
+  static constexpr int kM = C * K * 2, kS = VS * K * 2, kD = VS * C * 2;
+  static constexpr int A = 0, B = 2 * kM, S = B + 2 * kM, D = S + 2 * kS, bytes = D + 2 * kD;
+};
+
+// A C x K fp32 row-major tile on its way from global memory to a hi / lo tile, in registers.
+template <int K>
+struct RowsInFlight {
+  static constexpr int N = C * K / 4 / ST;
+  float4 r[N];
+  __device__ __forceinline__ void load(const float* src) {
+#pragma unroll
+    for (int u = 0; u < N; ++u) r[u] = *reinterpret_cast<const float4*>(src + 4 * (threadIdx.x + u * ST));
+  }
+  __device__ __forceinline__ void put(unsigned char* dst) const {
+#pragma unroll
+    for (int u = 0; u < N; ++u) {
+      const int i = threadIdx.x + u * ST;
+      put_rows(dst, C * K * 2, C, i / (K / 4), (i % (K / 4)) * 4, r[u]);
+    }
+  }
+};
+
+// A warp's accumulator fragments (16 x 8 NT from row r0, column c0), times sign, stored transposed
+// as bf16 hi / lo tiles of `rows` rows at shared addresses hi and hi + lo_off.
+template <int NT>
+__device__ __forceinline__ void store_t_hilo(uint32_t hi, int lo_off, int rows, int r0, int c0, const float (&d)[NT][4],
+                                             float sign, int lane) {
+  float h[NT][4], l[NT][4];
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; e += 2) {
+      const float x0 = sign * d[j][e], x1 = sign * d[j][e + 1];
+      const float2 f = mma::unpack(mma::pack(x0, x1));
+      h[j][e] = f.x, h[j][e + 1] = f.y, l[j][e] = x0 - f.x, l[j][e + 1] = x1 - f.y;
+    }
+  wg::store_t_sw128<NT>(hi, rows, r0, c0, h, lane);
+  wg::store_t_sw128<NT>(hi + lo_off, rows, r0, c0, l, lane);
+}
+
+// d += A^T B over a k-step, A MN-major, B K-major, N = 8 NT (32 or 64).
+template <int NT>
+__device__ __forceinline__ void mma_ta(float (&d)[NT][4], uint64_t a, uint64_t b) {
+  if constexpr (NT == 4) wg::mma_bf16_n32<1, 0>(d, a, b);
+  else wg::mma_bf16_n64<1, 0>(d, a, b);
+}
+
+template <int K, int VS, bool GRAD>
+__device__ __forceinline__ void scan_wg(const Params& bp, unsigned char* sb, const chunk::SliceTask& tk) {
+  using Ty = ScanTiles<K, VS>;
+  using F = Fac<K>;
+  constexpr int NS = VS / 8, NH = VS / 16;  // n-tiles: the carried slice, a warpgroup's half of P1
+  constexpr int first = GRAD ? F::R : F::W, second = GRAD ? F::W : F::R;
+  const FwdParams& p = bp.f;
+  const uint32_t base = mma::smem_addr(sb);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wgi = warp / 4, w4 = warp & 3;
+  const int g = lane >> 2, q2 = (lane & 3) * 2;
+  const int hv = tk.hv, v0 = tk.v0, nch = tk.nchunks;
+  const int64_t tok_ld = static_cast<int64_t>(p.HV) * p.V, KV = static_cast<int64_t>(K) * p.V;
+  const bool owns = K > 64 || wgi == 0;  // rows r0 and r0 + 8 of the carried matrix (known at compile time at K = 128)
+  const int r0 = 64 * wgi + 16 * w4 + g, n1 = wgi * (VS / 2);  // n1: the warpgroup's columns of P1
+  auto fac_of = [&](int ci) { return bp.fac + ((tk.cbase + ci) * p.HV + hv) * F::size; };
+  auto chunk_of = [&](int k) { return GRAD ? nch - 1 - k : k; };
+  auto slot_of = [&](int ci) { return (GRAD ? bp.dS : bp.S0) + ((tk.cbase + ci) * p.HV + hv) * KV + v0; };
+  auto addend_of = [&](const ChunkAt& ch) { return (GRAD ? bp.X : bp.U) + ch.f0 * tok_ld + hv * p.V + v0 + n1; };
+  // step k's inputs from global memory, a step ahead: P1's addend (U or X; rows past the chunk zero),
+  // e^{G_C} of this thread's rows, and Y (the gradients; read before step k writes dS_end over it)
+  float dn[NH][4], egn[2] = {0.0f, 0.0f}, yn[NS][4] = {};
+  auto inputs_of = [&](int k) {
+    const int ci = chunk_of(k);
+    const ChunkAt ch = chunk_in(p, tk.sq, ci);
+    const float* addend = addend_of(ch);
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int t = 16 * w4 + g + 8 * hr;
+#pragma unroll
+      for (int j = 0; j < NH; ++j) {
+        const float2 x = t < ch.Lc ? *reinterpret_cast<const float2*>(addend + t * tok_ld + 8 * j + q2) : make_float2(0.0f, 0.0f);
+        dn[j][2 * hr] = x.x, dn[j][2 * hr + 1] = x.y;
+      }
+    }
+    if (owns) {
+      const float* fc = fac_of(ci);
+      egn[0] = fc[F::EG + r0], egn[1] = fc[F::EG + r0 + 8];
+      if (GRAD) {
+        const float* slot = slot_of(ci);
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+          for (int j = 0; j < NS; ++j) {
+            const float2 x = *reinterpret_cast<const float2*>(slot + static_cast<int64_t>(r0 + 8 * hr) * p.V + 8 * j + q2);
+            yn[j][2 * hr] = x.x, yn[j][2 * hr + 1] = x.y;
+          }
+      }
+    }
+  };
+
+  float s[NS][4];  // the initial state, or the final state's gradient (zeros without one)
+  {
+    const void* src = GRAD ? bp.io.dht : p.h0;
+    const int dt = GRAD ? bp.io.dht_dt : p.h0_dt;
+#pragma unroll
+    for (int j = 0; j < NS; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        s[j][e] = src && owns ? ld(src, dt, state_elem(p, tk.n, hv, v0 + 8 * j + q2 + (e & 1), r0 + 8 * (e >> 1))) : 0.0f;
+  }
+  // ra: a chunk's first left operand, loaded at B2 a step before it is staged at B2; rb: its second, B3 to B3
+  RowsInFlight<K> ra, rb;
+  if (nch > 0) {
+    ra.load(fac_of(chunk_of(0)) + first), rb.load(fac_of(chunk_of(0)) + second);
+    ra.put(sb + Ty::A), rb.put(sb + Ty::B);
+    inputs_of(0);
+  }
+  if (nch > 1) ra.load(fac_of(chunk_of(1)) + first), rb.load(fac_of(chunk_of(1)) + second);
+  for (int k = 0; k < nch; ++k) {
+    const int ci = chunk_of(k);
+    const ChunkAt ch = chunk_in(p, tk.sq, ci);
+    float* slot = slot_of(ci);
+    float* addend = addend_of(ch);
+    float d[NH][4], eg[2] = {egn[0], egn[1]}, y[NS][4];
+#pragma unroll
+    for (int j = 0; j < NH; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) d[j][e] = dn[j][e];
+#pragma unroll
+    for (int j = 0; j < NS; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) y[j][e] = yn[j][e];
+    if (k + 1 < nch) inputs_of(k + 1);
+    if (owns) store_t_hilo<NS>(base + Ty::S, Ty::kS, VS, 64 * wgi + 16 * w4, 0, s, GRAD ? 1.0f : -1.0f, lane);
+    wg::fence_proxy_async();
+    __syncthreads();  // B1: the carried matrix^T and the step's left operands in
+    wg::fence();
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+      const uint64_t ah = wg::desc_kstep(base + Ty::A, C, 0, kk), al = wg::desc_kstep(base + Ty::A + Ty::kM, C, 0, kk);
+      const uint64_t bh = wg::desc_kstep(base + Ty::S, VS, n1, kk), bl = wg::desc_kstep(base + Ty::S + Ty::kS, VS, n1, kk);
+      wg::mma_bf16<NH>(d, ah, bh);
+      wg::mma_bf16<NH>(d, ah, bl);
+      wg::mma_bf16<NH>(d, al, bh);
+    }
+    wg::commit();
+    if (owns)  // while P1 runs: the carried matrix out (the chunk's start state, or its end state's gradient)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+        for (int j = 0; j < NS; ++j)
+          *reinterpret_cast<float2*>(slot + static_cast<int64_t>(r0 + 8 * hr) * p.V + 8 * j + q2) =
+              make_float2(s[j][2 * hr], s[j][2 * hr + 1]);
+    wg::wait_all();
+    wg::fence_operand(d);
+    if (GRAD) {  // dDelta over X's rows
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int t = 16 * w4 + g + 8 * hr;
+        if (t < ch.Lc)
+#pragma unroll
+          for (int j = 0; j < NH; ++j)
+            *reinterpret_cast<float2*>(addend + t * tok_ld + 8 * j + q2) = make_float2(d[j][2 * hr], d[j][2 * hr + 1]);
+      }
+    }
+    store_t_hilo<NH>(base + Ty::D, Ty::kD, VS, 16 * w4, n1, d, GRAD ? -1.0f : 1.0f, lane);
+    wg::fence_proxy_async();
+    __syncthreads();  // B2: the first result^T in; tile A read
+    if (k + 1 < nch) ra.put(sb + Ty::A);
+    if (k + 2 < nch) ra.load(fac_of(chunk_of(k + 2)) + first);
+    if (owns) {
+#pragma unroll
+      for (int j = 0; j < NS; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[j][e] = eg[e >> 1] * s[j][e] + y[j][e];
+      wg::fence();
+#pragma unroll
+      for (int kk = 0; kk < C / 16; ++kk) {
+        const uint64_t ah = wg::desc_mn(base + Ty::B, C, kk, 64 * wgi), al = wg::desc_mn(base + Ty::B + Ty::kM, C, kk, 64 * wgi);
+        const uint64_t bh = wg::desc_kstep(base + Ty::D, VS, 0, kk), bl = wg::desc_kstep(base + Ty::D + Ty::kD, VS, 0, kk);
+        mma_ta<NS>(s, ah, bh);
+        mma_ta<NS>(s, ah, bl);
+        mma_ta<NS>(s, al, bh);
+      }
+      wg::commit();
+      wg::wait_all();
+      wg::fence_operand(s);
+    }
+    __syncthreads();  // B3: tile B and the first result^T read
+    if (k + 1 < nch) rb.put(sb + Ty::B);
+    if (k + 2 < nch) rb.load(fac_of(chunk_of(k + 2)) + second);
+  }
+  if (GRAD && bp.io.dh0 && owns)
+#pragma unroll
+    for (int j = 0; j < NS; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        st(bp.io.dh0, bp.io.dh0_dt, state_elem(p, tk.n, hv, v0 + 8 * j + q2 + (e & 1), r0 + 8 * (e >> 1)), s[j][e]);
+}
+
 template <int K, bool DELTA, int VS, int PREC>
-__global__ void __launch_bounds__(ST, 2) state_scans_kernel(const Params bp) {
-  extern __shared__ __align__(16) float sm[];
+__global__ void __launch_bounds__(ST, wg_scan<K, DELTA, VS>() ? 1 : 2) state_scans_kernel(const Params bp) {
+  extern __shared__ __align__(1024) float sm[];  // (the wgmma tiles' swizzle repeats every 1024 bytes)
   const chunk::SliceTask tk = chunk::slice_task<VS>(bp.f, bp.chunk_base, blockIdx.x >> 1);
+  if constexpr (CULA_WGMMA && wg_scan<K, DELTA, VS>()) {
+    if (blockIdx.x & 1) scan_wg<K, VS, true>(bp, reinterpret_cast<unsigned char*>(sm), tk);
+    else scan_wg<K, VS, false>(bp, reinterpret_cast<unsigned char*>(sm), tk);
+    return;
+  }
   if (blockIdx.x & 1) state_grad_scan<K, DELTA, VS, PREC>(bp, sm, tk);
   else state_scan<K, DELTA, VS, PREC>(bp, sm, tk);
 }
@@ -1534,6 +1763,18 @@ bool wide_scans_pay(int64_t N, int HV, int V, int sms) {
   return 2 * ctas >= 3 * static_cast<int64_t>(sms);  // at least 1.5 per SM
 }
 
+// The scans on warpgroups (sm_90a, the delta rule, K <= 128) at 32 or 64 columns a CTA, one CTA per
+// SM (run_kernels picks the width). The launch also fits the mma.sync layout at that width, which a
+// build without sm_90a code runs instead.
+template <int K, bool DELTA, int W>
+constexpr int scan_bytes() {
+  constexpr int b = ScanLayout<K, DELTA, W>::bytes;
+  if constexpr (wg_scan<K, DELTA, W>()) return b > ScanTiles<K, W>::bytes ? b : ScanTiles<K, W>::bytes;
+  return b;
+}
+// (taken on sm_90 only, whose 227 KB a CTA are not part of max_smem's device check below)
+static_assert(scan_bytes<128, true, 64>() <= 227 * 1024, "the 64-column scans fit an sm_90 CTA");
+
 template <int K, bool DELTA>
 int max_smem() {
   int b = FactorsLayoutOf<K, DELTA>::bytes;
@@ -1560,7 +1801,7 @@ int smem_needed(const Recurrence& r) {
 }
 
 template <int K, bool DELTA, bool SCALAR, int PREC>
-void run_kernels(const Params& bp, int64_t chunks, int N, int HV, int V, int sms, cudaStream_t stream) {
+void run_kernels(const Params& bp, int64_t chunks, int N, int HV, int V, int sms, bool wgmma, cudaStream_t stream) {
   auto go = [&](auto kernel, int64_t grid, int bytes, int threads = NT) {
     if (grid <= 0) return;
     chunk::allow_smem(kernel, bytes);
@@ -1570,9 +1811,17 @@ void run_kernels(const Params& bp, int64_t chunks, int N, int HV, int V, int sms
   go(scan_inputs_kernel<K, DELTA, PREC>, chunks * HV * (V / VE), ScanInputsLayout<K>::bytes);
   auto scans = [&](auto width) {
     constexpr int W = decltype(width)::value;
-    go(state_scans_kernel<K, DELTA, W, PREC>, 2 * static_cast<int64_t>(N) * HV * (V / W), ScanLayout<K, DELTA, W>::bytes, ST);
+    go(state_scans_kernel<K, DELTA, W, PREC>, 2 * static_cast<int64_t>(N) * HV * (V / W), scan_bytes<K, DELTA, W>(), ST);
   };
-  if constexpr (wide_scans_fit<K, DELTA>()) {
+  if constexpr (wg_scan<K, DELTA, 32>()) {
+    // waves x step: a 64-column step takes about 1.38x a 32-column one (H200: KDA 1x4096 H16 at one
+    // wave either way 0.353 against 0.256 ms), so 64 where it saves more than a quarter of the waves
+    const int64_t c64 = 2 * static_cast<int64_t>(N) * HV * (V / 64), w64 = (c64 + sms - 1) / sms,
+                  w32 = (2 * c64 + sms - 1) / sms;
+    if (!wgmma) scans(std::integral_constant<int, VS>{});
+    else if (3 * w32 > 4 * w64) scans(std::integral_constant<int, 64>{});
+    else scans(std::integral_constant<int, 32>{});
+  } else if constexpr (wide_scans_fit<K, DELTA>()) {
     if (wide_scans_pay(N, HV, V, sms)) scans(std::integral_constant<int, VS_WIDE>{});
     else scans(std::integral_constant<int, VS>{});
   } else {
@@ -1653,6 +1902,7 @@ void cuda_chunk_bwd(const Recurrence& r, const cula_chunk_bwd_args& a) {
   if (bp.chunk_base) chunk::launch_chunk_base(bp.f, bp.chunk_base, stream);
   bwd::launch_token_inputs(bp.f, bp.x, /*log_decay=*/true, stream);
   const int N = static_cast<int>(r.N), sms = cuda_sm_count(device);
+  const bool wgmma = cuda_device_arch(device) == 90;  // the sm_90a code's kernels (wgmma.cuh)
   with_key_size(static_cast<int>(K), [&](auto k) {
     constexpr int KK = decltype(k)::value;
     const int hv = static_cast<int>(HV), v = static_cast<int>(V);
@@ -1666,8 +1916,8 @@ void cuda_chunk_bwd(const Recurrence& r, const cula_chunk_bwd_args& a) {
     const bool precise = r.gate_in_kernel || a.q->dtype != CULA_BFLOAT16 || a.v->dtype != CULA_BFLOAT16;
     auto run = [&](auto delta, auto scalar) {
       constexpr bool D = decltype(delta)::value, SC = decltype(scalar)::value;
-      if (precise) run_kernels<KK, D, SC, tf32::kThreeTF32>(bp, chunks, N, hv, v, sms, stream);
-      else run_kernels<KK, D, SC, kFastProducts>(bp, chunks, N, hv, v, sms, stream);
+      if (precise) run_kernels<KK, D, SC, tf32::kThreeTF32>(bp, chunks, N, hv, v, sms, wgmma, stream);
+      else run_kernels<KK, D, SC, kFastProducts>(bp, chunks, N, hv, v, sms, wgmma, stream);
     };
     using yes = std::true_type;
     using no = std::false_type;
