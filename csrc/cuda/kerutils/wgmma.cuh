@@ -109,20 +109,6 @@ __device__ __forceinline__ void mma_bf16<2>(float (&d)[2][4], uint64_t da, uint6
 #endif
 }
 
-template <>
-__device__ __forceinline__ void mma_bf16<4>(float (&d)[4][4], uint64_t da, uint64_t db) {
-#if CULA_WGMMA
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
-        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
-        "+f"(d[3][2]), "+f"(d[3][3])
-      : "l"(da), "l"(db), "n"(1));
-#endif
-}
-
 // d += op(A) op(B) over one k-step of 16 with N = 32, op as for mma_bf16_n64 below.
 template <int TA, int TB>
 __device__ __forceinline__ void mma_bf16_n32(float (&d)[4][4], uint64_t da, uint64_t db) {
@@ -136,6 +122,11 @@ __device__ __forceinline__ void mma_bf16_n32(float (&d)[4][4], uint64_t da, uint
         "+f"(d[3][2]), "+f"(d[3][3])
       : "l"(da), "l"(db), "n"(1), "n"(TA), "n"(TB));
 #endif
+}
+
+template <>
+__device__ __forceinline__ void mma_bf16<4>(float (&d)[4][4], uint64_t da, uint64_t db) {
+  mma_bf16_n32<0, 0>(d, da, db);
 }
 
 // d += op(A) op(B) over one k-step of 16 with N = 64: op transposes an operand whose flag is 1
