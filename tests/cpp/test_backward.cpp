@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <functional>
 
+#include "cuda/backward/scan_width.h"
 #include "helpers.h"
 
 using namespace cula_test;
@@ -156,4 +157,25 @@ TEST(Backward, ArgumentStructOfCallersBuiltBeforeDecayIsAccepted) {
   EXPECT_TRUE(all_finite(dq));
   b.struct_size = offsetof(cula_chunk_bwd_args, decay) - sizeof(void*);  // older than any release: refused
   EXPECT_EQ(cula_chunk_bwd(&b), CULA_ERROR_INVALID_ARGUMENT);
+}
+
+// The chunk backward's scan width (columns per CTA) from the waves each width takes, on 132 SMs.
+TEST(ChunkBackwardPlan, ScanWidthFollowsTheWaves) {
+  using cula::bwd::scan_width;
+  // sm_90a, the delta rule, K <= 128: 32 or 64 columns, one CTA per SM
+  EXPECT_EQ(scan_width(true, 128, 1, 16, 128, 132, true), 32);  // 128 CTAs at 32: one wave either way
+  EXPECT_EQ(scan_width(true, 128, 1, 32, 128, 132, true), 64);  // 256 at 32 (two waves), 128 at 64 (one)
+  EXPECT_EQ(scan_width(true, 128, 2, 32, 128, 132, true), 64);  // four waves against two
+  EXPECT_EQ(scan_width(true, 64, 2, 16, 64, 132, true), 32);    // K = V = 64: 64 CTAs at 64 columns
+  EXPECT_EQ(scan_width(true, 128, 1, 33, 64, 132, true), 32);   // 66 CTAs at 64: one wave at 32 too
+  EXPECT_EQ(scan_width(true, 128, 1, 34, 64, 132, true), 64);   // 68 at 64, 136 (two waves) at 32
+  // K = 256, or no warpgroup products: mma.sync at 16 columns
+  EXPECT_EQ(scan_width(true, 256, 1, 32, 512, 132, true), 16);
+  EXPECT_EQ(scan_width(true, 128, 1, 32, 128, 132, false), 16);
+  // without the delta rule: 32 columns where that grid keeps 1.5 CTAs per SM, else 16
+  EXPECT_EQ(scan_width(false, 128, 1, 32, 128, 132, true), 32);  // 256 CTAs at 32
+  EXPECT_EQ(scan_width(false, 128, 1, 8, 128, 132, false), 16);  // 64 CTAs at 32
+  EXPECT_EQ(scan_width(false, 128, 1, 25, 128, 132, false), 32);  // 200 at 32: 1.52 per SM
+  EXPECT_EQ(scan_width(false, 128, 1, 24, 128, 132, false), 16);  // 192: 1.45 per SM
+  EXPECT_EQ(scan_width(false, 256, 1, 32, 128, 132, false), 16);
 }

@@ -47,6 +47,7 @@
 
 #include "cuda/backward/chain.h"
 #include "cuda/backward/recurrent_bwd.h"
+#include "cuda/backward/scan_width.h"
 #include "cuda/common/fwd_params.cuh"
 #include "cuda/kerutils/device_utils.cuh"
 #include "cuda/kerutils/mma.cuh"
@@ -1752,19 +1753,15 @@ constexpr int VS = 16;  // columns per scan CTA: the two roles' shared memory fi
 // step's products serve twice the columns for one chain of barriers. It pays where the grid stays
 // at least 1.5 CTAs per SM (H200, backward scans: GLA, simple GLA and Lightning 1x8192 H32 -22%,
 // simple GLA 4x2048 H16 -19%); below that the step's latency is the scan's time, and half the CTAs
-// means twice the steps' work on each (1x8192 H8: +41%).
+// means twice the steps' work on each (1x8192 H8: +41%). The plan: scan_width.h.
 constexpr int VS_WIDE = 32;
 template <int K, bool DELTA>
 constexpr bool wide_scans_fit() {
   return !DELTA && K <= 128;
 }
-bool wide_scans_pay(int64_t N, int HV, int V, int sms) {
-  const int64_t ctas = 2 * N * HV * (V / VS_WIDE);  // two roles per (sequence, value head, slice)
-  return 2 * ctas >= 3 * static_cast<int64_t>(sms);  // at least 1.5 per SM
-}
 
 // The scans on warpgroups (sm_90a, the delta rule, K <= 128) at 32 or 64 columns a CTA, one CTA per
-// SM (run_kernels picks the width). The launch also fits the mma.sync layout at that width, which a
+// SM (the width: scan_width.h). The launch also fits the mma.sync layout at that width, which a
 // build without sm_90a code runs instead.
 template <int K, bool DELTA, int W>
 constexpr int scan_bytes() {
@@ -1813,16 +1810,13 @@ void run_kernels(const Params& bp, int64_t chunks, int N, int HV, int V, int sms
     constexpr int W = decltype(width)::value;
     go(state_scans_kernel<K, DELTA, W, PREC>, 2 * static_cast<int64_t>(N) * HV * (V / W), scan_bytes<K, DELTA, W>(), ST);
   };
+  const int width = bwd::scan_width(DELTA, K, N, HV, V, sms, wgmma);
   if constexpr (wg_scan<K, DELTA, 32>()) {
-    // waves x step: a 64-column step takes about 1.38x a 32-column one (H200: KDA 1x4096 H16 at one
-    // wave either way 0.353 against 0.256 ms), so 64 where it saves more than a quarter of the waves
-    const int64_t c64 = 2 * static_cast<int64_t>(N) * HV * (V / 64), w64 = (c64 + sms - 1) / sms,
-                  w32 = (2 * c64 + sms - 1) / sms;
-    if (!wgmma) scans(std::integral_constant<int, VS>{});
-    else if (3 * w32 > 4 * w64) scans(std::integral_constant<int, 64>{});
-    else scans(std::integral_constant<int, 32>{});
+    if (width == 64) scans(std::integral_constant<int, 64>{});
+    else if (width == 32) scans(std::integral_constant<int, 32>{});
+    else scans(std::integral_constant<int, VS>{});
   } else if constexpr (wide_scans_fit<K, DELTA>()) {
-    if (wide_scans_pay(N, HV, V, sms)) scans(std::integral_constant<int, VS_WIDE>{});
+    if (width == VS_WIDE) scans(std::integral_constant<int, VS_WIDE>{});
     else scans(std::integral_constant<int, VS>{});
   } else {
     scans(std::integral_constant<int, VS>{});
