@@ -1,7 +1,7 @@
 // Backward in chunk form on tensor cores (3xTF32 mma.sync, fp32 operands in shared memory; on sm_90a
 // the key kernel with the delta rule, the value kernel and, at K <= 128, the scan inputs kernel and
-// the delta rule's state scans on warpgroups with bf16x3 operands, split once as they are staged): every family and option, key head sizes 64, 128 and 256, V a multiple of
-// 64. The algebra is DESIGN.md's
+// the delta rule's state scans on warpgroups with bf16x3 operands, split once as they are staged):
+// every family and option, key head sizes 64, 128 and 256, V a multiple of 64. The algebra is DESIGN.md's
 // (checked in float64 by tests/python/test_chunked_backward_algebra.py); chunks of C = 64 tokens, G
 // the inclusive cumulative log-decay inside a chunk, per channel (a scalar or constant gate repeated
 // over K), every exponent e^{G_t - G_s} with s <= t (or through a token between them), so no factor
