@@ -1,5 +1,6 @@
 // Backward in chunk form on tensor cores (3xTF32 mma.sync, fp32 operands in shared memory; on sm_90a
-// the key kernel with the delta rule, the value kernel and, at K <= 128, the scan inputs kernel and
+// the key kernel with the delta rule, the value kernel, the pair kernel's products over V with the
+// delta rule (and GDN's pair products on bf16 inputs), and, at K <= 128, the scan inputs kernel and
 // the delta rule's state scans on warpgroups with bf16x3 operands, split once as they are staged):
 // every family and option, key head sizes 64, 128 and 256, V a multiple of 64. The algebra is DESIGN.md's
 // (checked in float64 by tests/python/test_chunked_backward_algebra.py); chunks of C = 64 tokens, G
@@ -149,6 +150,19 @@ __device__ __forceinline__ void rows_async(float* dst, int dst_ld, const float* 
   }
 }
 
+// The same for rows whose pitch leaves them unaligned for 16-byte copies (the part rows: 3 K + 1
+// floats), by 4-byte copies.
+template <int ROWS, int COLS, int THREADS = NT>
+__device__ __forceinline__ void rows_async4(float* dst, int dst_ld, const float* src, int64_t src_ld, int valid = ROWS) {
+  for (int i = threadIdx.x; i < ROWS * COLS; i += THREADS) {
+    const int r = i / COLS, c = i % COLS;
+    if (r < valid)
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(mma::smem_addr(dst + r * dst_ld + c)),
+                   "l"(src + r * src_ld + c));
+    else dst[r * dst_ld + c] = 0.0f;
+  }
+}
+
 // Rows [0, valid) of a ROWS x COLS tile of a bf16, fp16 or fp32 input (unit column stride, 16-byte
 // aligned rows, row r at element off + r row_stride) into fp32 shared memory, rows past valid
 // zeroed: every thread issues all its loads before its first store.
@@ -239,6 +253,11 @@ __device__ __forceinline__ void put_rows(unsigned char* dst, int lo_off, int row
   const int off = wg::sw128_offset(rows, r, c);
   *reinterpret_cast<uint2*>(dst + off) = hi;
   *reinterpret_cast<uint2*>(dst + lo_off + off) = lo;
+}
+// An element back from its hi / lo pair (hi at p, lo lo_off bytes after it).
+__device__ __forceinline__ float tile_value(const unsigned char* p, int lo_off) {
+  return __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(p)) +
+         __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(p + lo_off));
 }
 // Transposed: rows r (a) and r + 1 (b), columns c..c + 3, as the pairs (r, r + 1) at tile rows c..c + 3.
 __device__ __forceinline__ void put_pairs_t(unsigned char* dst, int lo_off, int rows, int r, int c, float4 a, float4 b) {
@@ -1478,8 +1497,9 @@ struct PairLayout {
   static constexpr int dP = 0, dA = dP + C * LC, q = dA + C * LC, k = q + C * LK, G = k + C * LK, dG = G + C * LK,
                        aq = dG + C * LK, ak = aq + C * LK, S = ak + C * LK, beta = S + 48 * LS, g = beta + C, sc = g + C,
                        floats = sc + 2 * SC;
-  static constexpr int dO = q, dB = dO + C * L, D = dB + C * L;  // phase 1, in the q .. ak region
-  static_assert(D + C * L <= S, "the products over V fit where q, k, G, dG and the accumulators go");
+  static constexpr int dO = q, dB = dO + C * L, D = dB + C * L;  // phase 1, in the q .. G region
+  // (dG, aq and ak take the first channel half's part rows meanwhile)
+  static_assert(D + C * L <= dG, "the products over V fit where q, k and G go");
   // one product over [dP; w] and [q^; k^] (the scalar-decay path): each pair adjacent
   static_assert(dA == dP + C * LC && k == q + C * LK, "stacked operands");
   static constexpr int bytes = floats * 4;
@@ -1589,13 +1609,158 @@ __device__ __forceinline__ void pair_block_cols(const PairCtx<K>& x) {
   }
 }
 
+// sm_90a: the over-V products dP = dO Delta^T and dB Delta^T on warpgroups, every operand K-major as
+// it lies (rows: tokens, columns: V), staged a 64-column slice at a time as bf16 hi / lo tiles (bytes
+// from the q .. G region, free in this phase). Warpgroups 0 and 1 take dP's columns 0..31 and 32..63,
+// 2 and 3 dB Delta^T's (without the delta rule dP's four quarters of 16; not taken: 6% slower than
+// mma.sync at GLA 1x8192 H32). A slice's loads are issued together, the next slice's while the products
+// run. The accumulators cross the slices in registers; dP on and below the diagonal, dA =
+// -stril(dB Delta^T) to their tiles after.
+template <int K>
+struct PairTiles {
+  static constexpr int kT = C * VE * 2;
+  static constexpr int dO = 0, dB = 2 * kT, D = 4 * kT, bytes = 6 * kT;
+  static_assert(PairLayout<K>::q * 4 % 1024 == 0, "the tiles start on a swizzle period");
+  static_assert(PairLayout<K>::q * 4 + bytes <= PairLayout<K>::dG * 4, "the tiles fit the q .. G region");
+};
+
+template <int K, bool DELTA>
+__device__ __forceinline__ void pair_products_wg(float* sm, const Params& bp, const ChunkAt& ch, int hv, float* dP, float* dA) {
+  using Ly = PairLayout<K>;
+  using Ty = PairTiles<K>;
+  constexpr int LC = Ly::LC;
+  constexpr int NQ = DELTA ? 4 : 2;  // n-tiles of 8 a warpgroup: 32 columns with the delta rule, 16 without
+  unsigned char* sb = reinterpret_cast<unsigned char*>(sm + Ly::q);
+  const uint32_t base = mma::smem_addr(sb);
+  const FwdParams& p = bp.f;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wgi = warp / 4, w4 = warp & 3;
+  const int g = lane >> 2, q2 = (lane & 3) * 2, Lc = ch.Lc;
+  const bool second = DELTA && wgi >= 2;  // this warpgroup's product: dB Delta^T, else dO Delta^T
+  const int n0 = (DELTA ? wgi % 2 : wgi) * 8 * NQ;
+  const int64_t tok = ch.f0 * p.HV * p.V + hv * p.V, tok_ld = static_cast<int64_t>(p.HV) * p.V;
+  const float4 z = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  constexpr int PER = C * (VE / 4) / NT;  // float4 of each operand a thread stages per slice
+  static_assert(C * (VE / 4) % NT == 0, "whole rounds");
+  float4 xo[PER], xb[PER], xd[PER];
+  auto load_slice = [&](int v0) {  // every load of a slice before its first store
+#pragma unroll
+    for (int u = 0; u < PER; ++u) {
+      const int i = tid + u * NT, t = i / (VE / 4), c = (i % (VE / 4)) * 4;
+      const bool in = t < Lc;
+      xo[u] = in ? load4(bp.io.dO, bp.io.dO_dt,
+                         ch.b_row * bp.io.dO_s[0] + (ch.t0 + t) * bp.io.dO_s[1] + hv * bp.io.dO_s[2] + v0 + c)
+                 : z;
+      if (DELTA) {
+        xb[u] = in ? *reinterpret_cast<const float4*>(bp.dB + tok + t * tok_ld + v0 + c) : z;
+        xd[u] = in ? *reinterpret_cast<const float4*>(bp.Delta + tok + t * tok_ld + v0 + c) : z;
+      } else {
+        xd[u] = in ? load4(p.v, p.v_dt, ch.b_row * p.v_s[0] + (ch.t0 + t) * p.v_s[1] + hv * p.v_s[2] + v0 + c) : z;
+      }
+    }
+  };
+  float acc[NQ][4] = {};
+  load_slice(0);
+  for (int v0 = 0; v0 < p.V; v0 += VE) {
+    if (v0 > 0) __syncthreads();  // the slice before read
+#pragma unroll
+    for (int u = 0; u < PER; ++u) {
+      const int i = tid + u * NT, t = i / (VE / 4), c = (i % (VE / 4)) * 4;
+      put_rows(sb + Ty::dO, Ty::kT, C, t, c, xo[u]);
+      if (DELTA) put_rows(sb + Ty::dB, Ty::kT, C, t, c, xb[u]);
+      put_rows(sb + Ty::D, Ty::kT, C, t, c, xd[u]);
+    }
+    if (v0 + VE < p.V) load_slice(v0 + VE);  // in flight while this slice's products run
+    wg::fence_proxy_async();
+    __syncthreads();
+    wg::fence();
+    const uint32_t left = base + (second ? Ty::dB : Ty::dO);
+#pragma unroll
+    for (int kk = 0; kk < VE / 16; ++kk) {
+      const uint64_t ah = wg::desc_kstep(left, C, 0, kk), al = wg::desc_kstep(left + Ty::kT, C, 0, kk);
+      const uint64_t bh = wg::desc_kstep(base + Ty::D, C, n0, kk), bl = wg::desc_kstep(base + Ty::D + Ty::kT, C, n0, kk);
+      wg::mma_bf16<NQ>(acc, ah, bh);
+      wg::mma_bf16<NQ>(acc, ah, bl);
+      wg::mma_bf16<NQ>(acc, al, bh);
+    }
+    wg::commit();
+    wg::wait_all();
+    wg::fence_operand(acc);
+  }
+  // dP on and below the diagonal; dA = -stril(dB Delta^T)
+  float* out = second ? dA : dP;
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int i = 16 * w4 + g + 8 * hr;
+#pragma unroll
+    for (int j = 0; j < NQ; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int c = n0 + 8 * j + q2 + e;
+        const float v = acc[j][2 * hr + e];
+        out[i * LC + c] = second ? (c < i ? -v : 0.0f) : (c <= i ? v : 0.0f);
+      }
+  }
+}
+
+// sm_90a, one decay per token with the delta rule (GDN) on one-TF32 calls: a channel half's three
+// products on warpgroups, bf16x3. dP o E and w o E are staged once as bf16 hi / lo tiles as they lie (rows: t)
+// where their fp32 copies were; q^ and k^ of the half transposed (rows: channels, the products' B
+// K-major) where their fp32 copies go on the mma.sync path. Warpgroup i takes channels 16 i .. 16 i + 15
+// of all three, so one thread owns an element in each: v1 = (dP o E) k^, v2 = (w o E) k^ and
+// v3 = (dP o E)^T q^ + (w o E)^T k^, the transposed A read MN-major from the same tiles.
+template <int K>
+struct PairScalarTiles {
+  using Ly = PairLayout<K>;
+  static constexpr int kTile = C * C * 2;  // one 64 x 64 bf16 tile (PC = C)
+  static constexpr int dP = Ly::dP * 4, w = Ly::dA * 4, qT = Ly::q * 4, kT = Ly::k * 4;
+  static_assert(PC == C && dP % 1024 == 0 && w % 1024 == 0 && qT % 1024 == 0 && kT % 1024 == 0, "swizzle periods");
+  static_assert(dP + 2 * kTile <= w && w + 2 * kTile <= qT && qT + 2 * kTile <= kT && kT + 2 * kTile <= Ly::G * 4,
+                "each pair of tiles fits where its fp32 matrix was");
+};
+
+// d += op(A) op(B) over one k-step of 16 at N = 16 in bf16x3: hi hi' + hi lo' + lo hi'.
+template <int TA, int TB>
+__device__ __forceinline__ void mma3_n16(float (&d)[2][4], uint64_t ah, uint64_t al, uint64_t bh, uint64_t bl) {
+  wg::mma_bf16_n16<TA, TB>(d, ah, bh);
+  wg::mma_bf16_n16<TA, TB>(d, ah, bl);
+  wg::mma_bf16_n16<TA, TB>(d, al, bh);
+}
+
+template <int K, bool DELTA>
+__device__ __forceinline__ void pair_scalar_products(uint32_t base, float (&v1)[2][4], float (&v2)[2][4],
+                                                     float (&v3)[2][4]) {
+  using Ty = PairScalarTiles<K>;
+  const int n0 = 16 * (threadIdx.x / 128);
+  wg::fence();
+#pragma unroll 1  // (unrolled, the k-steps' descriptors stay live together and spill)
+  for (int kk = 0; kk < C / 16; ++kk) {
+    const uint64_t kh = wg::desc_kstep(base + Ty::kT, PC, n0, kk), kl = wg::desc_kstep(base + Ty::kT + Ty::kTile, PC, n0, kk);
+    const uint64_t qh = wg::desc_kstep(base + Ty::qT, PC, n0, kk), ql = wg::desc_kstep(base + Ty::qT + Ty::kTile, PC, n0, kk);
+    const uint64_t ph = wg::desc_kstep(base + Ty::dP, C, 0, kk), pl = wg::desc_kstep(base + Ty::dP + Ty::kTile, C, 0, kk);
+    const uint64_t pth = wg::desc_mn(base + Ty::dP, C, kk, 0), ptl = wg::desc_mn(base + Ty::dP + Ty::kTile, C, kk, 0);
+    mma3_n16<0, 0>(v1, ph, pl, kh, kl);
+    mma3_n16<1, 0>(v3, pth, ptl, qh, ql);
+    if (DELTA) {
+      const uint64_t wh = wg::desc_kstep(base + Ty::w, C, 0, kk), wl = wg::desc_kstep(base + Ty::w + Ty::kTile, C, 0, kk);
+      const uint64_t wth = wg::desc_mn(base + Ty::w, C, kk, 0), wtl = wg::desc_mn(base + Ty::w + Ty::kTile, C, kk, 0);
+      mma3_n16<0, 0>(v2, wh, wl, kh, kl);
+      mma3_n16<1, 0>(v3, wth, wtl, kh, kl);
+    }
+  }
+  wg::commit();
+  wg::wait_all();
+  wg::fence_operand(v1);
+  wg::fence_operand(v2);
+  wg::fence_operand(v3);
+}
+
 template <int K, bool DELTA, bool SCALAR, int PREC>
 __global__ void __launch_bounds__(NT) pair_grad_kernel(const Params bp) {
   using Ly = PairLayout<K>;
   using F = Fac<K>;
   constexpr int L = Ly::L, LC = Ly::LC, LK = Ly::LK;
   constexpr int64_t PW = bwd::part_width(K);
-  extern __shared__ __align__(16) float sm[];
+  extern __shared__ __align__(1024) float sm[];  // (the sm_90a tiles' swizzle repeats every 1024 bytes)
   float *dP = sm + Ly::dP, *dA = sm + Ly::dA, *dO = sm + Ly::dO, *dB = sm + Ly::dB, *Dl = sm + Ly::D;
   float *qs = sm + Ly::q, *ks = sm + Ly::k, *Gs = sm + Ly::G, *dGs = sm + Ly::dG, *aq = sm + Ly::aq, *ak = sm + Ly::ak;
   float *bet = sm + Ly::beta, *gs = sm + Ly::g;
@@ -1613,42 +1778,116 @@ __global__ void __launch_bounds__(NT) pair_grad_kernel(const Params bp) {
   const int64_t tok = ch.f0 * p.HV * p.V + hv * p.V, tok_ld = static_cast<int64_t>(p.HV) * p.V;
 
   // dP = tril(dO Delta^T), and dB Delta^T, over V
-  tf32::Acc<C, C, NW> aP, aA;
-  aP.zero(), aA.zero();
   if (tid < C) bet[tid] = tid < Lc ? bp.x.beta[(ch.f0 + tid) * p.HV + hv] : 0.0f;
   if (SCALAR && tid < C) gs[tid] = fac[F::G + tid * K];  // one decay for every channel
-  for (int v0 = 0; v0 < p.V; v0 += VE) {
-    __syncthreads();
-    if (DELTA) {
-      rows_async<C, VE>(dB, L, bp.dB + tok + v0, tok_ld, Lc);
-      rows_async<C, VE>(Dl, L, bp.Delta + tok + v0, tok_ld, Lc);
-      mma::cp_async_commit();
-    } else {
-      input_rows<C, VE>(Dl, L, p.v, p.v_dt, ch.b_row * p.v_s[0] + ch.t0 * p.v_s[1] + hv * p.v_s[2] + v0, p.v_s[1], Lc);
-    }
-    input_rows<C, VE>(dO, L, bp.io.dO, bp.io.dO_dt, ch.b_row * bp.io.dO_s[0] + ch.t0 * bp.io.dO_s[1] + hv * bp.io.dO_s[2] + v0, bp.io.dO_s[1], Lc);
-    if (DELTA) mma::cp_async_wait_all();
-    __syncthreads();
-    aP.add<VE, PREC>(rows(dO, L), cols(Dl, L));
-    if (DELTA) aA.add<VE, PREC>(rows(dB, L), cols(Dl, L));
+  // sm_90a: the key kernel's terms of the first channel half (dq^, dk^, dG) copied in while phase 1
+  // runs (its operands use the q .. G region only). The other passes keep the form measured before
+  // (the sm_80 pass spills 96 bytes with this and da's segments below, where it spilled 8).
+  constexpr bool kEarlyPart = CULA_WGMMA;
+  if constexpr (kEarlyPart) {
+    rows_async4<C, PC>(aq, LK, part, row_ld, Lc);
+    rows_async4<C, PC>(ak, LK, part + K, row_ld, Lc);
+    rows_async4<C, PC>(dGs, LK, part + 2 * K, row_ld, Lc);
+    mma::cp_async_commit();
   }
-  // dP on and below the diagonal; dA = -stril(dB Delta^T)
-  aP.drain([&](int i, int j, float v) { dP[i * LC + j] = j <= i ? v : 0.0f; });
-  if (DELTA) aA.drain([&](int i, int j, float v) { dA[i * LC + j] = j < i ? -v : 0.0f; });
+  // With the delta rule on warpgroups, beta's sums have every load issued before phase 1 (its products
+  // leave the registers free): warp w takes rows w + NW j, lane l the pairs s = l, l + 32 and the value
+  // kernel's column slices l, l + 32, ... (on the mma.sync path the accumulators would spill them).
+  constexpr int RW = C / NW;
+  float kek[RW][2], dbs[RW];
+  if constexpr (CULA_WGMMA && DELTA) {
+#pragma unroll
+    for (int j = 0; j < RW; ++j) {
+      const int t = warp + NW * j;
+      kek[j][0] = lane < t && t < Lc ? fac[F::KEK + t * C + lane] : 0.0f;
+      kek[j][1] = lane + 32 < t && t < Lc ? fac[F::KEK + t * C + lane + 32] : 0.0f;
+      dbs[j] = 0.0f;
+      if (t < Lc)
+        for (int sl = lane; sl < p.V / VE; sl += 32) dbs[j] += bp.dbeta_part[(sl * bp.BT + ch.f0 + t) * p.HV + hv];
+    }
+  }
+  if constexpr (CULA_WGMMA && DELTA) {
+    pair_products_wg<K, DELTA>(sm, bp, ch, hv, dP, dA);
+  } else {
+    tf32::Acc<C, C, NW> aP, aA;
+    aP.zero(), aA.zero();
+    for (int v0 = 0; v0 < p.V; v0 += VE) {
+      __syncthreads();
+      if (DELTA) {
+        rows_async<C, VE>(dB, L, bp.dB + tok + v0, tok_ld, Lc);
+        rows_async<C, VE>(Dl, L, bp.Delta + tok + v0, tok_ld, Lc);
+        mma::cp_async_commit();
+      } else {
+        input_rows<C, VE>(Dl, L, p.v, p.v_dt, ch.b_row * p.v_s[0] + ch.t0 * p.v_s[1] + hv * p.v_s[2] + v0, p.v_s[1], Lc);
+      }
+      input_rows<C, VE>(dO, L, bp.io.dO, bp.io.dO_dt, ch.b_row * bp.io.dO_s[0] + ch.t0 * bp.io.dO_s[1] + hv * bp.io.dO_s[2] + v0, bp.io.dO_s[1], Lc);
+      if (DELTA) mma::cp_async_wait_all();
+      __syncthreads();
+      aP.add<VE, PREC>(rows(dO, L), cols(Dl, L));
+      if (DELTA) aA.add<VE, PREC>(rows(dB, L), cols(Dl, L));
+    }
+    // dP on and below the diagonal; dA = -stril(dB Delta^T)
+    aP.drain([&](int i, int j, float v) { dP[i * LC + j] = j <= i ? v : 0.0f; });
+    if (DELTA) aA.drain([&](int i, int j, float v) { dA[i * LC + j] = j < i ? -v : 0.0f; });
+  }
   __syncthreads();  // phase 1's buffers end
-  // beta: its sums from the value kernel's column slices, in order, and A's term sum_s dA_ts KEK_ts
-  for (int t = warp; t < Lc; t += NW) {
-    float s = 0.0f;
-    if (DELTA)
-      for (int u = lane; u < t; u += 32) s += dA[t * LC + u] * fac[F::KEK + t * C + u];
-    s = dev::warp_sum(s);
-    if (lane == 0) {
+  // beta: its sums from the value kernel's column slices, and A's term sum_s dA_ts KEK_ts
+  if constexpr (CULA_WGMMA && DELTA) {
+#pragma unroll
+    for (int j = 0; j < RW; ++j) {
+      const int t = warp + NW * j;
+      const float s = dev::warp_sum(dbs[j] + dA[t * LC + lane] * kek[j][0] + dA[t * LC + lane + 32] * kek[j][1]);
+      if (lane == 0 && t < Lc) part[t * row_ld + 3 * K] = s;
+    }
+  } else {
+    for (int t = warp; t < Lc; t += NW) {
+      float s = 0.0f;
       if (DELTA)
-        for (int sl = 0; sl < p.V / VE; ++sl) s += bp.dbeta_part[(sl * bp.BT + ch.f0 + t) * p.HV + hv];
-      part[t * row_ld + 3 * K] = DELTA ? s : 0.0f;
+        for (int u = lane; u < t; u += 32) s += dA[t * LC + u] * fac[F::KEK + t * C + u];
+      s = dev::warp_sum(s);
+      if (lane == 0) {
+        if (DELTA)
+          for (int sl = 0; sl < p.V / VE; ++sl) s += bp.dbeta_part[(sl * bp.BT + ch.f0 + t) * p.HV + hv];
+        part[t * row_ld + 3 * K] = DELTA ? s : 0.0f;
+      }
     }
   }
-  if (DELTA || SCALAR) {  // dA turns into w = beta_t dA_ts; with one decay, dP and w take E_ts = e^{G_t - G_s}
+  // Where the mma.sync products are one TF32 product (bf16 inputs, the gate outside the kernel: GDN as
+  // FLA calls it), which bf16x3 refines. Not with 3xTF32 (fp32 or fp16 inputs, an in-kernel gate):
+  // there bf16x3 is the coarser, and with one token and no initial state, where dg is exactly 0 and its
+  // terms cancel pair by pair, its 1e-7 of noise failed the tests' floor (pair 1.107 -> 0.934 ms at
+  // GDN 1x8192 H32 with the gate in the kernel, not taken). Without the delta rule one product a
+  // warpgroup does not pay for the staging (simple GLA and Lightning 1x8192 H32: pair 0.82 -> 0.83).
+  constexpr bool kWgScalar = CULA_WGMMA && SCALAR && DELTA && PREC == tf32::kOneTF32;
+  using STy = PairScalarTiles<K>;
+  unsigned char* const sb = reinterpret_cast<unsigned char*>(sm);
+  if constexpr (kWgScalar) {  // dP o E and w o E (w = beta_t dA_ts) into their tiles, in place: all read first
+    constexpr int PER = C * (C / 4) / NT;
+    static_assert(C * (C / 4) % NT == 0, "whole rounds");
+    float4 xp[PER], xw[PER];
+    __syncthreads();  // beta's sums have read dA
+#pragma unroll
+    for (int u = 0; u < PER; ++u) {
+      const int i = tid + u * NT, t = i / (C / 4), s0 = (i % (C / 4)) * 4;
+      float e[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) e[j] = s0 + j <= t ? fast_exp(gs[t] - gs[s0 + j]) : 0.0f;
+      const float4 a = *reinterpret_cast<const float4*>(dP + t * LC + s0);
+      xp[u] = make_float4(a.x * e[0], a.y * e[1], a.z * e[2], a.w * e[3]);
+      if (DELTA) {
+        const float4 b = *reinterpret_cast<const float4*>(dA + t * LC + s0);
+        const float bt = bet[t];
+        xw[u] = make_float4(b.x * bt * e[0], b.y * bt * e[1], b.z * bt * e[2], b.w * bt * e[3]);
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int u = 0; u < PER; ++u) {
+      const int i = tid + u * NT, t = i / (C / 4), s0 = (i % (C / 4)) * 4;
+      put_rows(sb + STy::dP, STy::kTile, C, t, s0, xp[u]);
+      if (DELTA) put_rows(sb + STy::w, STy::kTile, C, t, s0, xw[u]);
+    }
+  } else if (DELTA || SCALAR) {  // dA turns into w = beta_t dA_ts; with one decay, dP and w take E_ts = e^{G_t - G_s}
     __syncthreads();
     for (int i = tid; i < C * C; i += NT) {
       const int t = i / C, u = i % C;
@@ -1660,11 +1899,26 @@ __global__ void __launch_bounds__(NT) pair_grad_kernel(const Params bp) {
   // the channels in halves of PC: dP and w formed once above, for both
   for (int c0 = 0; c0 < K; c0 += PC) {
     __syncthreads();  // w scaled; the half before written back
-    rows_async<C, PC>(qs, LK, bp.x.qh + (ch.f0 * p.H + h) * K + c0, static_cast<int64_t>(p.H) * K, Lc);
-    rows_async<C, PC>(ks, LK, bp.x.kh + (ch.f0 * p.H + h) * K + c0, static_cast<int64_t>(p.H) * K, Lc);
+    const int64_t qk_ld = static_cast<int64_t>(p.H) * K;
+    const float *qg = bp.x.qh + (ch.f0 * p.H + h) * K + c0, *kg = bp.x.kh + (ch.f0 * p.H + h) * K + c0;
+    if constexpr (kWgScalar) {
+      const float4 z = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      static_assert((C / 2) * (PC / 4) == NT, "one pair of rows of four channels a thread");
+      const int t = 2 * (tid / (PC / 4)), c = (tid % (PC / 4)) * 4;
+      const float4 q0 = t < Lc ? *reinterpret_cast<const float4*>(qg + t * qk_ld + c) : z,
+                   q1 = t + 1 < Lc ? *reinterpret_cast<const float4*>(qg + (t + 1) * qk_ld + c) : z,
+                   k0 = t < Lc ? *reinterpret_cast<const float4*>(kg + t * qk_ld + c) : z,
+                   k1 = t + 1 < Lc ? *reinterpret_cast<const float4*>(kg + (t + 1) * qk_ld + c) : z;
+      put_pairs_t(sb + STy::qT, STy::kTile, PC, t, c, q0, q1);
+      put_pairs_t(sb + STy::kT, STy::kTile, PC, t, c, k0, k1);
+      wg::fence_proxy_async();
+    } else {
+      rows_async<C, PC>(qs, LK, qg, qk_ld, Lc);
+      rows_async<C, PC>(ks, LK, kg, qk_ld, Lc);
+    }
     if (!SCALAR) rows_async<C, PC>(Gs, LK, fac + F::G + c0, K);
     mma::cp_async_commit();
-    {  // the key kernel's terms of dq^, dk^ and dG: every load before the first store
+    if (!kEarlyPart || c0 > 0) {  // the key kernel's terms of dq^, dk^ and dG (on sm_90a the first half's came with phase 1)
       constexpr int PER = C * PC / NT;
       float rq[PER], rk[PER], rg[PER];
 #pragma unroll
@@ -1684,7 +1938,25 @@ __global__ void __launch_bounds__(NT) pair_grad_kernel(const Params bp) {
     mma::cp_async_wait_all();
     __syncthreads();
 
-    if (SCALAR) {
+    if constexpr (kWgScalar) {
+      float v1[2][4] = {}, v2[2][4] = {}, v3[2][4] = {};
+      pair_scalar_products<K, DELTA>(mma::smem_addr(sb), v1, v2, v3);
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int t = 16 * (warp & 3) + (lane >> 2) + 8 * hr, c = 16 * (warp / 4) + 8 * j + (lane & 3) * 2 + e;
+            const float a = v1[j][2 * hr + e], b = DELTA ? v2[j][2 * hr + e] : 0.0f, d = v3[j][2 * hr + e];
+            // q^ and k^ at (t, c) as their tiles hold them (hi + lo, within 2^-16): nothing held across the products
+            const int off = wg::sw128_offset(PC, c, t);
+            const float qv = tile_value(sb + STy::qT + off, STy::kTile), kv = tile_value(sb + STy::kT + off, STy::kTile);
+            aq[t * LK + c] += a;
+            ak[t * LK + c] += b + d;
+            dGs[t * LK + c] += qv * a + kv * (b - d);
+          }
+    } else if (SCALAR) {
       // dP o E and w o E whole on tensor cores: dq^_t += sum_s (dP o E)_ts k^_s, dk^_t += sum_s (w o E)_ts
       // k^_s, and dk^_s += sum_t (dP o E)_ts q^_t + (w o E)_ts k^_t as one product over the stacked
       // [dP; w] and [q^; k^]. The three products have one shape, so one thread owns an element in all.
@@ -1732,11 +2004,32 @@ __global__ void __launch_bounds__(NT) pair_grad_kernel(const Params bp) {
       pr[0] = aq[t * LK + cc];
       pr[K] = ak[t * LK + cc];
     }
-    for (int cc = tid; cc < PC; cc += NT) {  // da: G_t = sum_{s <= t} a_s
-      float acc = 0.0f;
-      for (int t = Lc - 1; t >= 0; --t) {
-        acc += dGs[t * LK + cc];
-        part[t * row_ld + 2 * K + c0 + cc] = acc;
+    if constexpr (!kEarlyPart) {
+      for (int cc = tid; cc < PC; cc += NT) {  // da: G_t = sum_{s <= t} a_s
+        float acc = 0.0f;
+        for (int t = Lc - 1; t >= 0; --t) {
+          acc += dGs[t * LK + cc];
+          part[t * row_ld + 2 * K + c0 + cc] = acc;
+        }
+      }
+    } else {  // da: G_t = sum_{s <= t} a_s, so da_s = sum_{t >= s} dG_t; thread (channel, segment of SL tokens)
+      constexpr int NSEG = NT / PC, SL = C / NSEG;
+      static_assert(NT % PC == 0 && C % NSEG == 0 && NSEG * PC <= 48 * Ly::LS, "segments");
+      const int cc = tid % PC, sg = tid / PC;
+      float v[SL], tot = 0.0f;
+#pragma unroll
+      for (int j = SL - 1; j >= 0; --j) {
+        if (sg * SL + j < Lc) tot += dGs[(sg * SL + j) * LK + cc];
+        v[j] = tot;
+      }
+      x.S[sg * PC + cc] = tot;  // (S is free: the block passes are done)
+      __syncthreads();
+      float later = 0.0f;
+      for (int k = NSEG - 1; k > sg; --k) later += x.S[k * PC + cc];
+#pragma unroll
+      for (int j = 0; j < SL; ++j) {
+        const int t = sg * SL + j;
+        if (t < Lc) part[t * row_ld + 2 * K + c0 + cc] = v[j] + later;
       }
     }
   }  // halves

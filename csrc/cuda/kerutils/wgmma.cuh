@@ -96,17 +96,23 @@ __device__ __forceinline__ void fence_operand(float (&d)[NT][4]) {
 template <int NT>
 __device__ __forceinline__ void mma_bf16(float (&d)[NT][4], uint64_t da, uint64_t db);
 
-template <>
-__device__ __forceinline__ void mma_bf16<2>(float (&d)[2][4], uint64_t da, uint64_t db) {
+// d += op(A) op(B) over one k-step of 16 with N = 16, op as for mma_bf16_n64 below.
+template <int TA, int TB>
+__device__ __forceinline__ void mma_bf16_n16(float (&d)[2][4], uint64_t da, uint64_t db) {
 #if CULA_WGMMA
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
+      "{%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, p, 1, 1, %11, %12;\n}\n"
       : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
         "+f"(d[1][3])
-      : "l"(da), "l"(db), "n"(1));
+      : "l"(da), "l"(db), "n"(1), "n"(TA), "n"(TB));
 #endif
+}
+
+template <>
+__device__ __forceinline__ void mma_bf16<2>(float (&d)[2][4], uint64_t da, uint64_t db) {
+  mma_bf16_n16<0, 0>(d, da, db);
 }
 
 // d += op(A) op(B) over one k-step of 16 with N = 32, op as for mma_bf16_n64 below.
