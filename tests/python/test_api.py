@@ -270,6 +270,43 @@ def test_bench_merge_takes_each_row_from_its_latest_run_and_rebuilds_the_means(t
         merge_reports(str(out), [a, c])
 
 
+def test_bench_merge_of_training_runs_keeps_the_backward_table_and_gradient_checks(tmp_path):
+    """cula bench merge of two `bench train` runs: the merged report keeps the training suite's own
+    table (backward alone, peak memory), each row's gradient check against FLA (the largest of its
+    inputs' relative differences) and FLA's refusals; a row without FLA shows dashes, not nan."""
+    import json
+
+    from cula.cli import main
+
+    def run(path, rows):
+        records = []
+        for name, fla in rows:
+            cfg = dict(name=name, family="gdn", B=1, T=64, H=1)
+            records += [dict(op="gdn_train", config=cfg, impl="cula", median_ms=2.0, median_ms_queued=1.0,
+                             backward_ms_queued=0.8, peak_mib=10.0),
+                        dict(op="gdn_train", config=cfg, impl="floor", median_ms=0.1),
+                        dict(op="gdn_train", config=cfg, impl="cula_kernel", name="cuda_mma / cuda_chunk")]
+            if fla:
+                records += [dict(op="gdn_train", config=cfg, impl="fla_triton", median_ms=3.0, median_ms_queued=1.5,
+                                 backward_ms_queued=1.2, peak_mib=8.0),
+                            dict(op="gdn_train", config=cfg, impl="grad_rel_diff_vs_fla", by_input=dict(q=1e-3, k=4e-3))]
+            else:
+                records.append(dict(op="gdn_train", config=cfg, impl="fla_triton", refused="RuntimeError: no"))
+        path.write_text(json.dumps(dict(meta=dict(gpu="g", copy_gb_per_s=1.0, method="m", queued_method="q",
+                                                  date="d"), records=records)))
+        return str(path)
+
+    out = tmp_path / "out"
+    a = run(tmp_path / "gdn_train.json", [("r1", True)])
+    (tmp_path / "b").mkdir()
+    b = run(tmp_path / "b" / "gdn_train.json", [("r2", False)])
+    assert main(["bench", "merge", "--out", str(out), "--inputs", a, b]) == 0
+    md = (out / "gdn_train.md").read_text()
+    assert "## Backward alone (queued) and peak memory of one step" in md
+    assert "| r1 | 0.800 | 1.200 | 1.50x | 10 | 8 |" in md and "| r2 | 0.800 | - | - | 10 | - |" in md
+    assert "| 4.0e-03 |" in md and "nan" not in md and "FLA refused: r2: RuntimeError: no" in md
+
+
 def test_decode_markdown_shows_both_modes_ratios(tmp_path):
     """decode.md is drawn from decode.json's records: one row per configuration in measured order,
     with FLA / cula for eager calls and for graph replay; without FLA the peer columns are dashes."""

@@ -15,11 +15,12 @@ default GatedDeltaNet layer (head_dim 256, expand_v 2: K = 256, V = 512, 6 heads
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import time
 from collections import namedtuple
 
-from .common import QUEUED_METHOD, REPS, causal_sdpa, time_interleaved, write_report
+from .common import QUEUED_METHOD, REPS, causal_sdpa, rows_of_records, time_interleaved, write_report
 from .coverage import VARLEN, _fns, _inputs, _kda_gate
 from .decode import _version, cuda_device
 from .. import _lib
@@ -150,8 +151,7 @@ def bench_train(out_dir: str, family: str, gpu_name: str | None = None, configs=
     dev, props, bw = cuda_device(torch)
     configs = [Row(*c) for c in (configs or CONFIGS) if c[1] == family]
     op = f"{family}_train"
-    label = {"simple_gla": "Simple GLA", "lightning": "Lightning"}.get(family, family.upper())
-    title = f"{label} training step (forward + backward): cula's drop-in against FLA Triton"
+    title = _title(family)
     method = (f"median of {TRAIN_REPS} forward + backward steps (torch.autograd.grad of o against a fixed random "
               "gradient, every differentiable input), single synchronized calls, the implementations taking turns "
               "call by call, torch SDPA (causal, forward + backward) in a block of its own; rel. diff vs FLA: the "
@@ -266,6 +266,30 @@ def bench_train(out_dir: str, family: str, gpu_name: str | None = None, configs=
         _report(out_dir, op, title, meta, rows, records, queued_rows, extra, quiet=True)  # a run cut short keeps it
     _report(out_dir, op, title, meta, rows, records, queued_rows, extra, quiet=False)
     return 0
+
+
+def _title(family):
+    label = {"simple_gla": "Simple GLA", "lightning": "Lightning"}.get(family, family.upper())
+    return f"{label} training step (forward + backward): cula's drop-in against FLA Triton"
+
+
+def rebuild_report(out_dir, family):
+    """<family>_train.{json,md,png} in out_dir rebuilt from the JSON's records (after `cula bench merge`
+    of several runs, whose generic report has no backward-alone and peak-memory table)."""
+    op = f"{family}_train"
+    with open(os.path.join(out_dir, f"{op}.json")) as f:
+        data = json.load(f)
+    records = [r for r in data["records"] if isinstance(r.get("config"), dict)]
+    names = list(dict.fromkeys(r["config"]["name"] for r in records))
+    rows, queued_rows = rows_of_records(records, names)
+    extra = []
+    for n in names:
+        mine = [r for r in records if r["config"]["name"] == n]
+        rb = {r["impl"]: r["backward_ms_queued"] for r in mine if "backward_ms_queued" in r}
+        pk = {r["impl"]: r["peak_mib"] for r in mine if "peak_mib" in r}
+        if "cula" in rb and "cula" in pk:
+            extra.append((n, rb, pk))
+    _report(out_dir, op, _title(family), data["meta"], rows, records, queued_rows, extra, quiet=True)
 
 
 def _report(out_dir, op, title, meta, rows, records, queued_rows, extra, quiet):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -88,6 +89,11 @@ def main(argv=None) -> int:
             if not args.inputs or not args.out:
                 parser.error("bench merge: --inputs and --out are required")
             merge_reports(args.out, args.inputs, order=_config_order())
+            from ..bench.train import FAMILIES as TRAIN_FAMILIES, rebuild_report
+
+            for fam in TRAIN_FAMILIES:  # the training suite's own tables (backward alone, peak memory)
+                if any(os.path.basename(p) == f"{fam}_train.json" for p in args.inputs):
+                    rebuild_report(args.out, fam)
             print(f"merged {len(args.inputs)} files into {args.out}")
             return 0
         if args.suite == "cpu":
