@@ -156,9 +156,7 @@ template <int ROWS, int COLS, int THREADS = NT>
 __device__ __forceinline__ void rows_async4(float* dst, int dst_ld, const float* src, int64_t src_ld, int valid = ROWS) {
   for (int i = threadIdx.x; i < ROWS * COLS; i += THREADS) {
     const int r = i / COLS, c = i % COLS;
-    if (r < valid)
-      asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(mma::smem_addr(dst + r * dst_ld + c)),
-                   "l"(src + r * src_ld + c));
+    if (r < valid) mma::cp_async4(dst + r * dst_ld + c, src + r * src_ld + c);
     else dst[r * dst_ld + c] = 0.0f;
   }
 }
@@ -1609,13 +1607,13 @@ __device__ __forceinline__ void pair_block_cols(const PairCtx<K>& x) {
   }
 }
 
-// sm_90a: the over-V products dP = dO Delta^T and dB Delta^T on warpgroups, every operand K-major as
-// it lies (rows: tokens, columns: V), staged a 64-column slice at a time as bf16 hi / lo tiles (bytes
-// from the q .. G region, free in this phase). Warpgroups 0 and 1 take dP's columns 0..31 and 32..63,
-// 2 and 3 dB Delta^T's (without the delta rule dP's four quarters of 16; not taken: 6% slower than
-// mma.sync at GLA 1x8192 H32). A slice's loads are issued together, the next slice's while the products
-// run. The accumulators cross the slices in registers; dP on and below the diagonal, dA =
-// -stril(dB Delta^T) to their tiles after.
+// sm_90a, the delta rule: the over-V products dP = dO Delta^T and dB Delta^T on warpgroups, every
+// operand K-major as it lies (rows: tokens, columns: V), staged a 64-column slice at a time as bf16
+// hi / lo tiles (bytes from the q .. G region, free in this phase). Warpgroups 0 and 1 take dP's
+// columns 0..31 and 32..63, 2 and 3 dB Delta^T's. (Without the delta rule, dP alone in four quarters
+// of 16 columns measured 6% slower than mma.sync at GLA 1x8192 H32.) A slice's loads are issued
+// together, the next slice's while the products run. The accumulators cross the slices in registers;
+// dP on and below the diagonal, dA = -stril(dB Delta^T) to their tiles after.
 template <int K>
 struct PairTiles {
   static constexpr int kT = C * VE * 2;
@@ -1624,19 +1622,19 @@ struct PairTiles {
   static_assert(PairLayout<K>::q * 4 + bytes <= PairLayout<K>::dG * 4, "the tiles fit the q .. G region");
 };
 
-template <int K, bool DELTA>
+template <int K>
 __device__ __forceinline__ void pair_products_wg(float* sm, const Params& bp, const ChunkAt& ch, int hv, float* dP, float* dA) {
   using Ly = PairLayout<K>;
   using Ty = PairTiles<K>;
   constexpr int LC = Ly::LC;
-  constexpr int NQ = DELTA ? 4 : 2;  // n-tiles of 8 a warpgroup: 32 columns with the delta rule, 16 without
+  constexpr int NQ = 4;  // n-tiles of 8 a warpgroup: 32 columns
   unsigned char* sb = reinterpret_cast<unsigned char*>(sm + Ly::q);
   const uint32_t base = mma::smem_addr(sb);
   const FwdParams& p = bp.f;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wgi = warp / 4, w4 = warp & 3;
   const int g = lane >> 2, q2 = (lane & 3) * 2, Lc = ch.Lc;
-  const bool second = DELTA && wgi >= 2;  // this warpgroup's product: dB Delta^T, else dO Delta^T
-  const int n0 = (DELTA ? wgi % 2 : wgi) * 8 * NQ;
+  const bool second = wgi >= 2;  // this warpgroup's product: dB Delta^T, else dO Delta^T
+  const int n0 = (wgi % 2) * 8 * NQ;
   const int64_t tok = ch.f0 * p.HV * p.V + hv * p.V, tok_ld = static_cast<int64_t>(p.HV) * p.V;
   const float4 z = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   constexpr int PER = C * (VE / 4) / NT;  // float4 of each operand a thread stages per slice
@@ -1650,12 +1648,8 @@ __device__ __forceinline__ void pair_products_wg(float* sm, const Params& bp, co
       xo[u] = in ? load4(bp.io.dO, bp.io.dO_dt,
                          ch.b_row * bp.io.dO_s[0] + (ch.t0 + t) * bp.io.dO_s[1] + hv * bp.io.dO_s[2] + v0 + c)
                  : z;
-      if (DELTA) {
-        xb[u] = in ? *reinterpret_cast<const float4*>(bp.dB + tok + t * tok_ld + v0 + c) : z;
-        xd[u] = in ? *reinterpret_cast<const float4*>(bp.Delta + tok + t * tok_ld + v0 + c) : z;
-      } else {
-        xd[u] = in ? load4(p.v, p.v_dt, ch.b_row * p.v_s[0] + (ch.t0 + t) * p.v_s[1] + hv * p.v_s[2] + v0 + c) : z;
-      }
+      xb[u] = in ? *reinterpret_cast<const float4*>(bp.dB + tok + t * tok_ld + v0 + c) : z;
+      xd[u] = in ? *reinterpret_cast<const float4*>(bp.Delta + tok + t * tok_ld + v0 + c) : z;
     }
   };
   float acc[NQ][4] = {};
@@ -1666,7 +1660,7 @@ __device__ __forceinline__ void pair_products_wg(float* sm, const Params& bp, co
     for (int u = 0; u < PER; ++u) {
       const int i = tid + u * NT, t = i / (VE / 4), c = (i % (VE / 4)) * 4;
       put_rows(sb + Ty::dO, Ty::kT, C, t, c, xo[u]);
-      if (DELTA) put_rows(sb + Ty::dB, Ty::kT, C, t, c, xb[u]);
+      put_rows(sb + Ty::dB, Ty::kT, C, t, c, xb[u]);
       put_rows(sb + Ty::D, Ty::kT, C, t, c, xd[u]);
     }
     if (v0 + VE < p.V) load_slice(v0 + VE);  // in flight while this slice's products run
@@ -1726,7 +1720,7 @@ __device__ __forceinline__ void mma3_n16(float (&d)[2][4], uint64_t ah, uint64_t
   wg::mma_bf16_n16<TA, TB>(d, al, bh);
 }
 
-template <int K, bool DELTA>
+template <int K>
 __device__ __forceinline__ void pair_scalar_products(uint32_t base, float (&v1)[2][4], float (&v2)[2][4],
                                                      float (&v3)[2][4]) {
   using Ty = PairScalarTiles<K>;
@@ -1738,14 +1732,12 @@ __device__ __forceinline__ void pair_scalar_products(uint32_t base, float (&v1)[
     const uint64_t qh = wg::desc_kstep(base + Ty::qT, PC, n0, kk), ql = wg::desc_kstep(base + Ty::qT + Ty::kTile, PC, n0, kk);
     const uint64_t ph = wg::desc_kstep(base + Ty::dP, C, 0, kk), pl = wg::desc_kstep(base + Ty::dP + Ty::kTile, C, 0, kk);
     const uint64_t pth = wg::desc_mn(base + Ty::dP, C, kk, 0), ptl = wg::desc_mn(base + Ty::dP + Ty::kTile, C, kk, 0);
+    const uint64_t wh = wg::desc_kstep(base + Ty::w, C, 0, kk), wl = wg::desc_kstep(base + Ty::w + Ty::kTile, C, 0, kk);
+    const uint64_t wth = wg::desc_mn(base + Ty::w, C, kk, 0), wtl = wg::desc_mn(base + Ty::w + Ty::kTile, C, kk, 0);
     mma3_n16<0, 0>(v1, ph, pl, kh, kl);
     mma3_n16<1, 0>(v3, pth, ptl, qh, ql);
-    if (DELTA) {
-      const uint64_t wh = wg::desc_kstep(base + Ty::w, C, 0, kk), wl = wg::desc_kstep(base + Ty::w + Ty::kTile, C, 0, kk);
-      const uint64_t wth = wg::desc_mn(base + Ty::w, C, kk, 0), wtl = wg::desc_mn(base + Ty::w + Ty::kTile, C, kk, 0);
-      mma3_n16<0, 0>(v2, wh, wl, kh, kl);
-      mma3_n16<1, 0>(v3, wth, wtl, kh, kl);
-    }
+    mma3_n16<0, 0>(v2, wh, wl, kh, kl);
+    mma3_n16<1, 0>(v3, wth, wtl, kh, kl);
   }
   wg::commit();
   wg::wait_all();
@@ -1805,9 +1797,7 @@ __global__ void __launch_bounds__(NT) pair_grad_kernel(const Params bp) {
       if (t < Lc)
         for (int sl = lane; sl < p.V / VE; sl += 32) dbs[j] += bp.dbeta_part[(sl * bp.BT + ch.f0 + t) * p.HV + hv];
     }
-  }
-  if constexpr (CULA_WGMMA && DELTA) {
-    pair_products_wg<K, DELTA>(sm, bp, ch, hv, dP, dA);
+    pair_products_wg<K>(sm, bp, ch, hv, dP, dA);
   } else {
     tf32::Acc<C, C, NW> aP, aA;
     aP.zero(), aA.zero();
@@ -1874,18 +1864,16 @@ __global__ void __launch_bounds__(NT) pair_grad_kernel(const Params bp) {
       for (int j = 0; j < 4; ++j) e[j] = s0 + j <= t ? fast_exp(gs[t] - gs[s0 + j]) : 0.0f;
       const float4 a = *reinterpret_cast<const float4*>(dP + t * LC + s0);
       xp[u] = make_float4(a.x * e[0], a.y * e[1], a.z * e[2], a.w * e[3]);
-      if (DELTA) {
-        const float4 b = *reinterpret_cast<const float4*>(dA + t * LC + s0);
-        const float bt = bet[t];
-        xw[u] = make_float4(b.x * bt * e[0], b.y * bt * e[1], b.z * bt * e[2], b.w * bt * e[3]);
-      }
+      const float4 b = *reinterpret_cast<const float4*>(dA + t * LC + s0);
+      const float bt = bet[t];
+      xw[u] = make_float4(b.x * bt * e[0], b.y * bt * e[1], b.z * bt * e[2], b.w * bt * e[3]);
     }
     __syncthreads();
 #pragma unroll
     for (int u = 0; u < PER; ++u) {
       const int i = tid + u * NT, t = i / (C / 4), s0 = (i % (C / 4)) * 4;
       put_rows(sb + STy::dP, STy::kTile, C, t, s0, xp[u]);
-      if (DELTA) put_rows(sb + STy::w, STy::kTile, C, t, s0, xw[u]);
+      put_rows(sb + STy::w, STy::kTile, C, t, s0, xw[u]);
     }
   } else if (DELTA || SCALAR) {  // dA turns into w = beta_t dA_ts; with one decay, dP and w take E_ts = e^{G_t - G_s}
     __syncthreads();
@@ -1940,7 +1928,7 @@ __global__ void __launch_bounds__(NT) pair_grad_kernel(const Params bp) {
 
     if constexpr (kWgScalar) {
       float v1[2][4] = {}, v2[2][4] = {}, v3[2][4] = {};
-      pair_scalar_products<K, DELTA>(mma::smem_addr(sb), v1, v2, v3);
+      pair_scalar_products<K>(mma::smem_addr(sb), v1, v2, v3);
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr)
 #pragma unroll
@@ -1948,7 +1936,7 @@ __global__ void __launch_bounds__(NT) pair_grad_kernel(const Params bp) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int t = 16 * (warp & 3) + (lane >> 2) + 8 * hr, c = 16 * (warp / 4) + 8 * j + (lane & 3) * 2 + e;
-            const float a = v1[j][2 * hr + e], b = DELTA ? v2[j][2 * hr + e] : 0.0f, d = v3[j][2 * hr + e];
+            const float a = v1[j][2 * hr + e], b = v2[j][2 * hr + e], d = v3[j][2 * hr + e];
             // q^ and k^ at (t, c) as their tiles hold them (hi + lo, within 2^-16): nothing held across the products
             const int off = wg::sw128_offset(PC, c, t);
             const float qv = tile_value(sb + STy::qT + off, STy::kTile), kv = tile_value(sb + STy::kT + off, STy::kTile);

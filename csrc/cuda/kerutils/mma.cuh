@@ -91,6 +91,10 @@ __device__ __forceinline__ void cp_async16(uint32_t smem, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem), "l"(gmem));
 }
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) { cp_async16(smem_addr(smem), gmem); }
+// 4-byte copies, through L1 (rows whose pitch leaves them unaligned for the 16-byte form).
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(smem)), "l"(gmem));
+}
 // Bulk copies (sm_90+): `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to
 // shared memory by the copy engine, completing as transaction bytes on the mbarrier at `bar`
 // (mbarrier::complete_tx), so one instruction moves a whole row.
