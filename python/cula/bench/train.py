@@ -159,7 +159,7 @@ def bench_train(out_dir: str, family: str, gpu_name: str | None = None, configs=
     meta = dict(gpu=gpu_name or props.name, copy_gb_per_s=round(bw, 1), torch=torch.__version__,
                 fla=_version("fla-core"), date=time.strftime("%Y-%m-%d"), binding=_lib.binding(), method=method,
                 queued_method=QUEUED_METHOD.replace(f"median of {REPS}", f"median of {TRAIN_REPS}"))
-    records, rows, queued_rows, extra = [], [], [], []
+    records, rows, queued_rows = [], [], []
     prog = Progress(len(configs), f"bench train {family}")
     for name, fam, B, T, H, HV, seqlens, K, V in configs:
         if seqlens:
@@ -259,12 +259,11 @@ def bench_train(out_dir: str, family: str, gpu_name: str | None = None, configs=
         records.append(dict(op=op, config=config, impl="cula_kernel", name=kernel))
         rows.append((name, res, floor, kernel, check))
         queued_rows.append((name, resq, floor, "", {}))
-        extra.append((name, res_bwd, peak))
         prog.step(f"{name}: cula {resq['cula']:.2f} ms queued, backward {res_bwd['cula']:.2f} ms")
         sets = sdpa_sets = None
         torch.cuda.empty_cache()
-        _report(out_dir, op, title, meta, rows, records, queued_rows, extra, quiet=True)  # a run cut short keeps it
-    _report(out_dir, op, title, meta, rows, records, queued_rows, extra, quiet=False)
+        _report(out_dir, op, title, meta, rows, records, queued_rows, quiet=True)  # a run cut short keeps it
+    _report(out_dir, op, title, meta, rows, records, queued_rows, quiet=False)
     return 0
 
 
@@ -280,25 +279,24 @@ def rebuild_report(out_dir, family):
     with open(os.path.join(out_dir, f"{op}.json")) as f:
         data = json.load(f)
     records = [r for r in data["records"] if isinstance(r.get("config"), dict)]
-    names = list(dict.fromkeys(r["config"]["name"] for r in records))
-    rows, queued_rows = rows_of_records(records, names)
-    extra = []
-    for n in names:
-        mine = [r for r in records if r["config"]["name"] == n]
-        rb = {r["impl"]: r["backward_ms_queued"] for r in mine if "backward_ms_queued" in r}
-        pk = {r["impl"]: r["peak_mib"] for r in mine if "peak_mib" in r}
-        if "cula" in rb and "cula" in pk:
-            extra.append((n, rb, pk))
-    _report(out_dir, op, _title(family), data["meta"], rows, records, queued_rows, extra, quiet=True)
+    rows, queued_rows = rows_of_records(records)
+    _report(out_dir, op, _title(family), data["meta"], rows, records, queued_rows, quiet=True)
 
 
-def _report(out_dir, op, title, meta, rows, records, queued_rows, extra, quiet):
-    """write_report's files, with the backward-alone and peak-memory table and FLA's refusals added."""
+def _report(out_dir, op, title, meta, rows, records, queued_rows, quiet):
+    """write_report's files, with the backward-alone and peak-memory table (from the records'
+    backward_ms_queued and peak_mib) and FLA's refusals added."""
     peers = ["fla_triton", "torch_sdpa"]
     lines = write_report(out_dir, op, title, meta, rows, records, peers, quiet=True, queued_rows=queued_rows)
     lines += ["", "## Backward alone (queued) and peak memory of one step", "",
               "| config | cula bwd ms | FLA bwd ms | FLA/cula | cula peak MiB | FLA peak MiB |", "|---|---|---|---|---|---|"]
-    for name, rb, pk in extra:
+    by_name = {}
+    for r in records:
+        if isinstance(r.get("config"), dict) and "backward_ms_queued" in r:
+            by_name.setdefault(r["config"]["name"], {})[r["impl"]] = r
+    for name, mine in by_name.items():
+        rb = {impl: r["backward_ms_queued"] for impl, r in mine.items()}
+        pk = {impl: r["peak_mib"] for impl, r in mine.items() if "peak_mib" in r}
         fla = rb.get("fla_triton")
         fla_ms, ratio = ("-", "-") if fla is None else (f"{fla:.3f}", f"{fla / rb['cula']:.2f}x")
         fla_peak = f"{pk['fla_triton']:.0f}" if "fla_triton" in pk else "-"
