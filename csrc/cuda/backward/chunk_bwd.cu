@@ -1842,13 +1842,14 @@ __global__ void __launch_bounds__(NT) pair_grad_kernel(const Params bp) {
       }
     }
   }
-  // Where the mma.sync products are one TF32 product (bf16 inputs, the gate outside the kernel: GDN as
-  // FLA calls it), which bf16x3 refines. Not with 3xTF32 (fp32 or fp16 inputs, an in-kernel gate):
-  // there bf16x3 is the coarser, and with one token and no initial state, where dg is exactly 0 and its
-  // terms cancel pair by pair, its 1e-7 of noise failed the tests' floor (pair 1.107 -> 0.934 ms at
-  // GDN 1x8192 H32 with the gate in the kernel, not taken). Without the delta rule one product a
-  // warpgroup does not pay for the staging (simple GLA and Lightning 1x8192 H32: pair 0.82 -> 0.83).
-  constexpr bool kWgScalar = CULA_WGMMA && SCALAR && DELTA && PREC == tf32::kOneTF32;
+  // The diagonal pairs (s = t) stay out of the products: their dG terms (q^_t dP_tt k^_t from dq^'s
+  // product, k^_t dP_tt q^_t from dk^'s) cancel exactly, so they are not added at all, and their dq^
+  // and dk^ terms are added in fp32 from dP_tt in the write back. With them in the bf16x3
+  // products, one token and no initial state (dg exactly 0) left 1e-7 of noise, past the tests' floor.
+  // Without the delta rule one product a warpgroup does not pay for the staging (simple GLA and
+  // Lightning 1x8192 H32: pair 0.82 -> 0.83 ms).
+  constexpr bool kWgScalar = CULA_WGMMA && SCALAR && DELTA;
+  float* const dPdiag = sm + Ly::S + 48 * Ly::LS - C;  // (kWgScalar: dP_tt, past the segments of da's sum in S)
   using STy = PairScalarTiles<K>;
   unsigned char* const sb = reinterpret_cast<unsigned char*>(sm);
   if constexpr (kWgScalar) {  // dP o E and w o E (w = beta_t dA_ts) into their tiles, in place: all read first
@@ -1861,8 +1862,9 @@ __global__ void __launch_bounds__(NT) pair_grad_kernel(const Params bp) {
       const int i = tid + u * NT, t = i / (C / 4), s0 = (i % (C / 4)) * 4;
       float e[4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) e[j] = s0 + j <= t ? fast_exp(gs[t] - gs[s0 + j]) : 0.0f;
+      for (int j = 0; j < 4; ++j) e[j] = s0 + j < t ? fast_exp(gs[t] - gs[s0 + j]) : 0.0f;  // the diagonal: 0
       const float4 a = *reinterpret_cast<const float4*>(dP + t * LC + s0);
+      if (t >= s0 && t < s0 + 4) dPdiag[t] = t == s0 ? a.x : t == s0 + 1 ? a.y : t == s0 + 2 ? a.z : a.w;
       xp[u] = make_float4(a.x * e[0], a.y * e[1], a.z * e[2], a.w * e[3]);
       const float4 b = *reinterpret_cast<const float4*>(dA + t * LC + s0);
       const float bt = bet[t];
@@ -1940,7 +1942,7 @@ __global__ void __launch_bounds__(NT) pair_grad_kernel(const Params bp) {
             // q^ and k^ at (t, c) as their tiles hold them (hi + lo, within 2^-16): nothing held across the products
             const int off = wg::sw128_offset(PC, c, t);
             const float qv = tile_value(sb + STy::qT + off, STy::kTile), kv = tile_value(sb + STy::kT + off, STy::kTile);
-            aq[t * LK + c] += a;
+            aq[t * LK + c] += a;  // (the diagonal pairs' terms: in the write back below)
             ak[t * LK + c] += b + d;
             dGs[t * LK + c] += qv * a + kv * (b - d);
           }
@@ -1989,8 +1991,14 @@ __global__ void __launch_bounds__(NT) pair_grad_kernel(const Params bp) {
     for (int i = tid; i < Lc * PC; i += NT) {  // dq^ and dk^ terms back, once
       const int t = i / PC, cc = i % PC;
       float* pr = part + t * row_ld + c0 + cc;
-      pr[0] = aq[t * LK + cc];
-      pr[K] = ak[t * LK + cc];
+      float dq = aq[t * LK + cc], dk = ak[t * LK + cc];
+      if constexpr (kWgScalar) {  // the diagonal pairs: dq^_t += dP_tt k^_t, dk^_t += dP_tt q^_t
+        const int off = wg::sw128_offset(PC, cc, t);
+        dq += dPdiag[t] * tile_value(sb + STy::kT + off, STy::kTile);
+        dk += dPdiag[t] * tile_value(sb + STy::qT + off, STy::kTile);
+      }
+      pr[0] = dq;
+      pr[K] = dk;
     }
     if constexpr (!kEarlyPart) {
       for (int cc = tid; cc < PC; cc += NT) {  // da: G_t = sum_{s <= t} a_s
@@ -2002,7 +2010,7 @@ __global__ void __launch_bounds__(NT) pair_grad_kernel(const Params bp) {
       }
     } else {  // da: G_t = sum_{s <= t} a_s, so da_s = sum_{t >= s} dG_t; thread (channel, segment of SL tokens)
       constexpr int NSEG = NT / PC, SL = C / NSEG;
-      static_assert(NT % PC == 0 && C % NSEG == 0 && NSEG * PC <= 48 * Ly::LS, "segments");
+      static_assert(NT % PC == 0 && C % NSEG == 0 && NSEG * PC <= 48 * Ly::LS - C, "segments (then dP_tt)");
       const int cc = tid % PC, sg = tid / PC;
       float v[SL], tot = 0.0f;
 #pragma unroll
