@@ -1,6 +1,6 @@
 // Backward in chunk form on tensor cores (3xTF32 mma.sync, fp32 operands in shared memory; on sm_90a
 // the key kernel with the delta rule, the value kernel, the pair kernel's products over V with the
-// delta rule (and GDN's pair products on bf16 inputs), and, at K <= 128, the scan inputs kernel and
+// delta rule (and GDN's pair products), and, at K <= 128, the scan inputs kernel and
 // the delta rule's state scans on warpgroups with bf16x3 operands, split once as they are staged):
 // every family and option, key head sizes 64, 128 and 256, V a multiple of 64. The algebra is DESIGN.md's
 // (checked in float64 by tests/python/test_chunked_backward_algebra.py); chunks of C = 64 tokens, G
@@ -1696,8 +1696,8 @@ __device__ __forceinline__ void pair_products_wg(float* sm, const Params& bp, co
   }
 }
 
-// sm_90a, one decay per token with the delta rule (GDN) on one-TF32 calls: a channel half's three
-// products on warpgroups, bf16x3. dP o E and w o E are staged once as bf16 hi / lo tiles as they lie (rows: t)
+// sm_90a, one decay per token with the delta rule (GDN): a channel half's three products on
+// warpgroups, bf16x3, the diagonal pairs (s = t) kept out of them. dP o E and w o E are staged once as bf16 hi / lo tiles as they lie (rows: t)
 // where their fp32 copies were; q^ and k^ of the half transposed (rows: channels, the products' B
 // K-major) where their fp32 copies go on the mma.sync path. Warpgroup i takes channels 16 i .. 16 i + 15
 // of all three, so one thread owns an element in each: v1 = (dP o E) k^, v2 = (w o E) k^ and
