@@ -74,8 +74,9 @@ def _same_kind(q, **arrays):
 def chunk(family: str, q, k, v, g=None, beta=None, decay=None, *, A_log=None, dt_bias=None, initial_state=None,
           **opts):
     """chunk_fwd with autograd when any torch input requires grad (backward: cula.ops.chunk_bwd).
-    Torch tensors go through the registered op cula::chunk_fwd, whose autograd formula calls
-    cula::chunk_bwd (traceable by torch.compile, forward and backward)."""
+    Torch tensors go through torch_ops.chunk_fwd: the registered op cula::chunk_fwd, whose autograd
+    formula calls cula::chunk_bwd, while torch.compile traces (forward and backward); eagerly the same
+    formula without the op's dispatch."""
     _same_kind(q, k=k, v=v, g=g, beta=beta, decay=decay, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state)
     initial_state = _widen_half_state(initial_state)
     if _fit_needed(q, v, opts):

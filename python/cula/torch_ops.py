@@ -131,10 +131,7 @@ def _chunk_bwd(*args):
     a = _named(_BWD_ARGS, args)
     opts = _split_options(a)
     q = a["q"]
-    # bf16 inputs' token gradients written in bf16 by the kernels (the last rounding of their float32
-    # sums), not in float32 and cast afterwards: one pass over each fewer
-    bf16 = {_GRAD_OF[n]: torch.empty_like(a[n]) for n in _TOKEN_INPUTS
-            if a.get(n) is not None and a[n].dtype == torch.bfloat16}
+    bf16 = _bf16_grads(a)
     grads = ops.chunk_bwd(a.pop("family"), a.pop("q"), a.pop("k"), a.pop("v"), a.pop("g"), a.pop("beta"),
                           a.pop("d_out"), options=opts, grads=bf16, **a)
     return [grads[n] if n in grads else q.new_empty(0, dtype=torch.float32) for n in _GRADS]
@@ -174,6 +171,49 @@ def _setup_context(ctx, inputs, output):
     ctx.option_values = tuple(args[n] for n in OPTION_NAMES)
 
 
+def _bf16_grads(inputs: dict) -> dict:
+    """bf16 inputs' token gradients written in bf16 by the kernels (the last rounding of their float32
+    sums), not in float32 and cast afterwards: one pass over each fewer."""
+    return {_GRAD_OF[n]: torch.empty_like(inputs[n]) for n in _TOKEN_INPUTS
+            if inputs.get(n) is not None and inputs[n].dtype == torch.bfloat16}
+
+
+class _EagerChunk(torch.autograd.Function):
+    """chunk_fwd with its autograd formula for eager calls on plain tensors (_eager): the same forward and
+    backward as the registered op's (cula.ops.chunk_fwd / chunk_bwd, bf16 token gradients written
+    directly), without the op's dispatch, its autograd wrapper and the zeros it makes for an unused final
+    state's gradient: the host's time per training step, which small layers wait on, drops by about
+    half. torch.compile and dispatch modes keep the op (chunk_fwd above)."""
+
+    @staticmethod
+    def forward(ctx, family, opts, decay, cu_seqlens, chunk_size, output_final_state, state_dtype, backend, q, k, v, g,
+                beta, initial_state, A_log, dt_bias):
+        o, final = ops.chunk_fwd(family, q, k, v, g, beta, decay, initial_state=initial_state, A_log=A_log,
+                                 dt_bias=dt_bias, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+                                 output_final_state=output_final_state, state_dtype=state_dtype, backend=backend,
+                                 options=opts)
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, A_log, dt_bias)
+        ctx.family, ctx.opts, ctx.decay, ctx.cu_seqlens = family, opts, decay, cu_seqlens  # (no gradients)
+        ctx.set_materialize_grads(False)
+        return o, final
+
+    @staticmethod
+    def backward(ctx, d_out, d_final):
+        q, k, v, g, beta, initial_state, A_log, dt_bias = ctx.saved_tensors
+        inputs = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log, dt_bias=dt_bias)
+        if d_out is None:  # only the final state reached the loss
+            d_out = q.new_zeros(v.shape)
+        grads = ops.chunk_bwd(ctx.family, q, k, v, g, beta, d_out.contiguous(), decay=ctx.decay,
+                              d_final_state=None if d_final is None else d_final.contiguous(),
+                              initial_state=initial_state, A_log=A_log, dt_bias=dt_bias, cu_seqlens=ctx.cu_seqlens,
+                              options=ctx.opts, grads=_bf16_grads(inputs))
+        out = [None] * 8  # family .. backend
+        for i, n in enumerate(("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")):
+            x, gr = inputs[n], grads.get(_GRAD_OF[n])
+            out.append(None if x is None or gr is None or not ctx.needs_input_grad[8 + i] else gr.to(x.dtype))
+        return tuple(out)
+
+
 def _backward(ctx, d_out, d_final):
     saved = dict(zip(_SAVED, ctx.saved_tensors))
     if d_final is not None and (not ctx.output_final_state or d_final.numel() == 0):
@@ -199,18 +239,17 @@ _chunk_fwd.register_autograd(_backward, setup_context=_setup_context)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def _eager(*tensors, differentiable=False) -> bool:
+def _eager(*tensors) -> bool:
     """Whether a call may skip the registered op and run cula.ops directly: the op's dispatch (its
     wrappers, alias checks and dispatcher round trip) costs about as much host time per call as the
     rest of a drop-in's path, which a small decode batch waits on. The op is kept where it is needed:
     while torch.compile traces, under a torch dispatch mode (fake tensors, flop counters), for tensor
-    subclasses, for meta tensors (whose shapes the ops' fake implementations give), and for an autograd
-    graph (differentiable inputs that require grad)."""
+    subclasses, and for meta tensors (whose shapes the ops' fake implementations give). An eager call
+    that needs gradients takes _EagerChunk, the op's autograd formula without the op."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return False
-    grad = differentiable and torch.is_grad_enabled()
     for t in tensors:
-        if t is not None and (type(t) not in _PLAIN or t.is_meta or (grad and t.requires_grad)):
+        if t is not None and (type(t) not in _PLAIN or t.is_meta):
             return False
     return True
 
@@ -248,7 +287,11 @@ def chunk_fwd(family, q, k, v, g=None, beta=None, decay=None, *, initial_state=N
     """cula.ops.chunk_fwd as a torch op. Returns (o, final_state); final_state is None unless
     output_final_state."""
     opts = ops._options("chunk_fwd", options, option_kw)
-    if _eager(q, k, v, g, beta, initial_state, A_log, dt_bias, differentiable=True):
+    if _eager(q, k, v, g, beta, initial_state, A_log, dt_bias):
+        diff = (q, k, v, g, beta, initial_state, A_log, dt_bias)
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in diff):
+            return _EagerChunk.apply(family, opts, decay, cu_seqlens, chunk_size, output_final_state, state_dtype,
+                                     backend, *diff)
         return ops.chunk_fwd(family, q, k, v, g, beta, decay, initial_state=initial_state, A_log=A_log,
                              dt_bias=dt_bias, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
                              output_final_state=output_final_state, state_dtype=state_dtype, backend=backend,

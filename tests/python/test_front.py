@@ -1,5 +1,6 @@
 """The Python front: Level 1 (cula.api), the FLA drop-ins, the FlashKDA entry, autograd."""
 
+import contextlib
 import inspect
 
 import numpy as np
@@ -360,9 +361,10 @@ def test_decode_to_op_passes_opcheck_and_leaves_the_pool(rng):
 
 
 def test_eager_calls_skip_the_registered_ops_and_traced_calls_keep_them(rng):
-    """torch_ops: plain tensors in eager mode run cula.ops directly (the same results as the ops); under a
-    torch dispatch mode (as fake tensors and flop counters use), for inputs that require grad (chunk),
-    and for tensor subclasses the registered ops run."""
+    """torch_ops: plain tensors in eager mode run cula.ops directly (the same results as the ops), with
+    gradients through _EagerChunk (the op's autograd formula without the op: the same gradients); under a
+    torch dispatch mode (as fake tensors and flop counters use) and for tensor subclasses the registered
+    ops run."""
     torch = pytest.importorskip("torch", reason="torch is not installed")
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -383,8 +385,7 @@ def test_eager_calls_skip_the_registered_ops_and_traced_calls_keep_them(rng):
     beta = torch.from_numpy(rng.uniform(0.1, 0.9, (N, 3, H)).astype(np.float32))
     pool = torch.from_numpy(rng.standard_normal((N, H, K, K)).astype(np.float32))
     assert tops._eager(q, k, v, pool, None)
-    assert not tops._eager(q.clone().requires_grad_(), differentiable=True)
-    assert tops._eager(q.clone().requires_grad_())  # (decode: no autograd either way)
+    assert tops._eager(q.clone().requires_grad_())
 
     class Sub(torch.Tensor):
         pass
@@ -401,6 +402,34 @@ def test_eager_calls_skip_the_registered_ops_and_traced_calls_keep_them(rng):
     assert "cula.decode_to.default" in mode.ops and "cula.chunk_fwd.default" in mode.ops, mode.ops
     for a, b in zip(eager, traced):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+    # with gradients: eagerly through _EagerChunk, under the mode through the op and its autograd formula
+    def step(through_mode):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta, pool)]
+        if through_mode:
+            with Seen() as seen:
+                o, s = tops.chunk_fwd("kda", *leaves[:5], initial_state=leaves[5])
+            assert "cula.chunk_fwd.default" in seen.ops
+        else:
+            o, s = tops.chunk_fwd("kda", *leaves[:5], initial_state=leaves[5])
+            assert type(o.grad_fn).__name__ == "_EagerChunkBackward"
+        loss = (o * torch.linspace(-1, 1, o.numel()).reshape(o.shape)).sum() + s.square().sum()
+        return o, s, torch.autograd.grad(loss, leaves)
+
+    (o1, s1, g1), (o2, s2, g2) = step(False), step(True)
+    assert torch.equal(o1, o2) and torch.equal(s1, s2)
+    for a, b in zip(g1, g2):
+        assert torch.equal(a, b)
+    # one output alone reaching the loss: the other's gradient is not materialised, and the gradients are the op's
+    for use_o in (True, False):
+        got = []
+        for through_mode in (False, True):
+            leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta, pool)]
+            with (Seen() if through_mode else contextlib.nullcontext()):
+                o, s = tops.chunk_fwd("kda", *leaves[:5], initial_state=leaves[5])
+            got.append(torch.autograd.grad((o if use_o else s).square().sum(), leaves))
+        for a, b in zip(*got):
+            assert torch.equal(a, b)
 
 
 def test_chunk_op_passes_opcheck_on_host_tensors(rng):
