@@ -12,7 +12,7 @@
 //  1. prepare_tokens_kernel (chain.cu): q^, k^, the log-decay a and beta per token.
 //  2. chunk_factors_kernel, one CTA per (chunk, value head): G; the pair matrices
 //     P = tril(q^ E k^T) and KEK = stril(k^ E k^T) (per-channel decay: diagonal 16 x 16 blocks
-//     exact, one thread per pair, the blocks below on tensor cores through the last token before
+//     exact, a warp per two rows of two blocks, the blocks below on tensor cores through the last token before
 //     the row block; a scalar or constant decay: E_ts a number per pair, so (q^ k^T) o E whole on
 //     tensor cores); channels in slices of 128 (K = 256: two);
 //     T = (I + diag(beta) KEK)^-1 by 16-row blocks; W = T diag(beta) Kg; Qg, Kr, e^{G_C}.
@@ -366,6 +366,67 @@ __device__ __forceinline__ void factors_block_row(const float* qs, const float* 
     });
 }
 
+// The diagonal 16 x 16 blocks of P and KEK, exact: every pair (t, s), s <= t, of block I through its own
+// e^{G_t - G_s} per channel, summed over the slices in D (pair e = 136 I + t'(t'+1)/2 + s' of block
+// rows t', s': P's part at D[2 e], KEK's at D[2 e + 1]). Warp w takes the block rows a = w % 8 and
+// b = 15 - a (a + 1 and 16 - a pairs: 17 a warp, every warp alike) of blocks 2 (w / 8) and 2 (w / 8) + 1,
+// a half-warp each; lane l of a half the channels l, l + 16, ...: one pass over them loads q^, k^ and G
+// of the two rows once and k^ and G of each column row once for both rows; then the half-warp's sums
+// by shuffles. (The two half-warps' rows are 16 rows apart, which share banks: they walk their channels
+// 16 apart.)
+template <int KC, bool DELTA>
+__device__ __forceinline__ void factors_diagonal_blocks(const float* qs, const float* ks, const float* Gs, float* D, int sl) {
+  using Ly = FactorsLayout<KC, DELTA>;
+  constexpr int LK = Ly::LK, CPL = KC / 16;
+  static_assert(NT == 512 && KC % 16 == 0, "16 warps: 8 row pairs x 2 block pairs; channels by 16");
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, half = lane >> 4, cl = lane & 15;
+  const int I = 2 * (w >> 3) + half, a = w & 7, b = 15 - a;
+  const float *r0 = ks + 16 * I * LK, *g0 = Gs + 16 * I * LK;  // the block's column rows
+  const int ra = (16 * I + a) * LK, rb = (16 * I + b) * LK;
+  float pa[8], xa[8], pb[16], xb[16];  // the rows' sums (P, KEK) with column row s' of the block
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    pb[j] = xb[j] = 0.0f;
+    if (j < 8) pa[j] = xa[j] = 0.0f;
+  }
+#pragma unroll 2
+  for (int m = 0; m < CPL; ++m) {
+    const int c = ((m + half) % CPL) * 16 + cl;
+    const float qa = qs[ra + c], ka = ks[ra + c], ga = Gs[ra + c], qb = qs[rb + c], kb = ks[rb + c], gb = Gs[rb + c];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      if (j <= b) {  // (a, b and so these tests: the same on the whole warp)
+        const float kv = r0[j * LK + c], gv = g0[j * LK + c];
+        const float eb = kv * fast_exp(gb - gv);
+        pb[j] += qb * eb;
+        if (DELTA) xb[j] += kb * eb;
+        if (j < 8 && j <= a) {
+          const float ea = kv * fast_exp(ga - gv);
+          pa[j] += qa * ea;
+          if (DELTA) xa[j] += ka * ea;
+        }
+      }
+    }
+  }
+  auto put = [&](int row, int j, float vp, float vx) {  // the half-warp's sum of pair (row, j), by lane j
+#pragma unroll
+    for (int o = 1; o < 16; o <<= 1) {
+      vp += __shfl_xor_sync(0xffffffffu, vp, o);
+      if (DELTA) vx += __shfl_xor_sync(0xffffffffu, vx, o);
+    }
+    if (cl == j) {
+      const int e = 136 * I + row * (row + 1) / 2 + j;
+      D[2 * e] = sl == 0 ? vp : D[2 * e] + vp;
+      D[2 * e + 1] = sl == 0 ? vx : D[2 * e + 1] + vx;
+    }
+  };
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    if (j <= b) put(b, j, pb[j], xb[j]);
+    if (j < 8 && j <= a) put(a, j, pa[j], xa[j]);
+  }
+}
+
 template <int K, bool DELTA, bool SCALAR, int PREC>
 __global__ void __launch_bounds__(NT) chunk_factors_kernel(const Params bp) {
   // the channels in slices of KC (K = 256: two; the pair matrices summed over the slices, T formed
@@ -425,26 +486,7 @@ __global__ void __launch_bounds__(NT) chunk_factors_kernel(const Params bp) {
           if (j < t) add_kek(Am[t * LA + j], fac[F::KEK + t * C + j], bet[t], v * fast_exp(Gs[t * LK] - Gs[j * LK]), sl, NS);
         });
     } else {
-      // diagonal blocks, exact: one thread per pair (t, s), s <= t, in block 16 I, summed over the
-      // slices in D; each lane starts its walk over the channels at its own lane (rows 4 words apart in
-      // the banks: no conflicts)
-      for (int e = tid; e < 4 * 136; e += NT) {
-        const int I = e / 136, pi = e % 136;
-        int i, j;
-        tri_index(pi, i, j);
-        const float *qt = qs + (16 * I + i) * LK, *kt = ks + (16 * I + i) * LK, *Gt = Gs + (16 * I + i) * LK;
-        const float *kv = ks + (16 * I + j) * LK, *Gv = Gs + (16 * I + j) * LK;
-        float ap = 0.0f, ak = 0.0f;
-#pragma unroll 8
-        for (int m = 0; m < KC; ++m) {
-          const int c = (m + lane) & (KC - 1);
-          const float x = kv[c] * fast_exp(Gt[c] - Gv[c]);
-          ap += qt[c] * x;
-          if (DELTA) ak += kt[c] * x;
-        }
-        D[2 * e] = sl == 0 ? ap : D[2 * e] + ap;
-        D[2 * e + 1] = sl == 0 ? ak : D[2 * e + 1] + ak;
-      }
+      factors_diagonal_blocks<KC, DELTA>(qs, ks, Gs, D, sl);
       factors_block_row<KC, K, DELTA, 1, PREC>(qs, ks, Gs, S, Am, bet, fac, sm + Ly::sc, sm + Ly::sc + Ly::SC, sl, NS);
       factors_block_row<KC, K, DELTA, 2, PREC>(qs, ks, Gs, S, Am, bet, fac, sm + Ly::sc, sm + Ly::sc + Ly::SC, sl, NS);
       factors_block_row<KC, K, DELTA, 3, PREC>(qs, ks, Gs, S, Am, bet, fac, sm + Ly::sc, sm + Ly::sc + Ly::SC, sl, NS);
@@ -483,29 +525,40 @@ __global__ void __launch_bounds__(NT) chunk_factors_kernel(const Params bp) {
     const int rr = i / C, cc = i % C;
     if (cc / 16 > rr / 16) Tm[rr * LA + cc] = 0.0f;
   }
+  // (the thread's column of its diagonal block in registers: T_lj for l < j is 0, so the terms before
+  // the column's diagonal add nothing and every step's sum runs over compile-time l)
   if (tid < C) {
     const int b = 16 * (tid / 16), j = tid % 16;
+    float col[16];
+#pragma unroll
     for (int i = 0; i < 16; ++i) {
       float v = i == j ? 1.0f : 0.0f;
-      for (int l = j; l < i; ++l) v -= Am[(b + i) * LA + b + l] * Tm[(b + l) * LA + b + j];
+#pragma unroll
+      for (int l = 0; l < i; ++l) v -= Am[(b + i) * LA + b + l] * col[l];
+      col[i] = v;
       Tm[(b + i) * LA + b + j] = v;
     }
   }
   __syncthreads();
-  for (int d = 1; d < 4; ++d) {
+#pragma unroll
+  for (int d = 1; d < 4; ++d) {  // (unrolled: each diagonal's sums of compile-time length)
     const int nb = 4 - d;
     for (int e = tid; e < nb * 256; e += NT) {
       const int I = d + e / 256, J = I - d, i = (e % 256) / 16, j = e % 16;
+      const float *a = Am + (16 * I + i) * LA + 16 * J, *t = Tm + 16 * J * LA + 16 * J + j;
       float v = 0.0f;
-      for (int l = 16 * J; l < 16 * I; ++l) v += Am[(16 * I + i) * LA + l] * Tm[l * LA + 16 * J + j];
+#pragma unroll
+      for (int l = 0; l < 16 * d; ++l) v += a[l] * t[l * LA];
       X[e] = v;
     }
     __syncthreads();
     for (int e = tid; e < nb * 256; e += NT) {
       const int I = d + e / 256, J = I - d, i = (e % 256) / 16, j = e % 16;
       const float* x = X + (e / 256) * 256;
+      const float* t = Tm + (16 * I + i) * LA + 16 * I;  // T_II's row i: 0 past its diagonal
       float v = 0.0f;
-      for (int m = 0; m <= i; ++m) v -= Tm[(16 * I + i) * LA + 16 * I + m] * x[m * 16 + j];
+#pragma unroll
+      for (int m = 0; m < 16; ++m) v -= t[m] * x[m * 16 + j];
       Tm[(16 * I + i) * LA + 16 * J + j] = v;
     }
     __syncthreads();
