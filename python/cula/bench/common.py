@@ -220,12 +220,14 @@ def rows_of_records(records, names=None):
     return rows, queued_rows
 
 
-def merge_reports(out_dir, inputs, order=None):
+def merge_reports(out_dir, inputs, order=None, writers=None):
     """One results file from several runs of the same suite on one GPU (each of a few rows, say when a
     single call cannot hold the whole grid): the per-configuration records of every input, a later
     input's rows replacing an earlier one's of the same name, the tables and geometric means rebuilt
     from them (each ratio stays within its own run), meta["runs"] saying what was merged. order: config
-    names in the order the rows should appear (others after them)."""
+    names in the order the rows should appear (others after them). writers: a suite's own report writer
+    by op name, called as writer(out_dir, op, title, meta, rows, records, queued_rows) in place of
+    write_report (bench train's, which adds its backward-alone table)."""
     runs, by_name, meta = [], {}, None
     for path in inputs:
         with open(path) as f:
@@ -255,6 +257,9 @@ def merge_reports(out_dir, inputs, order=None):
     op = records[0]["op"]
     title = meta.pop("title", op)
     meta["runs"] = runs
+    writer = (writers or {}).get(op)
+    if writer is not None:
+        return writer(out_dir, op, title, meta, rows, records, queued_rows)
     return write_report(out_dir, op, title, meta, rows, records, peers, quiet=True, queued_rows=queued_rows or None)
 
 

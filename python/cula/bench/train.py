@@ -15,12 +15,11 @@ default GatedDeltaNet layer (head_dim 256, expand_v 2: K = 256, V = 512, 6 heads
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import time
 from collections import namedtuple
 
-from .common import QUEUED_METHOD, REPS, causal_sdpa, rows_of_records, time_interleaved, write_report
+from .common import QUEUED_METHOD, REPS, causal_sdpa, time_interleaved, write_report
 from .coverage import VARLEN, _fns, _inputs, _kda_gate
 from .decode import _version, cuda_device
 from .. import _lib
@@ -272,15 +271,16 @@ def _title(family):
     return f"{label} training step (forward + backward): cula's drop-in against FLA Triton"
 
 
-def rebuild_report(out_dir, family):
-    """<family>_train.{json,md,png} in out_dir rebuilt from the JSON's records (after `cula bench merge`
-    of several runs, whose generic report has no backward-alone and peak-memory table)."""
-    op = f"{family}_train"
-    with open(os.path.join(out_dir, f"{op}.json")) as f:
-        data = json.load(f)
-    records = [r for r in data["records"] if isinstance(r.get("config"), dict)]
-    rows, queued_rows = rows_of_records(records)
-    _report(out_dir, op, _title(family), data["meta"], rows, records, queued_rows, quiet=True)
+def merged_report(out_dir, op, title, meta, rows, records, queued_rows):
+    """The report of merged training runs (common.merge_reports' writer for the *_train ops): the
+    suite's own tables, the backward-alone and peak-memory one included, drawn from the records, under
+    the suite's title (title: merge_reports' generic one, not used)."""
+    family = op[: -len("_train")]
+    return _report(out_dir, op, _title(family), meta, rows, records, queued_rows, quiet=True)
+
+
+# merge_reports' writers of the training suites
+MERGE_WRITERS = {f"{family}_train": merged_report for family in FAMILIES}
 
 
 def _report(out_dir, op, title, meta, rows, records, queued_rows, quiet):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 
@@ -88,12 +87,9 @@ def main(argv=None) -> int:
 
             if not args.inputs or not args.out:
                 parser.error("bench merge: --inputs and --out are required")
-            merge_reports(args.out, args.inputs, order=_config_order())
-            from ..bench.train import FAMILIES as TRAIN_FAMILIES, rebuild_report
+            from ..bench.train import MERGE_WRITERS
 
-            for fam in TRAIN_FAMILIES:  # the training suite's own tables (backward alone, peak memory)
-                if any(os.path.basename(p) == f"{fam}_train.json" for p in args.inputs):
-                    rebuild_report(args.out, fam)
+            merge_reports(args.out, args.inputs, order=_config_order(), writers=MERGE_WRITERS)
             print(f"merged {len(args.inputs)} files into {args.out}")
             return 0
         if args.suite == "cpu":
