@@ -182,8 +182,9 @@ class _EagerChunk(torch.autograd.Function):
     """chunk_fwd with its autograd formula for eager calls on plain tensors (_eager): the same forward and
     backward as the registered op's (cula.ops.chunk_fwd / chunk_bwd, bf16 token gradients written
     directly), without the op's dispatch, its autograd wrapper and the zeros it makes for an unused final
-    state's gradient: the host's time per training step, which small layers wait on, drops by about
-    half. torch.compile and dispatch modes keep the op (chunk_fwd above)."""
+    state's gradient: the host's time per training step, which small layers wait on, drops by about a
+    third (H200, KDA 1x4096 H16: 2.61 -> 1.66 ms). torch.compile and dispatch modes keep the op
+    (chunk_fwd below)."""
 
     @staticmethod
     def forward(ctx, family, opts, decay, cu_seqlens, chunk_size, output_final_state, state_dtype, backend, q, k, v, g,
