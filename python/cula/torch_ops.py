@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import ops
+from ._front import _needs_grad
 from .options import NAMES as OPTION_NAMES
 from .options import Options, schema_args
 
@@ -288,9 +289,9 @@ def chunk_fwd(family, q, k, v, g=None, beta=None, decay=None, *, initial_state=N
     """cula.ops.chunk_fwd as a torch op. Returns (o, final_state); final_state is None unless
     output_final_state."""
     opts = ops._options("chunk_fwd", options, option_kw)
-    if _eager(q, k, v, g, beta, initial_state, A_log, dt_bias):
-        diff = (q, k, v, g, beta, initial_state, A_log, dt_bias)
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in diff):
+    diff = (q, k, v, g, beta, initial_state, A_log, dt_bias)
+    if _eager(*diff):
+        if _needs_grad(*diff):
             return _EagerChunk.apply(family, opts, decay, cu_seqlens, chunk_size, output_final_state, state_dtype,
                                      backend, *diff)
         return ops.chunk_fwd(family, q, k, v, g, beta, decay, initial_state=initial_state, A_log=A_log,
