@@ -11,6 +11,9 @@ from ._tensor import is_torch
 from .options import NAMES as OPTION_NAMES
 
 _DIFF_NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
+# the gradient of each differentiable input (the names cula.ops.chunk_bwd returns them under)
+GRAD_OF = {"q": "dq", "k": "dk", "v": "dv", "g": "dg", "beta": "dbeta", "A_log": "dA_log", "dt_bias": "ddt_bias",
+           "initial_state": "d_initial_state"}
 
 
 def reject_unknown(fn_name: str, kwargs: dict) -> None:
@@ -322,6 +325,24 @@ def _key_slices_as_heads(family, q, k, v, g, decay, initial_state, opts, step, V
     return (o, *(join(x) for x in states))
 
 
+def chunk_input_grads(family, inputs, d_out, d_final, needed, grads=None, **bwd_args):
+    """The backward of chunk_fwd for the autograd Functions (ChunkFn below, torch_ops._EagerChunk):
+    cula.ops.chunk_bwd on the saved inputs (a dict by name), then each gradient in its input's dtype,
+    or None where the input is absent or needed[name] is false. d_out None (only the final state
+    reached the loss) is zeros; d_final None is no final-state gradient."""
+    if d_out is None:
+        d_out = inputs["q"].new_zeros(inputs["v"].shape)
+    got = ops.chunk_bwd(family, inputs["q"], inputs["k"], inputs["v"], inputs.get("g"), inputs.get("beta"),
+                        d_out.contiguous(), d_final_state=None if d_final is None else d_final.contiguous(),
+                        initial_state=inputs.get("initial_state"), A_log=inputs.get("A_log"),
+                        dt_bias=inputs.get("dt_bias"), grads=grads, **bwd_args)
+    out = {}
+    for n in _DIFF_NAMES:
+        x, gr = inputs.get(n), got.get(GRAD_OF[n])
+        out[n] = None if x is None or gr is None or not needed[n] else gr.to(x.dtype)
+    return out
+
+
 def _make_fn():
     import torch
 
@@ -332,25 +353,17 @@ def _make_fn():
                                      initial_state=initial_state, **opts)
             ctx.family, ctx.opts = family, opts
             ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state)
+            ctx.set_materialize_grads(False)
             return o, final
 
         @staticmethod
         def backward(ctx, do, dht):
-            q, k, v, g, beta, A_log, dt_bias, initial_state = ctx.saved_tensors
-            o = ctx.opts
+            inputs = dict(zip(_DIFF_NAMES, ctx.saved_tensors))
             keep = (*OPTION_NAMES, "cu_seqlens", "decay")
-            grads = ops.chunk_bwd(ctx.family, q, k, v, g, beta, do.contiguous(),
-                                  d_final_state=None if dht is None else dht.contiguous(), initial_state=initial_state,
-                                  A_log=A_log, dt_bias=dt_bias, **{n: o[n] for n in keep if n in o})
-            names = {"q": "dq", "k": "dk", "v": "dv", "g": "dg", "beta": "dbeta", "A_log": "dA_log",
-                     "dt_bias": "ddt_bias", "initial_state": "d_initial_state"}
-            saved = dict(zip(_DIFF_NAMES, (q, k, v, g, beta, A_log, dt_bias, initial_state)))
-            out = []
-            for n in _DIFF_NAMES:
-                x, gr = saved[n], grads.get(names[n])
-                out.append(None if x is None or gr is None or not ctx.needs_input_grad[2 + _DIFF_NAMES.index(n)]
-                           else gr.to(x.dtype))
-            return (None, None, *out)
+            needed = dict(zip(_DIFF_NAMES, ctx.needs_input_grad[2:]))
+            grads = chunk_input_grads(ctx.family, inputs, do, dht, needed,
+                                      **{n: ctx.opts[n] for n in keep if n in ctx.opts})
+            return (None, None, *(grads[n] for n in _DIFF_NAMES))
 
     return ChunkFn
 

@@ -12,16 +12,15 @@ from __future__ import annotations
 import torch
 
 from . import ops
-from ._front import _needs_grad
+from ._front import GRAD_OF as _GRAD_OF
+from ._front import _needs_grad, chunk_input_grads
 from .options import NAMES as OPTION_NAMES
 from .options import Options, schema_args
 
 __all__ = ["decode", "decode_to", "chunk_fwd"]
 
-# the gradient of each differentiable input of chunk_fwd; chunk_bwd's outputs are these, in this
+# chunk_bwd's outputs are the gradients of chunk_fwd's differentiable inputs (_GRAD_OF), in this
 # order (an absent gradient is an empty tensor: custom ops return tensors)
-_GRAD_OF = {"q": "dq", "k": "dk", "v": "dv", "g": "dg", "beta": "dbeta", "A_log": "dA_log", "dt_bias": "ddt_bias",
-            "initial_state": "d_initial_state"}
 _GRADS = tuple(_GRAD_OF.values())
 _TOKEN_INPUTS = ("q", "k", "v", "g", "beta")  # the per-token inputs: gradients in their own dtype
 
@@ -179,6 +178,9 @@ def _bf16_grads(inputs: dict) -> dict:
             if inputs.get(n) is not None and inputs[n].dtype == torch.bfloat16}
 
 
+_EAGER_SAVED = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")  # _EagerChunk's inputs, in order
+
+
 class _EagerChunk(torch.autograd.Function):
     """chunk_fwd with its autograd formula for eager calls on plain tensors (_eager): the same forward and
     backward as the registered op's (cula.ops.chunk_fwd / chunk_bwd, bf16 token gradients written
@@ -194,26 +196,18 @@ class _EagerChunk(torch.autograd.Function):
                                  dt_bias=dt_bias, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
                                  output_final_state=output_final_state, state_dtype=state_dtype, backend=backend,
                                  options=opts)
-        ctx.save_for_backward(q, k, v, g, beta, initial_state, A_log, dt_bias)
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, A_log, dt_bias)  # _EAGER_SAVED
         ctx.family, ctx.opts, ctx.decay, ctx.cu_seqlens = family, opts, decay, cu_seqlens  # (no gradients)
         ctx.set_materialize_grads(False)
         return o, final
 
     @staticmethod
     def backward(ctx, d_out, d_final):
-        q, k, v, g, beta, initial_state, A_log, dt_bias = ctx.saved_tensors
-        inputs = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log, dt_bias=dt_bias)
-        if d_out is None:  # only the final state reached the loss
-            d_out = q.new_zeros(v.shape)
-        grads = ops.chunk_bwd(ctx.family, q, k, v, g, beta, d_out.contiguous(), decay=ctx.decay,
-                              d_final_state=None if d_final is None else d_final.contiguous(),
-                              initial_state=initial_state, A_log=A_log, dt_bias=dt_bias, cu_seqlens=ctx.cu_seqlens,
-                              options=ctx.opts, grads=_bf16_grads(inputs))
-        out = [None] * 8  # family .. backend
-        for i, n in enumerate(("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")):
-            x, gr = inputs[n], grads.get(_GRAD_OF[n])
-            out.append(None if x is None or gr is None or not ctx.needs_input_grad[8 + i] else gr.to(x.dtype))
-        return tuple(out)
+        inputs = dict(zip(_EAGER_SAVED, ctx.saved_tensors))
+        needed = dict(zip(_EAGER_SAVED, ctx.needs_input_grad[8:]))
+        grads = chunk_input_grads(ctx.family, inputs, d_out, d_final, needed, grads=_bf16_grads(inputs),
+                                  decay=ctx.decay, cu_seqlens=ctx.cu_seqlens, options=ctx.opts)
+        return (None,) * 8 + tuple(grads[n] for n in _EAGER_SAVED)  # family .. backend: no gradients
 
 
 def _backward(ctx, d_out, d_final):
