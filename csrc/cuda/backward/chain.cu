@@ -140,42 +140,50 @@ __global__ void __launch_bounds__(32 * kRowWarps) chain_qk_kernel(const ChainPar
   const int h = static_cast<int>(row % c.H);
   const int64_t b = f / c.T, t = f % c.T;
   const int64_t width = 3 * c.K + 1;
+  // both rows' loads first (dq^ and q with dq^'s sums over the other row tiles and value heads, then
+  // the same for dk; see prepare_tokens_kernel), then each row's chain rule
+  float dy[2][kMaxEpl];
+  uint32_t xb[2][kMaxEpl];
+  const float* first = c.part + (f * c.HV + h * G) * width + lane;
+#pragma unroll
   for (int which = 0; which < 2; ++which) {
-    void* dst = which == 0 ? c.dq : c.dk;
-    if (!dst) continue;
     const void* src = which == 0 ? c.q : c.k;
     const int64_t* s = which == 0 ? c.q_s : c.k_s;
-    float dy[kMaxEpl], x[kMaxEpl], ss = 0.0f, xdy = 0.0f;
-    uint32_t xb[kMaxEpl];
     const int dt = which == 0 ? c.q_dt : c.k_dt;
     const int64_t x_row = b * s[0] + t * s[1] + h * s[2];
-    const float* first = c.part + (f * c.HV + h * G) * width + which * c.K + lane;
-    // the row's loads first (see prepare_tokens_kernel)
+    if (!(which == 0 ? c.dq : c.dk)) continue;
 #pragma unroll
     for (int m = 0; m < kMaxEpl; ++m)
-      if (m < n) dy[m] = first[32 * m], xb[m] = ld_bits(src, dt, x_row + (lane + 32 * m) * s[3]);
-    if (c.tiles > 1 || G > 1) {
+      if (m < n) dy[which][m] = first[which * c.K + 32 * m], xb[which][m] = ld_bits(src, dt, x_row + (lane + 32 * m) * s[3]);
+    if (c.tiles > 1 || G > 1) {  // the sums over the other row tiles and value heads, in order
 #pragma unroll
       for (int m = 0; m < kMaxEpl; ++m)
         if (m < n) {
           const int i = lane + 32 * m;
           for (int tl = 0; tl < c.tiles; ++tl)
             for (int g = tl == 0 ? 1 : 0; g < G; ++g)
-              dy[m] += c.part[((tl * c.BT + f) * c.HV + h * G + g) * width + which * c.K + i];
+              dy[which][m] += c.part[((tl * c.BT + f) * c.HV + h * G + g) * width + which * c.K + i];
         }
     }
+  }
+#pragma unroll
+  for (int which = 0; which < 2; ++which) {
+    void* dst = which == 0 ? c.dq : c.dk;
+    if (!dst) continue;
+    const int dt = which == 0 ? c.q_dt : c.k_dt;
+    float x[kMaxEpl], ss = 0.0f, xdy = 0.0f;
 #pragma unroll
     for (int m = 0; m < kMaxEpl; ++m) {
       if (m >= n) break;
-      x[m] = from_bits(xb[m], dt);
-      ss += x[m] * x[m], xdy += x[m] * dy[m];
+      x[m] = from_bits(xb[which][m], dt);
+      ss += x[m] * x[m], xdy += x[m] * dy[which][m];
     }
     float rinv = 1.0f;
     if (c.l2norm) ss = dev::warp_sum(ss), xdy = dev::warp_sum(xdy), rinv = rsqrtf(ss + 1e-6f);
 #pragma unroll
     for (int m = 0; m < kMaxEpl; ++m) {
       if (m >= n) break;
-      float dx = c.l2norm ? rinv * dy[m] - rinv * rinv * rinv * x[m] * xdy : dy[m];
+      float dx = c.l2norm ? rinv * dy[which][m] - rinv * rinv * rinv * x[m] * xdy : dy[which][m];
       if (which == 0) dx *= c.scale;
       st(dst, which == 0 ? c.dq_dt : c.dk_dt, (f * c.H + h) * static_cast<int64_t>(c.K) + lane + 32 * m, dx);
     }
@@ -210,31 +218,36 @@ __global__ void __launch_bounds__(32 * kRowWarps) chain_gate_kernel(const ChainP
   const int hv = static_cast<int>(row % c.HV);
   const int64_t b = f / c.T, t = f % c.T;
   const int64_t width = 3 * c.K + 1;
-  if (c.delta && lane == 0 && c.dbeta) {
-    float db = 0.0f;
-    for (int tl = 0; tl < c.tiles; ++tl) db += c.part[((tl * c.BT + f) * c.HV + hv) * width + 3 * c.K];
+  const bool gate = c.dg || c.gate_in_kernel, with_dbeta = c.delta && lane == 0 && c.dbeta;
+  float da[kMaxEpl], dsum = 0.0f;
+  uint32_t gb[kMaxEpl], bb[kMaxEpl];
+  const int64_t g_row = b * c.g_s[0] + t * c.g_s[1] + hv * c.g_s[2];
+  const float* first = c.part + (f * c.HV + hv) * width + 2 * c.K + lane;
+  // the row's loads first, beta's among them (see prepare_tokens_kernel)
+  if (gate) {
+#pragma unroll
+    for (int m = 0; m < kMaxEpl; ++m)
+      if (m < n) {
+        da[m] = first[32 * m];
+        if (c.gate_in_kernel && c.per_channel) {
+          gb[m] = ld_bits(c.g, c.g_dt, g_row + (lane + 32 * m) * c.g_s[3]);
+          if (c.dt_bias) bb[m] = ld_bits(c.dt_bias, c.dt_bias_dt, c.dt_bias_per_channel ? hv * c.K + lane + 32 * m : hv);
+        }
+      }
+  }
+  float db = with_dbeta ? c.part[(f * c.HV + hv) * width + 3 * c.K] : 0.0f;
+  const uint32_t beta_bits =
+      with_dbeta && c.beta_sigmoid ? ld_bits(c.beta, c.beta_dt, b * c.beta_s[0] + t * c.beta_s[1] + hv * c.beta_s[2]) : 0u;
+  if (with_dbeta) {
+    for (int tl = 1; tl < c.tiles; ++tl) db += c.part[((tl * c.BT + f) * c.HV + hv) * width + 3 * c.K];
     if (c.beta_sigmoid) {
-      const float x = ld(c.beta, c.beta_dt, b * c.beta_s[0] + t * c.beta_s[1] + hv * c.beta_s[2]);
+      const float x = from_bits(beta_bits, c.beta_dt);
       const float sg = 1.0f / (1.0f + __expf(-x));
       db *= c.beta_mult * sg * (1.0f - sg);
     }
     st(c.dbeta, c.dbeta_dt, f * c.HV + hv, db);
   }
-  if (!c.dg && !c.gate_in_kernel) return;
-  float da[kMaxEpl], dsum = 0.0f;
-  uint32_t gb[kMaxEpl], bb[kMaxEpl];
-  const int64_t g_row = b * c.g_s[0] + t * c.g_s[1] + hv * c.g_s[2];
-  const float* first = c.part + (f * c.HV + hv) * width + 2 * c.K + lane;
-  // the row's loads first (see prepare_tokens_kernel)
-#pragma unroll
-  for (int m = 0; m < kMaxEpl; ++m)
-    if (m < n) {
-      da[m] = first[32 * m];
-      if (c.gate_in_kernel && c.per_channel) {
-        gb[m] = ld_bits(c.g, c.g_dt, g_row + (lane + 32 * m) * c.g_s[3]);
-        if (c.dt_bias) bb[m] = ld_bits(c.dt_bias, c.dt_bias_dt, c.dt_bias_per_channel ? hv * c.K + lane + 32 * m : hv);
-      }
-    }
+  if (!gate) return;
 #pragma unroll
   for (int m = 0; m < kMaxEpl; ++m) {
     if (m >= n) break;
