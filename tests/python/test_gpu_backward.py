@@ -186,6 +186,31 @@ def test_wide_scans_of_the_families_without_the_delta_rule_match_the_reference(r
         assert not _failing(errs, "cuda_chunk"), (family, K, H, errs)
 
 
+@pytest.mark.sanitize
+@pytest.mark.parametrize("family", ["kda", "gdn", "gla", "simple_gla"])
+def test_one_token_from_a_zero_state_has_no_gate_gradient(rng, family):
+    """One token per sequence, no initial state, a final-state gradient: the decay multiplies only the
+    zero state, so the gate's gradient is exactly 0 and the chunk form must not turn the terms that
+    cancel (the diagonal pair, the chunk end's) into noise. bf16 inputs take the one-TF32 products
+    (the gate outside the kernel), float32 inputs three; V = 256, two value slices."""
+    t = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32))  # noqa: E731
+    B, H, K, V = 3, 2, 128, 256
+    for dtype in (torch.bfloat16, torch.float32):
+        d = dict(q=t(B, 1, H, K).to(dtype), k=t(B, 1, H, K).to(dtype), v=t(B, 1, H, V).to(dtype),
+                 d_out=t(B, 1, H, V).to(dtype), d_final_state=t(B, H, V, K))
+        d["g"] = -t(*((B, 1, H, K) if family in ("kda", "gla") else (B, 1, H))).abs()
+        if family in ("kda", "gdn"):
+            d["beta"] = torch.sigmoid(t(B, 1, H))
+        kw = dict(use_qk_l2norm_in_kernel=True, state_layout="k_last")
+        ref = _reference(family, d, None, kw)
+        assert float(ref["dg"].abs().max()) == 0.0
+        got = _run(family, d, None, kw, _poisoned(d))
+        torch.cuda.synchronize()
+        assert cula.last_kernel() == "cuda_chunk", family
+        errs = _errors(got, ref)
+        assert not _failing(errs, "cuda_chunk"), (family, dtype, errs)
+
+
 @pytest.mark.parametrize("family", ["kda", "gdn", "lightning"])
 def test_cuda_backward_is_bitwise_deterministic(rng, family):
     d, cu, kw = _problem(rng, family)

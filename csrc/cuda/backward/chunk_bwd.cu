@@ -1897,12 +1897,13 @@ __global__ void __launch_bounds__(NT) pair_grad_kernel(const Params bp) {
   }
   // The diagonal pairs (s = t) stay out of the products: their dG terms (q^_t dP_tt k^_t from dq^'s
   // product, k^_t dP_tt q^_t from dk^'s) cancel exactly, so they are not added at all, and their dq^
-  // and dk^ terms are added in fp32 from dP_tt in the write back. With them in the bf16x3
-  // products, one token and no initial state (dg exactly 0) left 1e-7 of noise, past the tests' floor.
+  // and dk^ terms are added in fp32 from dP_tt in the write back. With them in the products, one
+  // token and no initial state (dg exactly 0) left noise past the tests' floor: 1e-7 from bf16x3
+  // (GDN), 6e-5 from one TF32 product (simple GLA on bf16 inputs, a final-state gradient, V = 256).
   // Without the delta rule one product a warpgroup does not pay for the staging (simple GLA and
   // Lightning 1x8192 H32: pair 0.82 -> 0.83 ms).
   constexpr bool kWgScalar = CULA_WGMMA && SCALAR && DELTA;
-  float* const dPdiag = sm + Ly::S + 48 * Ly::LS - C;  // (kWgScalar: dP_tt, past the segments of da's sum in S)
+  float* const dPdiag = sm + Ly::S + 48 * Ly::LS - C;  // (SCALAR: dP_tt, past the segments of da's sum in S)
   using STy = PairScalarTiles<K>;
   unsigned char* const sb = reinterpret_cast<unsigned char*>(sm);
   if constexpr (kWgScalar) {  // dP o E and w o E (w = beta_t dA_ts) into their tiles, in place: all read first
@@ -1934,8 +1935,11 @@ __global__ void __launch_bounds__(NT) pair_grad_kernel(const Params bp) {
     __syncthreads();
     for (int i = tid; i < C * C; i += NT) {
       const int t = i / C, u = i % C;
-      const float e = SCALAR ? (u <= t ? fast_exp(gs[t] - gs[u]) : 0.0f) : 1.0f;
-      if (SCALAR) dP[t * LC + u] *= e;
+      const float e = SCALAR ? (u < t ? fast_exp(gs[t] - gs[u]) : 0.0f) : 1.0f;  // the diagonal: 0 (as above)
+      if (SCALAR) {
+        if (u == t) dPdiag[t] = dP[t * LC + u];
+        dP[t * LC + u] *= e;
+      }
       if (DELTA) dA[t * LC + u] *= bet[t] * e;
     }
   }
@@ -2049,6 +2053,9 @@ __global__ void __launch_bounds__(NT) pair_grad_kernel(const Params bp) {
         const int off = wg::sw128_offset(PC, cc, t);
         dq += dPdiag[t] * tile_value(sb + STy::kT + off, STy::kTile);
         dk += dPdiag[t] * tile_value(sb + STy::qT + off, STy::kTile);
+      } else if constexpr (SCALAR) {
+        dq += dPdiag[t] * ks[t * LK + cc];
+        dk += dPdiag[t] * qs[t * LK + cc];
       }
       pr[0] = dq;
       pr[K] = dk;
