@@ -20,6 +20,12 @@ grow with T, calibrated against the 1xTF32 measurement above.
 --gdn: Gated DeltaNet as Qwen3-Next runs it instead: one log-decay per token (the same softplus gate,
 scalar), its gradient dg the sum of da over the channels, and no dA_log (FLA's GDN takes g computed
 outside the kernel, so A_log's gradient comes from dg through autograd, at dg's tolerance).
+--family=simple_gla | lightning | gla: the families without the delta rule in the lean form their
+backward could take (csrc/cuda/backward/DESIGN.md, Next): chunk-start states S0 and end-state
+gradients dS from the scans, stored as `state` rounds them, then per chunk dq = e^G (dO S0^T) +
+(dP o E) k, dk = e^{G_C - G} (v dS^T) + (dP o E)^T q, dv = (P o E)^T dO + Kr dS and the gate's terms,
+each product's operands rounded by `op`. Gates: simple GLA a log-sigmoid per token and head, GLA one
+per channel, Lightning a constant per head (no gate gradient); q and k bf16, unnormalised.
 """
 
 import sys
@@ -157,7 +163,98 @@ def error(got, ref, n):
     return np.sqrt(((got[n] - ref[n]) ** 2).mean() / (ref[n] ** 2).mean())
 
 
+def lean_problem(T, seed, family):
+    """A family without the delta rule as its layers feed it: bf16 q, k (k scaled by K^-1/2), v, dO;
+    simple GLA's gate logsigmoid(x) per token, GLA's per channel, Lightning's a constant decay."""
+    rng = np.random.default_rng(seed)
+    q, k = bf16(rng.standard_normal((T, K))), bf16(rng.standard_normal((T, K)) * K ** -0.5)
+    v, dO = bf16(rng.standard_normal((T, V))), bf16(rng.standard_normal((T, V)))
+    if family == "lightning":
+        a = np.full((T, K), -0.05)
+    else:
+        raw = rng.standard_normal((T, K) if family == "gla" else (T, 1)) + 2.0
+        a = np.broadcast_to(-np.logaddexp(0.0, -raw), (T, K)).copy()  # logsigmoid
+    return q * K ** -0.5, k, v, a, dO, rng.standard_normal((K, V))
+
+
+def lean_states(k, v, a):
+    starts, S = [], np.zeros((K, V))
+    for t in range(k.shape[0]):
+        if t % C == 0:
+            starts.append(S.copy())
+        S = np.exp(a[t])[:, None] * S + np.outer(k[t], v[t])
+    return starts
+
+
+def lean_chunk_backward(q, k, v, a, S0, dO, dSC, op, state):
+    """One chunk of the lean form (no delta rule): its gradients and dS0 (exact, the scans modelled
+    exact)."""
+    n = q.shape[0]
+    S0r, dSr = state(S0), state(dSC)
+    G = np.cumsum(a, axis=0)
+    E = np.exp(G[:, None, :] - G[None, :, :])
+    tri = np.tril(np.ones((n, n)))
+    Qg, Kr = np.exp(G) * q, np.exp(G[-1] - G) * k
+    P = np.einsum("tc,tsc,sc->ts", op(q), E, op(k)) * tri
+    dP = (op(dO) @ op(v).T) * tri
+    dQg, dKr = op(dO) @ op(S0r).T, op(v) @ op(dSr).T
+    dq = np.exp(G) * dQg + np.einsum("ts,tsc,sc->tc", op(dP), E, op(k))
+    dk = np.exp(G[-1] - G) * dKr + np.einsum("ts,tsc,tc->sc", op(dP), E, op(q))
+    dv = op(P).T @ op(dO) + op(Kr) @ op(dSr)
+    pe = np.einsum("ts,tc,tsc,sc->tsc", dP, q, E, k)
+    dG = Qg * dQg + pe.sum(axis=1) - pe.sum(axis=0)
+    kr = Kr * dKr
+    dG -= kr
+    dG[-1] += kr.sum(axis=0) + np.exp(G[-1]) * np.einsum("cv,cv->c", S0r, dSr)
+    da = np.cumsum(dG[::-1], axis=0)[::-1]
+    dS0 = Qg.T @ dO + np.exp(G[-1])[:, None] * dSC
+    return dict(dq=dq, dk=dk, dv=dv, da=da), dS0
+
+
+def lean_backward(q, k, v, a, dO, dST, starts, op=exact, state=exact):
+    T = q.shape[0]
+    out = {n: np.zeros_like(x) for n, x in (("dq", q), ("dk", k), ("dv", v), ("da", a))}
+    dS = dST.copy()
+    for c in reversed(range(len(starts))):
+        sl = slice(c * C, min(T, (c + 1) * C))
+        g, dS = lean_chunk_backward(q[sl], k[sl], v[sl], a[sl], starts[c], dO[sl], dS, op, state)
+        for n in out:
+            out[n][sl] = g[n]
+    return out
+
+
+LEAN_VARIANTS = [
+    ("float32 operands and states (3xTF32)", dict(op=f32, state=f32)),
+    ("1xTF32 products, float32 states", dict(op=tf32, state=f32)),
+    ("1xTF32 products, states bf16", dict(op=tf32, state=bf16)),
+    ("bf16 operands, float32 states", dict(op=bf16, state=f32)),
+    ("bf16 operands and states (FLA's layout)", dict(op=bf16, state=bf16)),
+    ("bf16x3 operands, states bf16", dict(op=bf16x2, state=bf16)),
+]
+
+
+def lean_main(family, lengths):
+    grads = ("dq", "dk", "dv") + (() if family == "lightning" else ("dg",))
+    tol = dict(dq=8e-3, dk=8e-3, dv=8e-3, dg=2e-2)
+    for T in lengths:
+        q, k, v, a, dO, dST = lean_problem(T, T, family)
+        starts = lean_states(k, v, a)
+
+        def finish(g):
+            g["dg"] = g["da"] if family == "gla" else g["da"].sum(axis=1)
+            return g
+
+        ref = finish(lean_backward(q, k, v, a, dO, dST, starts))
+        print(f"{family}, T = {T}: error / FLA's tolerance ({' '.join(grads)})")
+        for name, kw in LEAN_VARIANTS:
+            got = finish(lean_backward(q, k, v, a, dO, dST, starts, **kw))
+            print(f"  {name:48s} " + " ".join(f"{error(got, ref, n) / tol[n]:6.3f}" for n in grads), flush=True)
+
+
 def main():
+    family = next((x.split("=", 1)[1] for x in sys.argv[1:] if x.startswith("--family=")), None)
+    if family is not None:
+        return lean_main(family, [int(x) for x in sys.argv[1:] if not x.startswith("--")] or [4096, 16384])
     scalar = "--gdn" in sys.argv
     only = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--only=")]
     lengths = [int(x) for x in sys.argv[1:] if not x.startswith("--")] or [4096, 16384]
