@@ -317,3 +317,21 @@ def test_train_bench_compares_every_gradient_with_fla_by_name():
     diffs = train._grad_rel_diffs(names, got, ref)
     assert diffs["v"] == pytest.approx(0.25, rel=1e-5)
     assert all(diffs[n] == 0 for n in names if n != "v")
+
+
+@pytest.mark.parametrize("family", ["simple_gla", "gla", "lightning"])
+def test_lean_backward_model_is_the_chunk_algebra(monkeypatch, family):
+    """The error model's lean form without the delta rule (bwd_rounding.py --family=...), unrounded,
+    equals chunked_bwd_numpy.py's chunk algebra (itself checked against the reference backward), so
+    its rounding table measures that algebra."""
+    import numpy as np
+    from chunked_bwd_numpy import backward
+
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "tools", "analysis"))
+    model = _tool("analysis/bwd_rounding")
+    T = 150
+    q, k, v, a, dO, dST = model.lean_problem(T, 7, family)
+    got = model.lean_backward(q, k, v, a, dO, dST, model.lean_states(k, v, a))
+    ref, _ = backward(q, k, v, np.ones(T), a, np.zeros((model.K, model.V)), dO, dST, C=model.C, delta=False)
+    for n in ("dq", "dk", "dv", "da"):
+        assert np.abs(got[n] - ref[n]).max() <= 1e-12 * np.abs(ref[n]).max(), n
