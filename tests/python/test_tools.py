@@ -331,7 +331,7 @@ def test_lean_backward_model_is_the_chunk_algebra(monkeypatch, family):
     model = _tool("analysis/bwd_rounding")
     T = 150
     q, k, v, a, dO, dST = model.lean_problem(T, 7, family)
-    got = model.lean_backward(q, k, v, a, dO, dST, model.lean_states(k, v, a))
+    got = model.lean_backward(q, k, v, a, dO, dST, model.states(q, k, v, None, a, delta=False))
     ref, _ = backward(q, k, v, np.ones(T), a, np.zeros((model.K, model.V)), dO, dST, C=model.C, delta=False)
     for n in ("dq", "dk", "dv", "da"):
         assert np.abs(got[n] - ref[n]).max() <= 1e-12 * np.abs(ref[n]).max(), n
