@@ -178,7 +178,7 @@ def run_rounds(args, libs):
         child_args += ["--split", "--split-calls", str(args.split_calls)]
     for r in range(args.rounds):
         for name, path in libs:
-            env = dict(os.environ, CULA_LIBRARY=os.path.abspath(path))
+            env = dict(os.environ, CULA_LIBRARY=os.path.abspath(path), **args.lib_env.get(name, {}))
             proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child"] + child_args, env=env,
                                   capture_output=True, text=True)
             line = next((l for l in proc.stdout.splitlines() if l.startswith(MARK)), None)
@@ -230,6 +230,9 @@ def table(args, libs, times):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lib", action="append", default=[], metavar="NAME=PATH", help="a build to time (two or more)")
+    p.add_argument("--env", action="append", default=[], metavar="NAME:VAR=VALUE",
+                   help="an environment variable for one build's processes (repeatable): one library under two "
+                        "settings, e.g. --lib a=L --lib b=L --env b:CULA_BWD_LEAN=0")
     p.add_argument("--family", default="kda", choices=["kda", "gdn", "gla", "simple_gla", "lightning"])
     p.add_argument("--op", default="fwd", choices=["fwd", "bwd"], help="the chunked forward or the backward")
     p.add_argument("--config", action="append", default=None, help="BxT:H[/HV] or varlen:L1,L2,...:H[/HV] (repeatable)")
@@ -263,6 +266,13 @@ def main(argv=None) -> int:
         libs.append((name, path))
     if len(libs) < 2 or len({n for n, _ in libs}) != len(libs):
         raise SystemExit(f"argument --lib: expected two or more libraries with distinct names, got {len(libs)}")
+    args.lib_env = {}
+    for spec in args.env:
+        name, sep, assign = spec.partition(":")
+        var, eq, value = assign.partition("=")
+        if not sep or not eq or not var or name not in {n for n, _ in libs}:
+            raise SystemExit(f"argument --env: expected NAME:VAR=VALUE with NAME one of the --lib names, got {spec!r}")
+        args.lib_env.setdefault(name, {})[var] = value
     times, kernels, loaded, splits = run_rounds(args, libs)
     print("\n".join(table(args, libs, times)))
     if args.split:
@@ -272,7 +282,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(family=args.family, op=args.op, device=args.device, rounds=args.rounds, reps=args.reps,
-                           groups=args.groups, libs=dict(libs), loaded=loaded, kernels=kernels, ms=times,
+                           groups=args.groups, libs=dict(libs), env=args.lib_env, loaded=loaded, kernels=kernels, ms=times,
                            split=splits if args.split else None), f, indent=1)
     return 0
 

@@ -211,6 +211,40 @@ def test_one_token_from_a_zero_state_has_no_gate_gradient(rng, family):
         assert not _failing(errs, "cuda_chunk"), (family, dtype, errs)
 
 
+@pytest.mark.sanitize
+@pytest.mark.parametrize("family", ["simple_gla", "lightning"])
+def test_lean_form_matches_the_reference_and_the_general_form(rng, family, monkeypatch):
+    """The lean chunk backward (no delta rule, one decay per token, K <= 128: two main kernels) against
+    the float64 reference and against the general form (CULA_BWD_LEAN=0): a varlen batch with an empty
+    sequence, one below a chunk and one ending mid-chunk, K = 64 and 128, V = 64 and 192 (three value
+    slices), bf16 and float32 inputs, states in and out, both state layouts."""
+    t = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32))  # noqa: E731
+    cu = torch.tensor([0, 40, 40, 170, 300], dtype=torch.int32)
+    for K, V, dtype, layout in ((64, 64, torch.bfloat16, "k_last"), (128, 192, torch.float32, "k_first"),
+                                (128, 64, torch.bfloat16, "k_first")):
+        N, T, H = len(cu) - 1, int(cu[-1]), 2
+        sshape = (N, H, V, K) if layout == "k_last" else (N, H, K, V)
+        d = dict(q=t(1, T, H, K).to(dtype), k=(t(1, T, H, K) * K ** -0.5).to(dtype), v=t(1, T, H, V).to(dtype),
+                 d_out=t(1, T, H, V).to(dtype), initial_state=t(*sshape) * 0.3, d_final_state=t(*sshape))
+        if family == "lightning":
+            d["decay"] = torch.rand(H)
+        else:
+            d["g"] = -t(1, T, H).abs() * 0.3
+        kw = dict(state_layout=layout)
+        ref = _reference(family, d, cu, kw)
+        got = {}
+        for lean in ("1", "0"):
+            monkeypatch.setenv("CULA_BWD_LEAN", lean)
+            got[lean] = _run(family, d, cu, kw, _poisoned(d))
+            torch.cuda.synchronize()
+            assert cula.last_kernel() == "cuda_chunk", (family, K, V)
+            errs = _errors(got[lean], ref)
+            assert not _failing(errs, "cuda_chunk"), (family, K, V, dtype, lean, errs)
+        between = {n: rel(got["1"][n].cpu().double().numpy(), got["0"][n].cpu().double().numpy(), floor=1e-6)
+                   for n in ref}
+        assert not _failing(between, "cuda_chunk"), (family, K, V, dtype, between)
+
+
 @pytest.mark.parametrize("family", ["kda", "gdn", "lightning"])
 def test_cuda_backward_is_bitwise_deterministic(rng, family):
     d, cu, kw = _problem(rng, family)

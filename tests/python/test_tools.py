@@ -103,6 +103,25 @@ def test_ab_kernel_time_times_the_backward_of_every_family(tmp_path):
                 assert list(rows) == ["reference (host)"] and rows["reference (host)"] > 0, rows
 
 
+def test_ab_kernel_time_runs_one_build_under_two_settings(tmp_path):
+    """--env NAME:VAR=VALUE sets a variable in one library's processes only (one build, two settings),
+    recorded in the JSON; a name that is not a --lib name is refused."""
+    import json
+
+    import pytest
+
+    libs = _two_builds(tmp_path)
+    tool = _tool("ab_kernel_time")
+    out = tmp_path / "env.json"
+    argv = [x for n, p in libs.items() for x in ("--lib", f"{n}={p}")] + [
+        "--device", "cpu", "--kv", "64", "--rounds", "1", "--reps", "1", "--groups", "1", "--config", "1x40:1"]
+    assert tool.main(argv + ["--env", "new:CULA_BWD_LEAN=0", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["env"] == {"new": {"CULA_BWD_LEAN": "0"}} and all(min(v["1x40:1"]) > 0 for v in data["ms"].values())
+    with pytest.raises(SystemExit, match="argument --env: expected NAME:VAR=VALUE"):
+        tool.main(argv + ["--env", "other:X=1"])
+
+
 def test_ab_kernel_time_rejects_bad_arguments(tmp_path, capsys):
     import pytest
 

@@ -47,6 +47,8 @@
 #include <type_traits>
 
 #include "cuda/backward/chain.h"
+#include "cuda/backward/chunk_tiles.cuh"
+#include "cuda/backward/lean_bwd.h"
 #include "cuda/backward/recurrent_bwd.h"
 #include "cuda/backward/scan_width.h"
 #include "cuda/common/fwd_params.cuh"
@@ -61,6 +63,14 @@
 namespace cula {
 namespace {
 
+using bwd::ChunkAt;
+using bwd::chunk_in;
+using bwd::fast_exp;
+using bwd::input_rows;
+using bwd::RowScaled;
+using bwd::rows_async;
+using bwd::slice_in;
+using bwd::slice_out;
 using dev::ld;
 using dev::st;
 using tf32::cols;
@@ -68,6 +78,7 @@ using tf32::rows;
 
 constexpr int C = kChunk;  // 64 tokens
 constexpr int NW = 16, NT = 32 * NW;
+static_assert(NT == bwd::kTileThreads, "the tile loads' default block");
 constexpr int VE = 64;  // columns (or channels) per CTA or pass of the per-chunk kernels
 
 // One factor block per (chunk, value head), fp32, in this order: P, T, KEK (C x C), W, Qg, Kr, G
@@ -94,37 +105,9 @@ struct Params {
   int64_t BT;
 };
 
-// e^x on the SFU with results below 2^-126 flushed to zero (what __expf costs, without its
-// denormal fix-ups: every exponent here is at most 0, and a flushed factor is below fp32's
-// resolution of the terms it multiplies).
-__device__ __forceinline__ float fast_exp(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
-  return y;
-}
-
-// Where a per-chunk CTA's chunk lies: its sequence row, first token, valid rows and flattened
-// first token. False past the last chunk of a varlen call.
-struct ChunkAt {
-  int b_row, Lc;
-  int64_t t0, f0;
-};
-// Chunk ci of sequence sq (the scans walk a sequence's chunks with it).
-__device__ __forceinline__ ChunkAt chunk_in(const FwdParams& p, const Seq& sq, int ci) {
-  ChunkAt ch;
-  ch.t0 = sq.bos + static_cast<int64_t>(ci) * C;
-  ch.Lc = static_cast<int>(min(int64_t{C}, sq.eos - ch.t0));
-  ch.b_row = sq.b_row;
-  ch.f0 = static_cast<int64_t>(sq.b_row) * p.T + ch.t0;
-  return ch;
-}
+// Where a per-chunk CTA's chunk lies (chunk_tiles.cuh); false past the last chunk of a varlen call.
 __device__ __forceinline__ bool chunk_at(const Params& bp, int cidx, ChunkAt& ch) {
-  int n, ci;
-  if (!chunk::locate(bp.f, bp.chunk_base, cidx, n, ci)) return false;
-  const Seq sq = seq_of(bp.f, n);
-  if (sq.bos + static_cast<int64_t>(ci) * C >= sq.eos) return false;
-  ch = chunk_in(bp.f, sq, ci);
-  return true;
+  return bwd::chunk_at(bp.f, bp.chunk_base, cidx, ch);
 }
 // The (chunk, value head, column slice) of a per-chunk CTA whose grid runs over slices of `width`
 // columns (of V or K), the slice fastest in blockIdx.x, then the value head.
@@ -137,19 +120,6 @@ __device__ __forceinline__ ChunkSlice chunk_slice(const FwdParams& p, int slices
           static_cast<int>(b % slices) * width};
 }
 
-// ---- loads -------------------------------------------------------------------------------------
-// Rows [0, valid) of a ROWS x COLS fp32 tile (row pitch src_ld floats, 16-byte aligned rows) into
-// shared memory (pitch dst_ld) by cp.async; rows past valid are zeroed. The caller commits and waits.
-template <int ROWS, int COLS, int THREADS = NT>
-__device__ __forceinline__ void rows_async(float* dst, int dst_ld, const float* src, int64_t src_ld, int valid = ROWS) {
-  constexpr int P = COLS / 4;
-  for (int i = threadIdx.x; i < ROWS * P; i += THREADS) {
-    const int r = i / P, c4 = (i % P) * 4;
-    if (r < valid) mma::cp_async16(dst + r * dst_ld + c4, src + r * src_ld + c4);
-    else *reinterpret_cast<float4*>(dst + r * dst_ld + c4) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  }
-}
-
 // The same for rows whose pitch leaves them unaligned for 16-byte copies (the part rows: 3 K + 1
 // floats), by 4-byte copies.
 template <int ROWS, int COLS, int THREADS = NT>
@@ -160,62 +130,6 @@ __device__ __forceinline__ void rows_async4(float* dst, int dst_ld, const float*
     else dst[r * dst_ld + c] = 0.0f;
   }
 }
-
-// Rows [0, valid) of a ROWS x COLS tile of a bf16, fp16 or fp32 input (unit column stride, 16-byte
-// aligned rows, row r at element off + r row_stride) into fp32 shared memory, rows past valid
-// zeroed: every thread issues all its loads before its first store.
-template <int ROWS, int COLS, int THREADS = NT>
-__device__ __forceinline__ void input_rows(float* dst, int dst_ld, const void* src, int dt, int64_t off, int64_t row_stride,
-                                           int valid) {
-  const int tid = threadIdx.x;
-  if (dt == CULA_FLOAT32) {
-    constexpr int P = COLS / 4, PER = (ROWS * P + THREADS - 1) / THREADS;
-    const float* s = static_cast<const float*>(src) + off;
-    float4 x[PER];
-#pragma unroll
-    for (int u = 0; u < PER; ++u) {
-      const int i = tid + u * THREADS, r = i / P, c = (i % P) * 4;
-      x[u] = r < valid && i < ROWS * P ? *reinterpret_cast<const float4*>(s + r * row_stride + c)
-                                       : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    }
-#pragma unroll
-    for (int u = 0; u < PER; ++u) {
-      const int i = tid + u * THREADS, r = i / P, c = (i % P) * 4;
-      if (i < ROWS * P) *reinterpret_cast<float4*>(dst + r * dst_ld + c) = x[u];
-    }
-  } else {
-    constexpr int P = COLS / 8, PER = (ROWS * P + THREADS - 1) / THREADS;
-    const uint16_t* s = static_cast<const uint16_t*>(src) + off;
-    uint4 x[PER];
-#pragma unroll
-    for (int u = 0; u < PER; ++u) {
-      const int i = tid + u * THREADS, r = i / P, c = (i % P) * 8;
-      x[u] = r < valid && i < ROWS * P ? *reinterpret_cast<const uint4*>(s + r * row_stride + c) : make_uint4(0, 0, 0, 0);
-    }
-    const bool bf = dt == CULA_BFLOAT16;
-#pragma unroll
-    for (int u = 0; u < PER; ++u) {
-      const int i = tid + u * THREADS, r = i / P, c = (i % P) * 8;
-      if (i >= ROWS * P) break;
-      const uint32_t w[4] = {x[u].x, x[u].y, x[u].z, x[u].w};
-      float* d = dst + r * dst_ld + c;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const uint16_t lo = static_cast<uint16_t>(w[e] & 0xffffu), hi = static_cast<uint16_t>(w[e] >> 16);
-        d[2 * e] = bf ? __uint_as_float(static_cast<uint32_t>(lo) << 16) : __half2float(__ushort_as_half(lo));
-        d[2 * e + 1] = bf ? __uint_as_float(static_cast<uint32_t>(hi) << 16) : __half2float(__ushort_as_half(hi));
-      }
-    }
-  }
-}
-
-// Row i of a row-major matrix scaled by s[i].
-struct RowScaled {
-  const float* p;
-  int ld;
-  const float* s;
-  __device__ __forceinline__ float operator()(int i, int j) const { return s[i] * p[i * ld + j]; }
-};
 
 // x = hi + lo, hi = bf16(x) (as a float), lo = x - hi.
 __device__ __forceinline__ void hilo(float x, float& hi, float& lo) {
@@ -268,25 +182,6 @@ __device__ __forceinline__ void put_pairs_t(unsigned char* dst, int lo_off, int 
     const int off = wg::sw128_offset(rows, c + e, r);
     *reinterpret_cast<uint32_t*>(dst + off) = mma::pack(h0, h1);
     *reinterpret_cast<uint32_t*>(dst + lo_off + off) = mma::pack(l0, l1);
-  }
-}
-
-// The scans' state slices (K x VS, columns v0..): from state row `row` of a state tensor in the
-// call's layout (zeros without one), and to one.
-template <int K, int VS, int THREADS = NT>
-__device__ __forceinline__ void slice_in(float* S, int pitch, const FwdParams& p, const void* src, int dt, int64_t row, int hv,
-                                         int v0) {
-  for (int i = threadIdx.x; i < K * VS; i += THREADS) {
-    const int c = i / VS, j = i % VS;
-    S[c * pitch + j] = src ? ld(src, dt, state_elem(p, row, hv, v0 + j, c)) : 0.0f;
-  }
-}
-template <int K, int VS, int THREADS = NT>
-__device__ __forceinline__ void slice_out(void* dst, int dt, const FwdParams& p, int64_t row, int hv, int v0, const float* S,
-                                          int pitch) {
-  for (int i = threadIdx.x; i < K * VS; i += THREADS) {
-    const int c = i / VS, j = i % VS;
-    st(dst, dt, state_elem(p, row, hv, v0 + j, c), S[c * pitch + j]);
   }
 }
 
@@ -2196,6 +2091,7 @@ void cuda_chunk_bwd(const Recurrence& r, const cula_chunk_bwd_args& a) {
   const char* op = "chunk_bwd";
   const int device = a.q->device_id;
   bwd::check(cudaSetDevice(device), "cudaSetDevice");
+  if (lean_form(r, device)) return cuda_lean_bwd(r, a);  // no delta rule, one decay per token (lean_bwd.cu)
   const cudaStream_t stream = static_cast<cudaStream_t>(a.opt.stream);
   const int64_t BT = r.B * r.T, K = r.K, V = r.V, HV = r.HV;
   using bwd::align256;
