@@ -44,6 +44,7 @@
 #include "cuda/backward/chunk_tiles.cuh"
 #include "cuda/backward/scan_width.h"
 #include "cuda/common/fwd_params.cuh"
+#include "cuda/kerutils/bf16_gemm.cuh"
 #include "cuda/kerutils/mma.cuh"
 #include "cuda/kerutils/tf32_gemm.cuh"
 #include "cuda/prefill/chunk_common.cuh"
@@ -70,8 +71,8 @@ struct LeanParams {
   FwdParams f;
   bwd::TokenInputs x;   // q^, k^ and the log-decay a (x.dec, repeated over K)
   int32_t* chunk_base;  // varlen chunk numbering, else null
-  float* S0;            // states at chunk starts [chunks, HV, K, V]
-  float* dS;            // end-state gradients [chunks, HV, K, V]
+  void* S0;             // states at chunk starts [chunks, HV, K, V], fp32 (bf16 on the bf16 path)
+  void* dS;             // end-state gradients [chunks, HV, K, V], as S0
   float* part;          // [B*T, HV, 3K + 1] (chain.h)
   bwd::GradIO io;       // d_out, d_final_state, d_initial_state, dv
   int want_da;          // the gate has a gradient (simple GLA; Lightning's constant decay has none)
@@ -128,7 +129,7 @@ __device__ __forceinline__ void raw_rows_async(unsigned char* dst, const void* s
 // Both scans, one role per CTA (GRAD: the gradients, chunks last to first). The state role carries S
 // (S0 out), k^ and v in, w_t = e^{g - G_t}; the gradient role carries dS (dS of each end out), q^ and
 // dO in, w_t = e^{G_t}.
-template <int K, int VS, int PREC, bool GRAD>
+template <int K, int VS, int PREC, bool BF16, bool GRAD>
 __device__ __forceinline__ void lean_scan(const LeanParams& bp, float* sm, const chunk::SliceTask& tk) {
   using Ly = LeanScanLayout<K, VS>;
   constexpr int LS = Ly::LS, LQ = Ly::LQ;
@@ -142,7 +143,7 @@ __device__ __forceinline__ void lean_scan(const LeanParams& bp, float* sm, const
   const int64_t* s4 = GRAD ? bp.io.dO_s : p.v_s;
   const float* tok = GRAD ? bp.x.qh : bp.x.kh;
   const int64_t qk_ld = static_cast<int64_t>(p.H) * K;
-  float* const out = GRAD ? bp.dS : bp.S0;
+  void* const out = GRAD ? bp.dS : bp.S0;
   auto load = [&](int ci, int buf) {
     const ChunkAt ch = bwd::chunk_in(p, tk.sq, ci);
     rows_async<C, K, ST>(sm + Ly::X + buf * C * LQ, LQ, tok + (ch.f0 * p.H + h) * K, qk_ld, ch.Lc);
@@ -177,11 +178,13 @@ __device__ __forceinline__ void lean_scan(const LeanParams& bp, float* sm, const
       if (lane == 0) *eg = fast_exp(g);
     }
     __syncthreads();
-    float* o = out + ((tk.cbase + ci) * p.HV + hv) * static_cast<int64_t>(K) * p.V + v0;
+    const int64_t o = ((tk.cbase + ci) * p.HV + hv) * static_cast<int64_t>(K) * p.V + v0;
     const float e = *eg;
     tf32::gemm<K, VS, C, SW, 2, PREC>(ColsScaled{sm + Ly::X + buf * C * LQ, LQ, w}, rows(Vf, LS), [&](int i, int j, float v) {
       const float x = S[i * LS + j];
-      o[i * static_cast<int64_t>(p.V) + j] = x;  // S0 of the chunk, or dS of its end
+      const int64_t at = o + i * static_cast<int64_t>(p.V) + j;  // S0 of the chunk, or dS of its end
+      if (BF16) static_cast<__nv_bfloat16*>(out)[at] = __float2bfloat16_rn(x);
+      else static_cast<float*>(out)[at] = x;
       S[i * LS + j] = e * x + v;
     });
   }
@@ -189,12 +192,12 @@ __device__ __forceinline__ void lean_scan(const LeanParams& bp, float* sm, const
   if (GRAD && bp.io.dh0) bwd::slice_out<K, VS, ST>(bp.io.dh0, bp.io.dh0_dt, p, tk.n, hv, v0, S, LS);
 }
 
-template <int K, int VS, int PREC>
+template <int K, int VS, int PREC, bool BF16>
 __global__ void __launch_bounds__(ST, 2) lean_scans_kernel(const LeanParams bp) {
   extern __shared__ __align__(16) float sm[];
   const chunk::SliceTask tk = chunk::slice_task<VS>(bp.f, bp.chunk_base, blockIdx.x >> 1);
-  if (blockIdx.x & 1) lean_scan<K, VS, PREC, true>(bp, sm, tk);
-  else lean_scan<K, VS, PREC, false>(bp, sm, tk);
+  if (blockIdx.x & 1) lean_scan<K, VS, PREC, BF16, true>(bp, sm, tk);
+  else lean_scan<K, VS, PREC, BF16, false>(bp, sm, tk);
 }
 
 // ---- 3. the gradients --------------------------------------------------------------------------
@@ -232,8 +235,8 @@ __global__ void __launch_bounds__(NT, 1) lean_grads_kernel(const LeanParams bp) 
   const bool want_dv = bp.io.dv != nullptr;
 
   auto load_slice = [&](int v0) {
-    rows_async<K, VE>(S0b, LV, bp.S0 + st_off + v0, p.V);
-    rows_async<K, VE>(dSb, LV, bp.dS + st_off + v0, p.V);
+    rows_async<K, VE>(S0b, LV, static_cast<const float*>(bp.S0) + st_off + v0, p.V);
+    rows_async<K, VE>(dSb, LV, static_cast<const float*>(bp.dS) + st_off + v0, p.V);
     mma::cp_async_commit();
     bwd::input_rows<C, VE>(vb, LV, p.v, p.v_dt, ch.b_row * p.v_s[0] + ch.t0 * p.v_s[1] + hv * p.v_s[2] + v0, p.v_s[1], Lc);
     bwd::input_rows<C, VE>(dOb, LV, bp.io.dO, bp.io.dO_dt,
@@ -301,11 +304,12 @@ __global__ void __launch_bounds__(NT, 1) lean_grads_kernel(const LeanParams bp) 
     Am[t * LA + s] = s < t ? v * fast_exp(Gs[t] - Gs[s]) : 0.0f;
   });
   __syncthreads();
-  // the last token's term of dG per channel: S_end o dS summed over V = e^g (S0 o dS) + sum_s k^_s e^{g - G_s} (v dS^T)_s
+  // the last token's term of dG per channel: S_end o dS summed over V = e^g (S0 o dS) + sum_s k^_s e^{g - G_s} (v dS^T)_s,
+  // each term as dG's below takes it (so that one token's terms cancel exactly)
   if (sc < K) {
     float x = 0.0f;
 #pragma unroll 4
-    for (int s = 16 * sq4; s < 16 * sq4 + 16; ++s) x += ks[s * LK + sc] * eK[s] * dk[s * LK + sc];
+    for (int s = 16 * sq4; s < 16 * sq4 + 16; ++s) x += ks[s * LK + sc] * (eK[s] * dk[s * LK + sc]);
     x += eg * sd;
     x += __shfl_xor_sync(0xffffffffu, x, 1);
     x += __shfl_xor_sync(0xffffffffu, x, 2);
@@ -354,6 +358,267 @@ __global__ void __launch_bounds__(NT, 1) lean_grads_kernel(const LeanParams bp) 
   }
 }
 
+// ---- 3, on bf16 operands ----------------------------------------------------------------------
+// bf16 inputs whose gate is not activated in the kernel (the calls the general form gives one TF32
+// product): every product on bf16 operands (bf16_gemm.cuh), the states bf16 from the scans, as FLA
+// lays them out; the error model (tools/analysis/bwd_rounding.py --family) puts dq, dk and dv at
+// 0.21-0.29x of FLA's tolerances there. The same steps as lean_grads_kernel, with: q^ and k^ as bf16
+// tiles (converted from the prepared fp32 rows), A and then dP o E as a bf16 tile, the slices in two
+// buffers (the next one's v, dO, S0 and dS copied in by cp.async while this one's products run), each
+// product reading its operands as they lie (ldmatrix.trans for the transposed ones), and dv's state
+// term scaled by e^{g - G} per row in registers. After the slices dq^, dk^ and dG (fp32) take the
+// slice buffers. The diagonal pairs' dq^ / dk^ terms take the fp32 q^ and k^ at the write back.
+template <int K>
+struct LeanBfLayout {  // bytes
+  static constexpr int LK = K + 8, LC = C + 8, LV = VE + 8, LF = K + 4;  // pitches (elements)
+  static constexpr int q = 0, k = q + C * LK * 2, A = k + C * LK * 2, sl = A + C * LC * 2;
+  // one slice buffer: v, dO (C x VE), S0, dS (K x VE)
+  static constexpr int v = 0, dO = v + C * LV * 2, S0 = dO + C * LV * 2, dS = S0 + K * LV * 2, slice = dS + K * LV * 2;
+  static constexpr int dq = sl, dk = dq + C * LF * 4, dG = dk + C * LF * 4;
+  static_assert(dG + C * LF * 4 <= sl + 2 * slice, "dq^, dk^ and dG fit over the slice buffers");
+  static constexpr int vec = sl + 2 * slice;  // floats: G, e^G, e^{g - G}, dP_tt (C each), the last token's terms (K), segments (NT)
+  static constexpr int bytes = vec + (4 * C + K + NT) * 4;
+};
+
+// Rows [0, valid) of a ROWS x COLS fp32 matrix (16-byte aligned rows, pitch src_ld floats) into a bf16
+// tile (pitch ld), rows past valid zeroed; every load issued before the first store.
+template <int ROWS, int COLS>
+__device__ __forceinline__ void f32_rows_to_bf16(__nv_bfloat16* dst, int ld, const float* src, int64_t src_ld, int valid) {
+  constexpr int P = COLS / 8, PER = (ROWS * P + NT - 1) / NT;
+  float4 x[PER][2];
+#pragma unroll
+  for (int u = 0; u < PER; ++u) {
+    const int i = threadIdx.x + u * NT, r = i / P, c = (i % P) * 8;
+    const bool in = i < ROWS * P && r < valid;
+    x[u][0] = in ? *reinterpret_cast<const float4*>(src + r * src_ld + c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    x[u][1] = in ? *reinterpret_cast<const float4*>(src + r * src_ld + c + 4) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
+#pragma unroll
+  for (int u = 0; u < PER; ++u) {
+    const int i = threadIdx.x + u * NT, r = i / P, c = (i % P) * 8;
+    if (i < ROWS * P)
+      *reinterpret_cast<uint4*>(dst + r * ld + c) = make_uint4(mma::pack(x[u][0].x, x[u][0].y), mma::pack(x[u][0].z, x[u][0].w),
+                                                               mma::pack(x[u][1].x, x[u][1].y), mma::pack(x[u][1].z, x[u][1].w));
+  }
+}
+
+// Rows [0, valid) of a C x VE tile of a bf16, fp16 or fp32 input (unit column stride, 16-byte aligned
+// rows, row r at element off + r row_stride) into a bf16 tile: bf16 by cp.async (the caller commits),
+// the others converted through registers; rows past valid zeroed.
+__device__ __forceinline__ void input_rows_to_bf16(__nv_bfloat16* dst, int ld, const void* src, int dt, int64_t off,
+                                                   int64_t row_stride, int valid) {
+  constexpr int P = VE / 8;
+  for (int i = threadIdx.x; i < C * P; i += NT) {
+    const int r = i / P, c = (i % P) * 8;
+    __nv_bfloat16* d = dst + r * ld + c;
+    const int64_t e = off + r * row_stride + c;
+    if (r >= valid) {
+      *reinterpret_cast<uint4*>(d) = make_uint4(0u, 0u, 0u, 0u);
+    } else if (dt == CULA_BFLOAT16) {
+      mma::cp_async16(d, static_cast<const __nv_bfloat16*>(src) + e);
+    } else {
+      float f[8];
+      if (dt == CULA_FLOAT32) {
+        const float4 a = *reinterpret_cast<const float4*>(static_cast<const float*>(src) + e),
+                     b = *reinterpret_cast<const float4*>(static_cast<const float*>(src) + e + 4);
+        f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+      } else {
+        const uint4 w = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(src) + e);
+        const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+          const float2 h2 = mma::unpack<__half>(ws[m]);
+          f[2 * m] = h2.x, f[2 * m + 1] = h2.y;
+        }
+      }
+      *reinterpret_cast<uint4*>(d) = make_uint4(mma::pack(f[0], f[1]), mma::pack(f[2], f[3]), mma::pack(f[4], f[5]), mma::pack(f[6], f[7]));
+    }
+  }
+}
+
+template <int K>
+__global__ void __launch_bounds__(NT, 1) lean_grads_bf16_kernel(const LeanParams bp) {
+  using Ly = LeanBfLayout<K>;
+  using bf = __nv_bfloat16;
+  using bf16mm::kmajor;
+  using bf16mm::mnmajor;
+  constexpr int LK = Ly::LK, LC = Ly::LC, LV = Ly::LV, LF = Ly::LF;
+  constexpr int64_t PW = bwd::part_width(K);
+  extern __shared__ __align__(128) unsigned char smb[];
+  bf *qb = reinterpret_cast<bf*>(smb + Ly::q), *kb = reinterpret_cast<bf*>(smb + Ly::k), *Ab = reinterpret_cast<bf*>(smb + Ly::A);
+  float* const vec = reinterpret_cast<float*>(smb + Ly::vec);
+  float *Gs = vec, *eG = vec + C, *eK = vec + 2 * C, *dPd = vec + 3 * C, *last = vec + 4 * C, *segs = last + K;
+  const FwdParams& p = bp.f;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int cidx = static_cast<int>(blockIdx.x / p.HV), hv = static_cast<int>(blockIdx.x % p.HV);
+  const int h = hv / (p.HV / p.H);
+  ChunkAt ch;
+  if (!bwd::chunk_at(p, bp.chunk_base, cidx, ch)) return;
+  const int Lc = ch.Lc, nsl = p.V / VE;
+  const int64_t qk_ld = static_cast<int64_t>(p.H) * K, st_off = (static_cast<int64_t>(cidx) * p.HV + hv) * K * p.V;
+  const float *qg = bp.x.qh + (ch.f0 * p.H + h) * K, *kg = bp.x.kh + (ch.f0 * p.H + h) * K;
+  const bool want_dv = bp.io.dv != nullptr;
+
+  auto slice_at = [&](int i) { return smb + Ly::sl + (i & 1) * Ly::slice; };
+  auto load_slice = [&](int i) {
+    unsigned char* b = slice_at(i);
+    const int v0 = i * VE;
+    const bf *S0g = static_cast<const bf*>(bp.S0) + st_off + v0, *dSg = static_cast<const bf*>(bp.dS) + st_off + v0;
+    for (int x = tid; x < K * (VE / 8); x += NT) {
+      const int r = x / (VE / 8), c = (x % (VE / 8)) * 8;
+      mma::cp_async16(b + Ly::S0 + (r * LV + c) * 2, S0g + r * static_cast<int64_t>(p.V) + c);
+      mma::cp_async16(b + Ly::dS + (r * LV + c) * 2, dSg + r * static_cast<int64_t>(p.V) + c);
+    }
+    input_rows_to_bf16(reinterpret_cast<bf*>(b + Ly::v), LV, p.v, p.v_dt, ch.b_row * p.v_s[0] + ch.t0 * p.v_s[1] + hv * p.v_s[2] + v0,
+                       p.v_s[1], Lc);
+    input_rows_to_bf16(reinterpret_cast<bf*>(b + Ly::dO), LV, bp.io.dO, bp.io.dO_dt,
+                       ch.b_row * bp.io.dO_s[0] + ch.t0 * bp.io.dO_s[1] + hv * bp.io.dO_s[2] + v0, bp.io.dO_s[1], Lc);
+    mma::cp_async_commit();
+  };
+  if (warp == 0) {
+    const float a0 = lane < Lc ? *decay_row(bp, ch.f0 + lane, hv) : 0.0f;
+    const float a1 = lane + 32 < Lc ? *decay_row(bp, ch.f0 + lane + 32, hv) : 0.0f;
+    float G0, G1;
+    const float g = chunk_cumsum(a0, a1, lane, G0, G1);
+    Gs[lane] = G0, Gs[lane + 32] = G1;
+    eG[lane] = lane < Lc ? fast_exp(G0) : 0.0f;
+    eG[lane + 32] = lane + 32 < Lc ? fast_exp(G1) : 0.0f;
+    eK[lane] = lane < Lc ? fast_exp(g - G0) : 0.0f;
+    eK[lane + 32] = lane + 32 < Lc ? fast_exp(g - G1) : 0.0f;
+    if (lane == 0) last[0] = g;  // (read into a register below, before last is written)
+  }
+  load_slice(0);
+  if (nsl > 1) load_slice(1);
+  f32_rows_to_bf16<C, K>(qb, LK, qg, qk_ld, Lc);
+  f32_rows_to_bf16<C, K>(kb, LK, kg, qk_ld, Lc);
+  __syncthreads();
+  const float eg = fast_exp(last[0]);
+  {  // A = (q^ k^T) o E, the diagonal included
+    bf16mm::Acc<C, C, NW> a;
+    a.zero();
+    a.template add<K>(kmajor(qb, LK), kmajor(kb, LK));
+    a.drain([&](int t, int s, float x0, float x1) {
+      const float e0 = s <= t ? fast_exp(Gs[t] - Gs[s]) : 0.0f, e1 = s + 1 <= t ? fast_exp(Gs[t] - Gs[s + 1]) : 0.0f;
+      *reinterpret_cast<uint32_t*>(Ab + t * LC + s) = mma::pack(x0 * e0, x1 * e1);
+    });
+  }
+  bf16mm::Acc<C, C, NW> aP;
+  bf16mm::Acc<C, K, NW> aQ, aK;
+  aP.zero(), aQ.zero(), aK.zero();
+  float sd = 0.0f;  // S0 o dS over V for channel tid / 4, a quarter of each slice's columns
+  const int sc = tid >> 2, sq4 = tid & 3;
+  for (int i = 0; i < nsl; ++i) {
+    mma::cp_async_wait_pending(i + 1 < nsl ? 1 : 0);
+    __syncthreads();  // slice i in (and A written)
+    const unsigned char* b = slice_at(i);
+    const bf *vb = reinterpret_cast<const bf*>(b + Ly::v), *dOb = reinterpret_cast<const bf*>(b + Ly::dO),
+             *S0b = reinterpret_cast<const bf*>(b + Ly::S0), *dSb = reinterpret_cast<const bf*>(b + Ly::dS);
+    aP.template add<VE>(kmajor(dOb, LV), kmajor(vb, LV));   // dP_ts = dO_t . v_s
+    aQ.template add<VE>(kmajor(dOb, LV), kmajor(S0b, LV));  // (dO S0^T)_tc
+    aK.template add<VE>(kmajor(vb, LV), kmajor(dSb, LV));   // (v dS^T)_sc
+    if (sc < K) {
+      const __nv_bfloat162 *x = reinterpret_cast<const __nv_bfloat162*>(S0b + sc * LV + 16 * sq4),
+                           *y = reinterpret_cast<const __nv_bfloat162*>(dSb + sc * LV + 16 * sq4);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float2 a = __bfloat1622float2(x[j]), c = __bfloat1622float2(y[j]);
+        sd += a.x * c.x + a.y * c.y;
+      }
+    }
+    if (want_dv) {  // dv = A^T dO + diag(e^{g - G}) (k^ dS)
+      bf16mm::Acc<C, VE, NW> dA, dK;
+      dA.zero(), dK.zero();
+      dA.template add<C>(mnmajor(Ab, LC), mnmajor(dOb, LV));
+      dK.template add<K>(kmajor(kb, LK), mnmajor(dSb, LV));
+      dA.add_rows_scaled(dK, eK);
+      const bwd::GradIO& io = bp.io;
+      const int v0 = i * VE;
+      dA.drain([&](int s, int j, float x0, float x1) {
+        if (s >= Lc) return;
+        const int64_t o = ch.b_row * io.dv_s[0] + (ch.t0 + s) * io.dv_s[1] + hv * io.dv_s[2] + (v0 + j) * io.dv_s[3];
+        bwd::st(io.dv, io.dv_dt, o, x0);
+        bwd::st(io.dv, io.dv_dt, o + io.dv_s[3], x1);
+      });
+    }
+    __syncthreads();  // slice i read
+    if (i + 2 < nsl) load_slice(i + 2);
+  }
+  float *dq = reinterpret_cast<float*>(smb + Ly::dq), *dk = reinterpret_cast<float*>(smb + Ly::dk),
+        *dG = reinterpret_cast<float*>(smb + Ly::dG);
+  aQ.drain([&](int t, int c, float x0, float x1) { *reinterpret_cast<float2*>(dq + t * LF + c) = make_float2(x0, x1); });
+  aK.drain([&](int t, int c, float x0, float x1) { *reinterpret_cast<float2*>(dk + t * LF + c) = make_float2(x0, x1); });
+  aP.drain([&](int t, int s, float x0, float x1) {
+    if (s == t) dPd[t] = x0;  // the diagonal, added at the write back
+    if (s + 1 == t) dPd[t] = x1;
+    const float e0 = s < t ? fast_exp(Gs[t] - Gs[s]) : 0.0f, e1 = s + 1 < t ? fast_exp(Gs[t] - Gs[s + 1]) : 0.0f;
+    *reinterpret_cast<uint32_t*>(Ab + t * LC + s) = mma::pack(x0 * e0, x1 * e1);
+  });
+  __syncthreads();
+  // the last token's term of dG per channel: e^g (S0 o dS) + sum_s k^_s (e^{g - G_s} (v dS^T)_s), with
+  // k^ as dG's terms take it below (so that one token's terms cancel exactly)
+  if (sc < K) {
+    float x = 0.0f;
+#pragma unroll 4
+    for (int s = 16 * sq4; s < 16 * sq4 + 16; ++s) x += __bfloat162float(kb[s * LK + sc]) * (eK[s] * dk[s * LF + sc]);
+    x += eg * sd;
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    x += __shfl_xor_sync(0xffffffffu, x, 2);
+    if (sq4 == 0) last[sc] = x;
+  }
+  __syncthreads();  // dk's state part read
+  {  // dq^ = e^G (dO S0^T) + (dP o E) k^
+    bf16mm::Acc<C, K, NW> x;
+    x.zero();
+    x.template add<C>(kmajor(Ab, LC), mnmajor(kb, LK));
+    x.drain([&](int t, int c, float x0, float x1) {
+      float2* d = reinterpret_cast<float2*>(dq + t * LF + c);
+      const float2 o = *d;
+      *d = make_float2(eG[t] * o.x + x0, eG[t] * o.y + x1);
+    });
+  }
+  {  // dk^ = e^{g - G} (v dS^T) + (dP o E)^T q^, and dG = q^ o dq^ - k^ o dk^ (one shape: the thread has dq^'s element)
+    bf16mm::Acc<C, K, NW> x;
+    x.zero();
+    x.template add<C>(mnmajor(Ab, LC), mnmajor(qb, LK));
+    x.drain([&](int s, int c, float x0, float x1) {
+      float2* d = reinterpret_cast<float2*>(dk + s * LF + c);
+      const float2 o = *d, q2 = *reinterpret_cast<const float2*>(dq + s * LF + c);
+      const float d0 = eK[s] * o.x + x0, d1 = eK[s] * o.y + x1;
+      *d = make_float2(d0, d1);
+      const float2 qq = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(qb + s * LK + c)),
+                   kk = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(kb + s * LK + c));
+      *reinterpret_cast<float2*>(dG + s * LF + c) = make_float2(qq.x * q2.x - kk.x * d0, qq.y * q2.y - kk.y * d1);
+    });
+  }
+  __syncthreads();
+  float* const part = bp.part + (ch.f0 * p.HV + hv) * PW;  // token t's row: part + t row_ld
+  const int64_t row_ld = static_cast<int64_t>(p.HV) * PW;
+  for (int i = tid; i < Lc * K; i += NT) {  // the diagonal pairs' dq^ and dk^ terms, in fp32
+    const int t = i / K, c = i % K;
+    part[t * row_ld + c] = dq[t * LF + c] + dPd[t] * kg[t * qk_ld + c];
+    part[t * row_ld + K + c] = dk[t * LF + c] + dPd[t] * qg[t * qk_ld + c];
+  }
+  if (!bp.want_da) return;
+  // da_s = sum_{t >= s} dG_t, the last token's term in every sum: thread (channel, segment of SL tokens)
+  constexpr int NSEG = NT / K, SL = C / NSEG;
+  const int c = tid % K, sg = tid / K;
+  float v[SL], tot = 0.0f;
+#pragma unroll
+  for (int j = SL - 1; j >= 0; --j) {
+    if (sg * SL + j < Lc) tot += dG[(sg * SL + j) * LF + c];
+    v[j] = tot;
+  }
+  segs[sg * K + c] = tot;
+  __syncthreads();
+  float later = last[c];
+  for (int q = NSEG - 1; q > sg; --q) later += segs[q * K + c];
+#pragma unroll
+  for (int j = 0; j < SL; ++j) {
+    const int t = sg * SL + j;
+    if (t < Lc) part[t * row_ld + 2 * K + c] = v[j] + later;
+  }
+}
+
 // ---- host --------------------------------------------------------------------------------------
 template <class F>
 auto with_lean_key_size(int K, F&& f) {
@@ -369,21 +634,29 @@ int lean_smem(int K, int width, int dt) {
   });
 }
 
-template <int K, int PREC>
+// BF16: the bf16 path (states and the gradient kernel's operands bf16; the scans' products one TF32
+// product); otherwise fp32 states and PREC throughout.
+template <int K, int PREC, bool BF16>
 void run_lean(const LeanParams& bp, int64_t chunks, int N, int HV, int V, int width, int dt, cudaStream_t stream) {
   auto scans = [&](auto w) {
     constexpr int W = decltype(w)::value;
     const int64_t grid = 2 * static_cast<int64_t>(N) * HV * (V / W);
     if (grid <= 0) return;
     const int bytes = LeanScanLayout<K, W>::bytes(dt);
-    chunk::allow_smem(lean_scans_kernel<K, W, PREC>, bytes);
-    lean_scans_kernel<K, W, PREC><<<static_cast<unsigned>(grid), ST, bytes, stream>>>(bp);
+    chunk::allow_smem(lean_scans_kernel<K, W, PREC, BF16>, bytes);
+    lean_scans_kernel<K, W, PREC, BF16><<<static_cast<unsigned>(grid), ST, bytes, stream>>>(bp);
   };
   if (width == 32) scans(std::integral_constant<int, 32>{});
   else scans(std::integral_constant<int, 16>{});
   if (chunks * HV <= 0) return;
-  chunk::allow_smem(lean_grads_kernel<K, PREC>, LeanGradsLayout<K>::bytes);
-  lean_grads_kernel<K, PREC><<<static_cast<unsigned>(chunks * HV), NT, LeanGradsLayout<K>::bytes, stream>>>(bp);
+  const unsigned grid = static_cast<unsigned>(chunks * HV);
+  if constexpr (BF16) {
+    chunk::allow_smem(lean_grads_bf16_kernel<K>, LeanBfLayout<K>::bytes);
+    lean_grads_bf16_kernel<K><<<grid, NT, LeanBfLayout<K>::bytes, stream>>>(bp);
+  } else {
+    chunk::allow_smem(lean_grads_kernel<K, PREC>, LeanGradsLayout<K>::bytes);
+    lean_grads_kernel<K, PREC><<<grid, NT, LeanGradsLayout<K>::bytes, stream>>>(bp);
+  }
 }
 
 // The scans read v and d_out in their own dtypes: the wider of the two sizes their raw buffers.
@@ -416,7 +689,11 @@ void cuda_lean_bwd(const Recurrence& r, const cula_chunk_bwd_args& a) {
   bp.f = make_fwd_params(r, bwd::forward_args(a));
   const int64_t chunks = chunk::max_chunks(bp.f);
   if (chunks * HV >= (int64_t{1} << 31) / 2) throw_unsupported(op, "too many chunks x heads for one launch");
-  const int64_t state_bytes = align256(chunks * HV * K * V * 4);
+  // the products' precision as the general form's (chunk_bwd.cu): three TF32 products where the gate
+  // is activated in the kernel or the inputs are not bf16; otherwise the bf16 path
+  const bool precise = r.gate_in_kernel || a.q->dtype != CULA_BFLOAT16 || a.k->dtype != CULA_BFLOAT16 ||
+                       a.v->dtype != CULA_BFLOAT16;
+  const int64_t state_bytes = align256(chunks * HV * K * V * (precise ? 4 : 2));
   const int64_t sizes[] = {
       chunk::base_bytes(bp.f),                     // chunk_base
       bwd::token_inputs_bytes(r),                  // q^, k^, a, beta
@@ -445,14 +722,11 @@ void cuda_lean_bwd(const Recurrence& r, const cula_chunk_bwd_args& a) {
   if (bp.chunk_base) chunk::launch_chunk_base(bp.f, bp.chunk_base, stream);
   bwd::launch_token_inputs(bp.f, bp.x, /*log_decay=*/true, stream);
   const int width = plan_width(r, device), dt = raw_dtype(a);
-  // the products' precision as the general form's (chunk_bwd.cu): one TF32 product on bf16 inputs
-  // whose gate is not activated in the kernel, three otherwise
-  const bool precise = r.gate_in_kernel || a.q->dtype != CULA_BFLOAT16 || a.v->dtype != CULA_BFLOAT16;
   with_lean_key_size(static_cast<int>(K), [&](auto k) {
     constexpr int KK = decltype(k)::value;
     const int n = static_cast<int>(r.N), hv = static_cast<int>(HV), v = static_cast<int>(V);
-    if (precise) run_lean<KK, tf32::kThreeTF32>(bp, chunks, n, hv, v, width, dt, stream);
-    else run_lean<KK, tf32::kOneTF32>(bp, chunks, n, hv, v, width, dt, stream);
+    if (precise) run_lean<KK, tf32::kThreeTF32, false>(bp, chunks, n, hv, v, width, dt, stream);
+    else run_lean<KK, tf32::kOneTF32, true>(bp, chunks, n, hv, v, width, dt, stream);
   });
   bwd::check(cudaGetLastError(), "kernel launch");
   bwd::launch_chain(r, a, bp.f, bp.part, /*tiles=*/1, at[5], stream);
