@@ -16,7 +16,7 @@ config, in tables after the main one and in the JSON.
 A config is BxT:H or varlen:L1,L2,...:H (one packed sequence of those lengths), H/HV in place of H
 for grouped value heads (KDA and GDN: H q/k heads, HV value heads). Inputs are bf16
 torch tensors on the GPU with the benchmark's options (in-kernel gate with lower bound -5, l2norm,
-beta sigmoid); --device cpu runs float32 host arrays on the CPU backend instead (small shapes;
+beta sigmoid; --no-l2norm leaves q and k as drawn); --device cpu runs float32 host arrays on the CPU backend instead (small shapes;
 for checking the tool itself). A library's time per config is the median over groups of --reps
 back-to-back calls of the mean call time; the table gives each round's times and the ratio of
 each library's median over the rounds to the first library's.
@@ -98,7 +98,7 @@ def _child(args):
         if cuda:
             A_log, dt_bias = torch.from_numpy(A_log).cuda(), torch.from_numpy(dt_bias).cuda()
             cu = torch.from_numpy(cu).cuda() if cu is not None else None
-        kw = dict(scale=K ** -0.5, use_qk_l2norm_in_kernel=True, cu_seqlens=cu, out=None)
+        kw = dict(scale=K ** -0.5, use_qk_l2norm_in_kernel=not args.no_l2norm, cu_seqlens=cu, out=None)
         if args.family in ("kda", "gdn"):
             kw.update(use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0, A_log=A_log, dt_bias=dt_bias,
                       use_beta_sigmoid_in_kernel=True)
@@ -174,6 +174,8 @@ def run_rounds(args, libs):
     kernels, loaded = {}, {}
     child_args = ["--family", args.family, "--op", args.op, "--device", args.device, "--kv", str(args.kv), "--reps", str(args.reps),
                   "--groups", str(args.groups)] + [x for c in args.config for x in ("--config", c)]
+    if args.no_l2norm:
+        child_args.append("--no-l2norm")
     if args.split:
         child_args += ["--split", "--split-calls", str(args.split_calls)]
     for r in range(args.rounds):
@@ -241,6 +243,7 @@ def main(argv=None) -> int:
     p.add_argument("--groups", type=int, default=5, help="timed groups per config (the median is kept)")
     p.add_argument("--kv", type=int, default=128, help="K = V")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--no-l2norm", action="store_true", help="q and k as drawn (no L2 norm in the kernel)")
     p.add_argument("--json", default=None, help="also write the times per round here")
     p.add_argument("--split", action="store_true", help="also each kernel's time per call (torch profiler), per build")
     p.add_argument("--split-calls", type=int, default=3, help="calls profiled per config for --split")

@@ -214,23 +214,28 @@ def test_one_token_from_a_zero_state_has_no_gate_gradient(rng, family):
 @pytest.mark.sanitize
 @pytest.mark.parametrize("family", ["simple_gla", "lightning"])
 def test_lean_form_matches_the_reference_and_the_general_form(rng, family, monkeypatch):
-    """The lean chunk backward (no delta rule, one decay per token, K <= 128: two main kernels) against
-    the float64 reference and against the general form (CULA_BWD_LEAN=0): a varlen batch with an empty
-    sequence, one below a chunk and one ending mid-chunk, K = 64 and 128, V = 64 and 192 (three value
-    slices), bf16 and float32 inputs, states in and out, both state layouts."""
+    """The lean chunk backward (no delta rule, one decay per token, K <= 128) against the float64
+    reference and against the general form (CULA_BWD_LEAN=0): a varlen batch with an empty sequence,
+    one below a chunk and one ending mid-chunk, K = 64 and 128, V = 64 to 192 (up to three value
+    slices), states in and out, both state layouts; each of its paths: bf16 inputs as they lie (the
+    direct path: no prepare or chain kernels), bf16 with the L2 norm or a float32 d_out (prepared
+    inputs, bf16 operands), float32 inputs (three TF32 products)."""
     t = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32))  # noqa: E731
     cu = torch.tensor([0, 40, 40, 170, 300], dtype=torch.int32)
-    for K, V, dtype, layout in ((64, 64, torch.bfloat16, "k_last"), (128, 192, torch.float32, "k_first"),
-                                (128, 64, torch.bfloat16, "k_first")):
+    for K, V, dtype, do_dtype, layout, l2 in ((64, 64, torch.bfloat16, torch.bfloat16, "k_last", False),
+                                             (128, 128, torch.bfloat16, torch.bfloat16, "k_first", False),
+                                             (128, 192, torch.float32, torch.float32, "k_first", False),
+                                             (128, 64, torch.bfloat16, torch.bfloat16, "k_first", True),
+                                             (64, 128, torch.bfloat16, torch.float32, "k_last", False)):
         N, T, H = len(cu) - 1, int(cu[-1]), 2
         sshape = (N, H, V, K) if layout == "k_last" else (N, H, K, V)
         d = dict(q=t(1, T, H, K).to(dtype), k=(t(1, T, H, K) * K ** -0.5).to(dtype), v=t(1, T, H, V).to(dtype),
-                 d_out=t(1, T, H, V).to(dtype), initial_state=t(*sshape) * 0.3, d_final_state=t(*sshape))
+                 d_out=t(1, T, H, V).to(do_dtype), initial_state=t(*sshape) * 0.3, d_final_state=t(*sshape))
         if family == "lightning":
             d["decay"] = torch.rand(H)
         else:
             d["g"] = -t(1, T, H).abs() * 0.3
-        kw = dict(state_layout=layout)
+        kw = dict(state_layout=layout, use_qk_l2norm_in_kernel=l2)
         ref = _reference(family, d, cu, kw)
         got = {}
         for lean in ("1", "0"):
@@ -239,10 +244,28 @@ def test_lean_form_matches_the_reference_and_the_general_form(rng, family, monke
             torch.cuda.synchronize()
             assert cula.last_kernel() == "cuda_chunk", (family, K, V)
             errs = _errors(got[lean], ref)
-            assert not _failing(errs, "cuda_chunk"), (family, K, V, dtype, lean, errs)
+            assert not _failing(errs, "cuda_chunk"), (family, K, V, dtype, l2, lean, errs)
         between = {n: rel(got["1"][n].cpu().double().numpy(), got["0"][n].cpu().double().numpy(), floor=1e-6)
                    for n in ref}
-        assert not _failing(between, "cuda_chunk"), (family, K, V, dtype, between)
+        assert not _failing(between, "cuda_chunk"), (family, K, V, dtype, l2, between)
+
+
+@pytest.mark.sanitize
+def test_lean_direct_path_gives_one_token_from_a_zero_state_no_gate_gradient(rng):
+    """Simple GLA, bf16 inputs as they lie (the lean form's direct path), one token per sequence, no
+    initial state, a final-state gradient: the gate's gradient is exactly 0, and the terms that cancel
+    (the diagonal pair, the chunk end's) must not leave noise."""
+    t = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32))  # noqa: E731
+    B, H, K, V = 3, 2, 128, 128
+    d = dict(q=t(B, 1, H, K).bfloat16(), k=t(B, 1, H, K).bfloat16(), v=t(B, 1, H, V).bfloat16(),
+             d_out=t(B, 1, H, V).bfloat16(), d_final_state=t(B, H, K, V), g=-t(B, 1, H).abs())
+    kw = dict(state_layout="k_first")
+    ref = _reference("simple_gla", d, None, kw)
+    assert float(ref["dg"].abs().max()) == 0.0
+    got = _run("simple_gla", d, None, kw, _poisoned(d))
+    torch.cuda.synchronize()
+    errs = _errors(got, ref)
+    assert not _failing(errs, "cuda_chunk"), errs
 
 
 @pytest.mark.parametrize("family", ["kda", "gdn", "lightning"])

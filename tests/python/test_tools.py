@@ -105,7 +105,7 @@ def test_ab_kernel_time_times_the_backward_of_every_family(tmp_path):
 
 def test_ab_kernel_time_runs_one_build_under_two_settings(tmp_path):
     """--env NAME:VAR=VALUE sets a variable in one library's processes only (one build, two settings),
-    recorded in the JSON; a name that is not a --lib name is refused."""
+    recorded in the JSON; a name that is not a --lib name is refused. (With --no-l2norm: q and k as drawn.)"""
     import json
 
     import pytest
@@ -115,7 +115,7 @@ def test_ab_kernel_time_runs_one_build_under_two_settings(tmp_path):
     out = tmp_path / "env.json"
     argv = [x for n, p in libs.items() for x in ("--lib", f"{n}={p}")] + [
         "--device", "cpu", "--kv", "64", "--rounds", "1", "--reps", "1", "--groups", "1", "--config", "1x40:1"]
-    assert tool.main(argv + ["--env", "new:CULA_BWD_LEAN=0", "--json", str(out)]) == 0
+    assert tool.main(argv + ["--env", "new:CULA_BWD_LEAN=0", "--no-l2norm", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["env"] == {"new": {"CULA_BWD_LEAN": "0"}} and all(min(v["1x40:1"]) > 0 for v in data["ms"].values())
     with pytest.raises(SystemExit, match="argument --env: expected NAME:VAR=VALUE"):

@@ -76,6 +76,9 @@ struct LeanParams {
   float* part;          // [B*T, HV, 3K + 1] (chain.h)
   bwd::GradIO io;       // d_out, d_final_state, d_initial_state, dv
   int want_da;          // the gate has a gradient (simple GLA; Lightning's constant decay has none)
+  // the direct path (lean_direct): dq, dk and dg written by the gradient kernel, null where not asked
+  void *dq, *dk, *dg;
+  int dq_dt, dk_dt, dg_dt;
 };
 
 inline int elem_bytes(int dt) { return dt == CULA_FLOAT32 ? 4 : 2; }
@@ -96,6 +99,13 @@ __device__ __forceinline__ float chunk_cumsum(float a0, float a1, int lane, floa
 // A token's log-decay (one per token: channel 0 of the repeated row).
 __device__ __forceinline__ const float* decay_row(const LeanParams& bp, int64_t f, int hv) {
   return bp.x.dec + (f * bp.f.HV + hv) * static_cast<int64_t>(bp.f.K);
+}
+
+// The log-decay of token t (its position in sequence row b) and value head hv as the call gives it:
+// the direct path's gates, a scalar one not activated in the kernel or Lightning's constant.
+__device__ __forceinline__ float input_log_decay(const FwdParams& p, int b, int64_t t, int hv) {
+  if (p.gate_kind == GateKind::Constant) return -bwd::ld(p.decay, p.decay_dt, p.decay_heads == p.HV ? hv : hv / (p.HV / p.H));
+  return bwd::ld(p.g, p.g_dt, b * p.g_s[0] + t * p.g_s[1] + hv * p.g_s[2]);
 }
 
 // ---- 2. the scans ------------------------------------------------------------------------------
@@ -198,6 +208,123 @@ __global__ void __launch_bounds__(ST, 2) lean_scans_kernel(const LeanParams bp) 
   const chunk::SliceTask tk = chunk::slice_task<VS>(bp.f, bp.chunk_base, blockIdx.x >> 1);
   if (blockIdx.x & 1) lean_scan<K, VS, PREC, BF16, true>(bp, sm, tk);
   else lean_scan<K, VS, PREC, BF16, false>(bp, sm, tk);
+}
+
+// The direct path's scans (bf16 calls without the L2 norm in the kernel, one value head per q/k head,
+// the gate not activated in the kernel): q, k, v, d_out and the gate read as they lie (no prepare
+// pass), the products on bf16 operands with the carried slice in registers as their fp32
+// accumulators (bf16_gemm.cuh). A step's left operand is the chunk's k (or q) tile as copied in, read
+// MN-major; its right operand the v (or dO) rows times the token weights (e^{g - G_t}, or scale
+// e^{G_t}), converted once into a bf16 tile. A step: wait for the chunk's copies, barrier, the next
+// chunk's copies issued (its log-decays into registers); every warp scans the chunk's log-decays
+// itself, converts its piece of the scaled rows and writes its part of the carried slice out (S0, or
+// dS of the chunk's end, bf16), then scales it by e^g; barrier; the product accumulates onto it.
+template <int K, int VS>
+struct LeanDirectScanLayout {  // bytes: two k (q) tiles, two raw row buffers, the scaled rows, two log-decay rows
+  static constexpr int LK = K + 8, LB = VS + 8;
+  static constexpr int X = 0, R = X + 2 * C * LK * 2, B = R + 2 * C * VS * 2, a = B + C * LB * 2, bytes = a + 2 * C * 4;
+};
+
+template <int K, int VS, bool GRAD>
+__device__ __forceinline__ void lean_direct_scan(const LeanParams& bp, unsigned char* sm, const chunk::SliceTask& tk) {
+  using Ly = LeanDirectScanLayout<K, VS>;
+  using bf = __nv_bfloat16;
+  constexpr int LK = Ly::LK, LB = Ly::LB;
+  static_assert(C * VS / 8 <= ST, "one piece of the scaled rows a thread");
+  const FwdParams& p = bp.f;
+  const int tid = threadIdx.x, lane = tid & 31, hv = tk.hv, v0 = tk.v0, nch = tk.nchunks;
+  const bf* xsrc = static_cast<const bf*>(GRAD ? p.q : p.k);
+  const int64_t* xs = GRAD ? p.q_s : p.k_s;
+  const bf* rsrc = static_cast<const bf*>(GRAD ? bp.io.dO : p.v);
+  const int64_t* rs = GRAD ? bp.io.dO_s : p.v_s;
+  bf* const Bt = reinterpret_cast<bf*>(sm + Ly::B);
+  float* const arow = reinterpret_cast<float*>(sm + Ly::a);
+  auto load = [&](int ci, int buf) {
+    const ChunkAt ch = bwd::chunk_in(p, tk.sq, ci);
+    bf* X = reinterpret_cast<bf*>(sm + Ly::X) + buf * C * LK;
+    const bf* x0 = xsrc + ch.b_row * xs[0] + ch.t0 * xs[1] + hv * xs[2];  // (one value head per q/k head)
+    for (int i = tid; i < C * (K / 8); i += ST) {
+      const int t = i / (K / 8), c = (i % (K / 8)) * 8;
+      if (t < ch.Lc) mma::cp_async16(X + t * LK + c, x0 + t * xs[1] + c);
+      else *reinterpret_cast<uint4*>(X + t * LK + c) = make_uint4(0u, 0u, 0u, 0u);
+    }
+    bf* R = reinterpret_cast<bf*>(sm + Ly::R) + buf * C * VS;
+    const bf* r0 = rsrc + ch.b_row * rs[0] + ch.t0 * rs[1] + hv * rs[2] + v0;
+    for (int i = tid; i < C * (VS / 8); i += ST) {
+      const int t = i / (VS / 8), c = (i % (VS / 8)) * 8;
+      if (t < ch.Lc) mma::cp_async16(R + t * VS + c, r0 + t * rs[1] + c);
+      else *reinterpret_cast<uint4*>(R + t * VS + c) = make_uint4(0u, 0u, 0u, 0u);
+    }
+    mma::cp_async_commit();
+    return tid < ch.Lc ? input_log_decay(p, ch.b_row, ch.t0 + tid, hv) : 0.0f;  // (threads below C keep it)
+  };
+  // the carried slice from h0 (or dht), zeros without one
+  bf16mm::Acc<K, VS, SW> S;
+  {
+    const void* src = GRAD ? bp.io.dht : p.h0;
+    const int dt = GRAD ? bp.io.dht_dt : p.h0_dt;
+    S.each([&](int i, int j, float& x0, float& x1) {
+      x0 = src ? bwd::ld(src, dt, state_elem(p, tk.n, hv, v0 + j, i)) : 0.0f;
+      x1 = src ? bwd::ld(src, dt, state_elem(p, tk.n, hv, v0 + j + 1, i)) : 0.0f;
+    });
+  }
+  if (nch > 0) {
+    const float a = load(GRAD ? nch - 1 : 0, 0);
+    if (tid < C) arow[tid] = a;
+  }
+  bf* const out = static_cast<bf*>(GRAD ? bp.dS : bp.S0);
+  const float wscale = GRAD ? p.scale : 1.0f;
+  for (int s = 0; s < nch; ++s) {
+    const int ci = GRAD ? nch - 1 - s : s, buf = s & 1;
+    mma::cp_async_wait_all();
+    __syncthreads();  // this chunk's tiles and log-decays in; the step before has read the scaled rows
+    float a_next = 0.0f;
+    if (s + 1 < nch) a_next = load(GRAD ? ci - 1 : ci + 1, buf ^ 1);
+    const float* a = arow + buf * C;
+    float G0, G1;
+    const float g = chunk_cumsum(a[lane], a[lane + 32], lane, G0, G1);
+    const int Lc = bwd::chunk_in(p, tk.sq, ci).Lc;
+    const float w0 = lane < Lc ? wscale * fast_exp(GRAD ? G0 : g - G0) : 0.0f,
+                w1 = lane + 32 < Lc ? wscale * fast_exp(GRAD ? G1 : g - G1) : 0.0f;
+    {  // the scaled rows: thread tid its 8 columns of row t
+      const int t = tid / (VS / 8), c = (tid % (VS / 8)) * 8;
+      const float x0 = __shfl_sync(0xffffffffu, w0, t & 31), x1 = __shfl_sync(0xffffffffu, w1, t & 31);
+      if (tid < C * VS / 8) {
+        const float w = t < 32 ? x0 : x1;
+        const uint4 r = *reinterpret_cast<const uint4*>(reinterpret_cast<const bf*>(sm + Ly::R) + buf * C * VS + t * VS + c);
+        const uint32_t rw[4] = {r.x, r.y, r.z, r.w};
+        uint32_t o[4];
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+          const float2 f = mma::unpack(rw[m]);
+          o[m] = mma::pack(w * f.x, w * f.y);
+        }
+        *reinterpret_cast<uint4*>(Bt + t * LB + c) = make_uint4(o[0], o[1], o[2], o[3]);
+      }
+    }
+    const float eg = fast_exp(g);
+    bf* const o = out + ((tk.cbase + ci) * p.HV + hv) * static_cast<int64_t>(K) * p.V + v0;
+    S.each([&](int i, int j, float& x0, float& x1) {
+      *reinterpret_cast<uint32_t*>(o + i * static_cast<int64_t>(p.V) + j) = mma::pack(x0, x1);  // S0, or dS of the end
+      x0 *= eg, x1 *= eg;
+    });
+    __syncthreads();  // the scaled rows written
+    S.template add<C>(bf16mm::mnmajor(reinterpret_cast<const bf*>(sm + Ly::X) + buf * C * LK, LK), bf16mm::mnmajor(Bt, LB));
+    if (tid < C && s + 1 < nch) arow[(buf ^ 1) * C + tid] = a_next;
+  }
+  if (GRAD && bp.io.dh0)
+    S.each([&](int i, int j, float& x0, float& x1) {
+      bwd::st(bp.io.dh0, bp.io.dh0_dt, state_elem(p, tk.n, hv, v0 + j, i), x0);
+      bwd::st(bp.io.dh0, bp.io.dh0_dt, state_elem(p, tk.n, hv, v0 + j + 1, i), x1);
+    });
+}
+
+template <int K, int VS>
+__global__ void __launch_bounds__(ST, 2) lean_direct_scans_kernel(const LeanParams bp) {
+  extern __shared__ __align__(128) unsigned char smd[];
+  const chunk::SliceTask tk = chunk::slice_task<VS>(bp.f, bp.chunk_base, blockIdx.x >> 1);
+  if (blockIdx.x & 1) lean_direct_scan<K, VS, true>(bp, smd, tk);
+  else lean_direct_scan<K, VS, false>(bp, smd, tk);
 }
 
 // ---- 3. the gradients --------------------------------------------------------------------------
@@ -436,7 +563,36 @@ __device__ __forceinline__ void input_rows_to_bf16(__nv_bfloat16* dst, int ld, c
   }
 }
 
-template <int K>
+// Rows [0, valid) of a C x COLS bf16 matrix (16-byte aligned rows, row r at src + r row_stride) times
+// s into a bf16 tile (pitch ld), rows past valid zeroed; every load issued before the first store.
+template <int COLS>
+__device__ __forceinline__ void bf16_rows_scaled(__nv_bfloat16* dst, int ld, const __nv_bfloat16* src, int64_t row_stride,
+                                                 int valid, float s) {
+  constexpr int P = COLS / 8, PER = (C * P + NT - 1) / NT;
+  uint4 x[PER];
+#pragma unroll
+  for (int u = 0; u < PER; ++u) {
+    const int i = threadIdx.x + u * NT, r = i / P, c = (i % P) * 8;
+    x[u] = i < C * P && r < valid ? *reinterpret_cast<const uint4*>(src + r * row_stride + c) : make_uint4(0u, 0u, 0u, 0u);
+  }
+#pragma unroll
+  for (int u = 0; u < PER; ++u) {
+    const int i = threadIdx.x + u * NT, r = i / P, c = (i % P) * 8;
+    if (i >= C * P) break;
+    const uint32_t w[4] = {x[u].x, x[u].y, x[u].z, x[u].w};
+    uint32_t o[4];
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const float2 f = mma::unpack(w[m]);
+      o[m] = mma::pack(s * f.x, s * f.y);
+    }
+    *reinterpret_cast<uint4*>(dst + r * ld + c) = make_uint4(o[0], o[1], o[2], o[3]);
+  }
+}
+
+// DIRECT: the direct path (q and k read as they lie, q^ = scale q; the gate from the inputs; dq, dk
+// and dg written here, no part rows).
+template <int K, bool DIRECT>
 __global__ void __launch_bounds__(NT, 1) lean_grads_bf16_kernel(const LeanParams bp) {
   using Ly = LeanBfLayout<K>;
   using bf = __nv_bfloat16;
@@ -456,7 +612,9 @@ __global__ void __launch_bounds__(NT, 1) lean_grads_bf16_kernel(const LeanParams
   if (!bwd::chunk_at(p, bp.chunk_base, cidx, ch)) return;
   const int Lc = ch.Lc, nsl = p.V / VE;
   const int64_t qk_ld = static_cast<int64_t>(p.H) * K, st_off = (static_cast<int64_t>(cidx) * p.HV + hv) * K * p.V;
-  const float *qg = bp.x.qh + (ch.f0 * p.H + h) * K, *kg = bp.x.kh + (ch.f0 * p.H + h) * K;
+  const float *qg = bp.x.qh + (ch.f0 * p.H + h) * K, *kg = bp.x.kh + (ch.f0 * p.H + h) * K;  // (prepared)
+  const bf *qr = static_cast<const bf*>(p.q) + ch.b_row * p.q_s[0] + ch.t0 * p.q_s[1] + h * p.q_s[2],  // (direct)
+           *kr = static_cast<const bf*>(p.k) + ch.b_row * p.k_s[0] + ch.t0 * p.k_s[1] + h * p.k_s[2];
   const bool want_dv = bp.io.dv != nullptr;
 
   auto slice_at = [&](int i) { return smb + Ly::sl + (i & 1) * Ly::slice; };
@@ -476,8 +634,14 @@ __global__ void __launch_bounds__(NT, 1) lean_grads_bf16_kernel(const LeanParams
     mma::cp_async_commit();
   };
   if (warp == 0) {
-    const float a0 = lane < Lc ? *decay_row(bp, ch.f0 + lane, hv) : 0.0f;
-    const float a1 = lane + 32 < Lc ? *decay_row(bp, ch.f0 + lane + 32, hv) : 0.0f;
+    float a0, a1;
+    if constexpr (DIRECT) {
+      a0 = lane < Lc ? input_log_decay(p, ch.b_row, ch.t0 + lane, hv) : 0.0f;
+      a1 = lane + 32 < Lc ? input_log_decay(p, ch.b_row, ch.t0 + lane + 32, hv) : 0.0f;
+    } else {
+      a0 = lane < Lc ? *decay_row(bp, ch.f0 + lane, hv) : 0.0f;
+      a1 = lane + 32 < Lc ? *decay_row(bp, ch.f0 + lane + 32, hv) : 0.0f;
+    }
     float G0, G1;
     const float g = chunk_cumsum(a0, a1, lane, G0, G1);
     Gs[lane] = G0, Gs[lane + 32] = G1;
@@ -487,10 +651,23 @@ __global__ void __launch_bounds__(NT, 1) lean_grads_bf16_kernel(const LeanParams
     eK[lane + 32] = lane + 32 < Lc ? fast_exp(g - G1) : 0.0f;
     if (lane == 0) last[0] = g;  // (read into a register below, before last is written)
   }
+  if constexpr (DIRECT) {
+    for (int x = tid; x < C * (K / 8); x += NT) {
+      const int t = x / (K / 8), c = (x % (K / 8)) * 8;
+      if (t < Lc) mma::cp_async16(kb + t * LK + c, kr + t * p.k_s[1] + c);
+      else *reinterpret_cast<uint4*>(kb + t * LK + c) = make_uint4(0u, 0u, 0u, 0u);
+    }
+    mma::cp_async_commit();  // (a group of its own, before the slices')
+  }
   load_slice(0);
   if (nsl > 1) load_slice(1);
-  f32_rows_to_bf16<C, K>(qb, LK, qg, qk_ld, Lc);
-  f32_rows_to_bf16<C, K>(kb, LK, kg, qk_ld, Lc);
+  if constexpr (DIRECT) {
+    bf16_rows_scaled<K>(qb, LK, qr, p.q_s[1], Lc, p.scale);
+    mma::cp_async_wait_pending(nsl > 1 ? 2 : 1);  // k's rows in
+  } else {
+    f32_rows_to_bf16<C, K>(qb, LK, qg, qk_ld, Lc);
+    f32_rows_to_bf16<C, K>(kb, LK, kg, qk_ld, Lc);
+  }
   __syncthreads();
   const float eg = fast_exp(last[0]);
   {  // A = (q^ k^T) o E, the diagonal included
@@ -595,8 +772,15 @@ __global__ void __launch_bounds__(NT, 1) lean_grads_bf16_kernel(const LeanParams
   const int64_t row_ld = static_cast<int64_t>(p.HV) * PW;
   for (int i = tid; i < Lc * K; i += NT) {  // the diagonal pairs' dq^ and dk^ terms, in fp32
     const int t = i / K, c = i % K;
-    part[t * row_ld + c] = dq[t * LF + c] + dPd[t] * kg[t * qk_ld + c];
-    part[t * row_ld + K + c] = dk[t * LF + c] + dPd[t] * qg[t * qk_ld + c];
+    if constexpr (DIRECT) {  // dq = scale dq^, dk = dk^ (no L2 norm, one value head per q/k head)
+      const float kv = __bfloat162float(kr[t * p.k_s[1] + c]), qv = p.scale * __bfloat162float(qr[t * p.q_s[1] + c]);
+      const int64_t o = ((ch.f0 + t) * p.H + h) * static_cast<int64_t>(K) + c;
+      if (bp.dq) bwd::st(bp.dq, bp.dq_dt, o, p.scale * (dq[t * LF + c] + dPd[t] * kv));
+      if (bp.dk) bwd::st(bp.dk, bp.dk_dt, o, dk[t * LF + c] + dPd[t] * qv);
+    } else {
+      part[t * row_ld + c] = dq[t * LF + c] + dPd[t] * kg[t * qk_ld + c];
+      part[t * row_ld + K + c] = dk[t * LF + c] + dPd[t] * qg[t * qk_ld + c];
+    }
   }
   if (!bp.want_da) return;
   // da_s = sum_{t >= s} dG_t, the last token's term in every sum: thread (channel, segment of SL tokens)
@@ -615,7 +799,17 @@ __global__ void __launch_bounds__(NT, 1) lean_grads_bf16_kernel(const LeanParams
 #pragma unroll
   for (int j = 0; j < SL; ++j) {
     const int t = sg * SL + j;
-    if (t < Lc) part[t * row_ld + 2 * K + c] = v[j] + later;
+    if (!DIRECT && t < Lc) part[t * row_ld + 2 * K + c] = v[j] + later;
+    if (DIRECT) dG[t * LF + c] = v[j] + later;  // (each thread its own elements, read above)
+  }
+  if constexpr (DIRECT) {  // the scalar gate's gradient: da summed over the channels, a warp per token
+    __syncthreads();
+    for (int t = warp; t < Lc; t += NW) {
+      float x = 0.0f;
+      for (int cc = lane; cc < K; cc += 32) x += dG[t * LF + cc];
+      x = dev::warp_sum(x);
+      if (lane == 0 && bp.dg) bwd::st(bp.dg, bp.dg_dt, (ch.f0 + t) * p.HV + hv, x);
+    }
   }
 }
 
@@ -651,12 +845,42 @@ void run_lean(const LeanParams& bp, int64_t chunks, int N, int HV, int V, int wi
   if (chunks * HV <= 0) return;
   const unsigned grid = static_cast<unsigned>(chunks * HV);
   if constexpr (BF16) {
-    chunk::allow_smem(lean_grads_bf16_kernel<K>, LeanBfLayout<K>::bytes);
-    lean_grads_bf16_kernel<K><<<grid, NT, LeanBfLayout<K>::bytes, stream>>>(bp);
+    chunk::allow_smem(lean_grads_bf16_kernel<K, false>, LeanBfLayout<K>::bytes);
+    lean_grads_bf16_kernel<K, false><<<grid, NT, LeanBfLayout<K>::bytes, stream>>>(bp);
   } else {
     chunk::allow_smem(lean_grads_kernel<K, PREC>, LeanGradsLayout<K>::bytes);
     lean_grads_kernel<K, PREC><<<grid, NT, LeanGradsLayout<K>::bytes, stream>>>(bp);
   }
+}
+
+// The direct path: the direct scans (K = 64 at 32 columns, where 16 would leave warps without tiles)
+// and the bf16 gradient kernel writing dq, dk and dg itself.
+template <int K>
+void run_lean_direct(const LeanParams& bp, int64_t chunks, int N, int HV, int V, int width, cudaStream_t stream) {
+  auto scans = [&](auto w) {
+    constexpr int W = decltype(w)::value;
+    const int64_t grid = 2 * static_cast<int64_t>(N) * HV * (V / W);
+    if (grid <= 0) return;
+    chunk::allow_smem(lean_direct_scans_kernel<K, W>, LeanDirectScanLayout<K, W>::bytes);
+    lean_direct_scans_kernel<K, W><<<static_cast<unsigned>(grid), ST, LeanDirectScanLayout<K, W>::bytes, stream>>>(bp);
+  };
+  if constexpr (K == 64) {
+    scans(std::integral_constant<int, 32>{});
+  } else {
+    if (width == 32) scans(std::integral_constant<int, 32>{});
+    else scans(std::integral_constant<int, 16>{});
+  }
+  if (chunks * HV <= 0) return;
+  chunk::allow_smem(lean_grads_bf16_kernel<K, true>, LeanBfLayout<K>::bytes);
+  lean_grads_bf16_kernel<K, true><<<static_cast<unsigned>(chunks * HV), NT, LeanBfLayout<K>::bytes, stream>>>(bp);
+}
+
+// Whether a bf16 call takes the direct path: no L2 norm in the kernel, one value head per q/k head,
+// no gradient the chain kernels alone make (dbeta, dA_log, d dt_bias), d_out bf16 and q and k with
+// 16-byte aligned rows of unit stride (copied as they lie).
+bool lean_direct(const Recurrence& r, const cula_chunk_bwd_args& a) {
+  return !r.l2norm && r.H == r.HV && !a.dbeta && !a.dA_log && !a.ddt_bias && a.d_out->dtype == CULA_BFLOAT16 &&
+         chunk::aligned16(a.q) && chunk::aligned16(a.k);
 }
 
 // The scans read v and d_out in their own dtypes: the wider of the two sizes their raw buffers.
@@ -693,14 +917,15 @@ void cuda_lean_bwd(const Recurrence& r, const cula_chunk_bwd_args& a) {
   // is activated in the kernel or the inputs are not bf16; otherwise the bf16 path
   const bool precise = r.gate_in_kernel || a.q->dtype != CULA_BFLOAT16 || a.k->dtype != CULA_BFLOAT16 ||
                        a.v->dtype != CULA_BFLOAT16;
+  const bool direct = !precise && lean_direct(r, a);
   const int64_t state_bytes = align256(chunks * HV * K * V * (precise ? 4 : 2));
   const int64_t sizes[] = {
-      chunk::base_bytes(bp.f),                     // chunk_base
-      bwd::token_inputs_bytes(r),                  // q^, k^, a, beta
-      state_bytes,                                 // S0
-      state_bytes,                                 // dS
-      align256(BT * HV * bwd::part_width(K) * 4),  // part
-      bwd::chain_bytes(r),                         // chain
+      chunk::base_bytes(bp.f),                                 // chunk_base
+      direct ? 0 : bwd::token_inputs_bytes(r),                 // q^, k^, a, beta
+      state_bytes,                                             // S0
+      state_bytes,                                             // dS
+      direct ? 0 : align256(BT * HV * bwd::part_width(K) * 4),  // part
+      direct ? 0 : bwd::chain_bytes(r),                        // chain
   };
   constexpr int kParts = sizeof(sizes) / sizeof(sizes[0]);
   int64_t total = 0;
@@ -712,24 +937,28 @@ void cuda_lean_bwd(const Recurrence& r, const cula_chunk_bwd_args& a) {
     for (int i = 0; i < kParts; ++i) at[i] = w, w += sizes[i];
   }
   bp.chunk_base = a.cu_seqlens ? reinterpret_cast<int32_t*>(at[0]) : nullptr;
-  bp.x = bwd::token_inputs_at(at[1], r);
-  bp.S0 = reinterpret_cast<float*>(at[2]);
-  bp.dS = reinterpret_cast<float*>(at[3]);
+  if (!direct) bp.x = bwd::token_inputs_at(at[1], r);
+  bp.S0 = at[2];
+  bp.dS = at[3];
   bp.part = reinterpret_cast<float*>(at[4]);
   bp.io = bwd::grad_io(a);
   bp.want_da = r.tr.gate != GateKind::Constant && (a.dg != nullptr || r.gate_in_kernel);
+  if (a.dq) bp.dq = a.dq->data, bp.dq_dt = a.dq->dtype;
+  if (a.dk) bp.dk = a.dk->data, bp.dk_dt = a.dk->dtype;
+  if (a.dg) bp.dg = a.dg->data, bp.dg_dt = a.dg->dtype;
 
   if (bp.chunk_base) chunk::launch_chunk_base(bp.f, bp.chunk_base, stream);
-  bwd::launch_token_inputs(bp.f, bp.x, /*log_decay=*/true, stream);
+  if (!direct) bwd::launch_token_inputs(bp.f, bp.x, /*log_decay=*/true, stream);
   const int width = plan_width(r, device), dt = raw_dtype(a);
   with_lean_key_size(static_cast<int>(K), [&](auto k) {
     constexpr int KK = decltype(k)::value;
     const int n = static_cast<int>(r.N), hv = static_cast<int>(HV), v = static_cast<int>(V);
-    if (precise) run_lean<KK, tf32::kThreeTF32, false>(bp, chunks, n, hv, v, width, dt, stream);
+    if (direct) run_lean_direct<KK>(bp, chunks, n, hv, v, width, stream);
+    else if (precise) run_lean<KK, tf32::kThreeTF32, false>(bp, chunks, n, hv, v, width, dt, stream);
     else run_lean<KK, tf32::kOneTF32, true>(bp, chunks, n, hv, v, width, dt, stream);
   });
   bwd::check(cudaGetLastError(), "kernel launch");
-  bwd::launch_chain(r, a, bp.f, bp.part, /*tiles=*/1, at[5], stream);
+  if (!direct) bwd::launch_chain(r, a, bp.f, bp.part, /*tiles=*/1, at[5], stream);
   const cudaError_t launched = cudaGetLastError();
   ws.release();
   bwd::check(launched, "kernel launch");
