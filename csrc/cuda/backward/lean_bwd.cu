@@ -710,11 +710,17 @@ __global__ void __launch_bounds__(NT, 1) lean_grads_bf16_kernel(const LeanParams
       dA.add_rows_scaled(dK, eK);
       const bwd::GradIO& io = bp.io;
       const int v0 = i * VE;
+      const bool pairs = io.dv_dt == CULA_BFLOAT16 && io.dv_s[3] == 1 && io.dv_s[1] % 2 == 0 && io.dv_s[0] % 2 == 0 &&
+                         io.dv_s[2] % 2 == 0 && (reinterpret_cast<uintptr_t>(io.dv) & 3) == 0;
       dA.drain([&](int s, int j, float x0, float x1) {
         if (s >= Lc) return;
         const int64_t o = ch.b_row * io.dv_s[0] + (ch.t0 + s) * io.dv_s[1] + hv * io.dv_s[2] + (v0 + j) * io.dv_s[3];
-        bwd::st(io.dv, io.dv_dt, o, x0);
-        bwd::st(io.dv, io.dv_dt, o + io.dv_s[3], x1);
+        if (pairs) {
+          *reinterpret_cast<uint32_t*>(static_cast<bf*>(io.dv) + o) = mma::pack(x0, x1);
+        } else {
+          bwd::st(io.dv, io.dv_dt, o, x0);
+          bwd::st(io.dv, io.dv_dt, o + io.dv_s[3], x1);
+        }
       });
     }
     __syncthreads();  // slice i read
@@ -770,14 +776,29 @@ __global__ void __launch_bounds__(NT, 1) lean_grads_bf16_kernel(const LeanParams
   __syncthreads();
   float* const part = bp.part + (ch.f0 * p.HV + hv) * PW;  // token t's row: part + t row_ld
   const int64_t row_ld = static_cast<int64_t>(p.HV) * PW;
-  for (int i = tid; i < Lc * K; i += NT) {  // the diagonal pairs' dq^ and dk^ terms, in fp32
-    const int t = i / K, c = i % K;
-    if constexpr (DIRECT) {  // dq = scale dq^, dk = dk^ (no L2 norm, one value head per q/k head)
-      const float kv = __bfloat162float(kr[t * p.k_s[1] + c]), qv = p.scale * __bfloat162float(qr[t * p.q_s[1] + c]);
+  if constexpr (DIRECT) {  // dq = scale dq^, dk = dk^ (no L2 norm, one value head per q/k head); two channels a thread
+    const bool q2 = bp.dq_dt == CULA_BFLOAT16 && (reinterpret_cast<uintptr_t>(bp.dq) & 3) == 0,
+               k2 = bp.dk_dt == CULA_BFLOAT16 && (reinterpret_cast<uintptr_t>(bp.dk) & 3) == 0;
+    for (int i = tid; i < Lc * (K / 2); i += NT) {
+      const int t = i / (K / 2), c = 2 * (i % (K / 2));
+      const float2 kv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(kr + t * p.k_s[1] + c)),
+                   qv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(qr + t * p.q_s[1] + c));
       const int64_t o = ((ch.f0 + t) * p.H + h) * static_cast<int64_t>(K) + c;
-      if (bp.dq) bwd::st(bp.dq, bp.dq_dt, o, p.scale * (dq[t * LF + c] + dPd[t] * kv));
-      if (bp.dk) bwd::st(bp.dk, bp.dk_dt, o, dk[t * LF + c] + dPd[t] * qv);
-    } else {
+      const float2 x = *reinterpret_cast<const float2*>(dq + t * LF + c), y = *reinterpret_cast<const float2*>(dk + t * LF + c);
+      const float q0 = p.scale * (x.x + dPd[t] * kv.x), q1 = p.scale * (x.y + dPd[t] * kv.y);
+      const float k0 = y.x + dPd[t] * (p.scale * qv.x), k1 = y.y + dPd[t] * (p.scale * qv.y);
+      if (bp.dq) {
+        if (q2) *reinterpret_cast<uint32_t*>(static_cast<bf*>(bp.dq) + o) = mma::pack(q0, q1);
+        else bwd::st(bp.dq, bp.dq_dt, o, q0), bwd::st(bp.dq, bp.dq_dt, o + 1, q1);
+      }
+      if (bp.dk) {
+        if (k2) *reinterpret_cast<uint32_t*>(static_cast<bf*>(bp.dk) + o) = mma::pack(k0, k1);
+        else bwd::st(bp.dk, bp.dk_dt, o, k0), bwd::st(bp.dk, bp.dk_dt, o + 1, k1);
+      }
+    }
+  } else {
+    for (int i = tid; i < Lc * K; i += NT) {  // the diagonal pairs' dq^ and dk^ terms, in fp32
+      const int t = i / K, c = i % K;
       part[t * row_ld + c] = dq[t * LF + c] + dPd[t] * kg[t * qk_ld + c];
       part[t * row_ld + K + c] = dk[t * LF + c] + dPd[t] * qg[t * qk_ld + c];
     }
