@@ -336,10 +336,16 @@ def chunk_input_grads(family, inputs, d_out, d_final, needed, grads=None, **bwd_
                         d_out.contiguous(), d_final_state=None if d_final is None else d_final.contiguous(),
                         initial_state=inputs.get("initial_state"), A_log=inputs.get("A_log"),
                         dt_bias=inputs.get("dt_bias"), grads=grads, **bwd_args)
+    return grads_in_input_dtypes(inputs, got, needed)
+
+
+def grads_in_input_dtypes(inputs, got, needed):
+    """{input name: its gradient in the input's dtype} from chunk_bwd's gradients (got, by gradient
+    name): None where the input is absent, needed[name] is false or got holds none."""
     out = {}
     for n in _DIFF_NAMES:
         x, gr = inputs.get(n), got.get(GRAD_OF[n])
-        out[n] = None if x is None or gr is None or not needed[n] else gr.to(x.dtype)
+        out[n] = None if x is None or gr is None or not needed.get(n) else gr.to(x.dtype)
     return out
 
 

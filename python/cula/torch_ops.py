@@ -13,7 +13,7 @@ import torch
 
 from . import ops
 from ._front import GRAD_OF as _GRAD_OF
-from ._front import _needs_grad, chunk_input_grads
+from ._front import _needs_grad, chunk_input_grads, grads_in_input_dtypes
 from .options import NAMES as OPTION_NAMES
 from .options import Options, schema_args
 
@@ -218,15 +218,9 @@ def _backward(ctx, d_out, d_final):
         ctx.family, saved["q"], saved["k"], saved["v"], saved["g"], saved["beta"], saved["decay"],
         saved["initial_state"], saved["A_log"], saved["dt_bias"], saved["cu_seqlens"], d_out.contiguous(),
         None if d_final is None else d_final.contiguous(), *ctx.option_values)
-    by_name = dict(zip(_GRADS, grads))
-    out = []
-    for i, n in enumerate(_FWD_ARGS):
-        x = saved.get(n)
-        if n not in _GRAD_OF or x is None or not ctx.needs_input_grad[i]:
-            out.append(None)
-        else:
-            out.append(by_name[_GRAD_OF[n]].to(x.dtype))
-    return tuple(out)
+    needed = dict(zip(_FWD_ARGS, ctx.needs_input_grad))
+    by_input = grads_in_input_dtypes(saved, dict(zip(_GRADS, grads)), needed)
+    return tuple(by_input.get(n) for n in _FWD_ARGS)
 
 
 _chunk_fwd.register_autograd(_backward, setup_context=_setup_context)
