@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <functional>
 
+#include "cuda/backward/lean_plan.h"
 #include "cuda/backward/scan_width.h"
 #include "helpers.h"
 
@@ -178,4 +179,29 @@ TEST(ChunkBackwardPlan, ScanWidthFollowsTheWaves) {
   EXPECT_EQ(scan_width(false, 128, 1, 25, 128, 132, false), 32);  // 200 at 32: 1.52 per SM
   EXPECT_EQ(scan_width(false, 128, 1, 24, 128, 132, false), 16);  // 192: 1.45 per SM
   EXPECT_EQ(scan_width(false, 256, 1, 32, 128, 132, false), 16);
+}
+
+// The lean backward's path (simple GLA, Lightning): precise for anything not bf16 or with the gate in
+// the kernel, direct where nothing needs the prepare or chain kernels, bf16 otherwise.
+TEST(ChunkBackwardPlan, LeanPathFollowsTheCall) {
+  using cula::bwd::LeanCall;
+  using cula::bwd::LeanPath;
+  using cula::bwd::lean_path;
+  constexpr int bf = CULA_BFLOAT16, f32 = CULA_FLOAT32, f16 = CULA_FLOAT16;
+  const LeanCall plain{false, false, false, false, true, bf, bf, bf, bf};
+  EXPECT_EQ(lean_path(plain), LeanPath::Direct);
+  auto with = [&](auto change) {
+    LeanCall c = plain;
+    change(c);
+    return lean_path(c);
+  };
+  EXPECT_EQ(with([](LeanCall& c) { c.gate_in_kernel = true; }), LeanPath::Precise);
+  EXPECT_EQ(with([&](LeanCall& c) { c.q_dt = f32; }), LeanPath::Precise);
+  EXPECT_EQ(with([&](LeanCall& c) { c.k_dt = f16; }), LeanPath::Precise);
+  EXPECT_EQ(with([&](LeanCall& c) { c.v_dt = f32; }), LeanPath::Precise);
+  EXPECT_EQ(with([](LeanCall& c) { c.l2norm = true; }), LeanPath::Bf16);
+  EXPECT_EQ(with([](LeanCall& c) { c.grouped = true; }), LeanPath::Bf16);
+  EXPECT_EQ(with([](LeanCall& c) { c.param_grads = true; }), LeanPath::Bf16);
+  EXPECT_EQ(with([](LeanCall& c) { c.qk_rows16 = false; }), LeanPath::Bf16);
+  EXPECT_EQ(with([&](LeanCall& c) { c.d_out_dt = f32; }), LeanPath::Bf16);  // d_out converted on the way in
 }

@@ -42,6 +42,7 @@
 
 #include "cuda/backward/chain.h"
 #include "cuda/backward/chunk_tiles.cuh"
+#include "cuda/backward/lean_plan.h"
 #include "cuda/backward/scan_width.h"
 #include "cuda/common/fwd_params.cuh"
 #include "cuda/kerutils/bf16_gemm.cuh"
@@ -896,12 +897,14 @@ void run_lean_direct(const LeanParams& bp, int64_t chunks, int N, int HV, int V,
   lean_grads_bf16_kernel<K, true><<<static_cast<unsigned>(chunks * HV), NT, LeanBfLayout<K>::bytes, stream>>>(bp);
 }
 
-// Whether a bf16 call takes the direct path: no L2 norm in the kernel, one value head per q/k head,
-// no gradient the chain kernels alone make (dbeta, dA_log, d dt_bias), d_out bf16 and q and k with
-// 16-byte aligned rows of unit stride (copied as they lie).
-bool lean_direct(const Recurrence& r, const cula_chunk_bwd_args& a) {
-  return !r.l2norm && r.H == r.HV && !a.dbeta && !a.dA_log && !a.ddt_bias && a.d_out->dtype == CULA_BFLOAT16 &&
-         chunk::aligned16(a.q) && chunk::aligned16(a.k);
+// The call's path (lean_plan.h).
+bwd::LeanPath lean_path_of(const Recurrence& r, const cula_chunk_bwd_args& a) {
+  bwd::LeanCall c{};
+  c.gate_in_kernel = r.gate_in_kernel, c.l2norm = r.l2norm, c.grouped = r.H != r.HV;
+  c.param_grads = a.dbeta || a.dA_log || a.ddt_bias;
+  c.qk_rows16 = chunk::aligned16(a.q) && chunk::aligned16(a.k);
+  c.q_dt = a.q->dtype, c.k_dt = a.k->dtype, c.v_dt = a.v->dtype, c.d_out_dt = a.d_out->dtype;
+  return bwd::lean_path(c);
 }
 
 // The scans read v and d_out in their own dtypes: the wider of the two sizes their raw buffers.
@@ -934,11 +937,8 @@ void cuda_lean_bwd(const Recurrence& r, const cula_chunk_bwd_args& a) {
   bp.f = make_fwd_params(r, bwd::forward_args(a));
   const int64_t chunks = chunk::max_chunks(bp.f);
   if (chunks * HV >= (int64_t{1} << 31) / 2) throw_unsupported(op, "too many chunks x heads for one launch");
-  // the products' precision as the general form's (chunk_bwd.cu): three TF32 products where the gate
-  // is activated in the kernel or the inputs are not bf16; otherwise the bf16 path
-  const bool precise = r.gate_in_kernel || a.q->dtype != CULA_BFLOAT16 || a.k->dtype != CULA_BFLOAT16 ||
-                       a.v->dtype != CULA_BFLOAT16;
-  const bool direct = !precise && lean_direct(r, a);
+  const bwd::LeanPath path = lean_path_of(r, a);  // (lean_plan.h)
+  const bool precise = path == bwd::LeanPath::Precise, direct = path == bwd::LeanPath::Direct;
   const int64_t state_bytes = align256(chunks * HV * K * V * (precise ? 4 : 2));
   const int64_t sizes[] = {
       chunk::base_bytes(bp.f),                                 // chunk_base
