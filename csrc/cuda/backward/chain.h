@@ -16,6 +16,19 @@ namespace bwd {
 
 inline int64_t align256(int64_t b) { return (b + 255) / 256 * 256; }
 
+// One workspace in consecutive parts of these sizes (bytes): their total, and where each starts.
+template <int N>
+int64_t total_bytes(const int64_t (&sizes)[N]) {
+  int64_t total = 0;
+  for (int64_t s : sizes) total += s;
+  return total;
+}
+template <int N>
+void carve(void* base, const int64_t (&sizes)[N], char* (&at)[N]) {
+  char* w = static_cast<char*>(base);
+  for (int i = 0; i < N; ++i) at[i] = w, w += sizes[i];
+}
+
 // A CUDA error of the backward raised as the op's error.
 inline void check(cudaError_t e, const char* what) { cuda_check(e, "chunk_bwd", what); }
 

@@ -2113,15 +2113,9 @@ void cuda_chunk_bwd(const Recurrence& r, const cula_chunk_bwd_args& a) {
       align256(BT * HV * bwd::part_width(K) * 4),          // part
       bwd::chain_bytes(r),                                 // chain
   };
-  constexpr int kParts = sizeof(sizes) / sizeof(sizes[0]);
-  int64_t total = 0;
-  for (int64_t s : sizes) total += s;
-  chunk::Workspace ws(total, device, stream, op);
-  char* at[kParts];
-  {
-    char* w = static_cast<char*>(ws.get());
-    for (int i = 0; i < kParts; ++i) at[i] = w, w += sizes[i];
-  }
+  chunk::Workspace ws(bwd::total_bytes(sizes), device, stream, op);
+  char* at[sizeof(sizes) / sizeof(sizes[0])];
+  bwd::carve(ws.get(), sizes, at);
   bp.chunk_base = a.cu_seqlens ? reinterpret_cast<int32_t*>(at[0]) : nullptr;
   bp.x = bwd::token_inputs_at(at[1], r);
   bp.S0 = reinterpret_cast<float*>(at[2]);

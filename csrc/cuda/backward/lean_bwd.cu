@@ -77,12 +77,12 @@ struct LeanParams {
   float* part;          // [B*T, HV, 3K + 1] (chain.h)
   bwd::GradIO io;       // d_out, d_final_state, d_initial_state, dv
   int want_da;          // the gate has a gradient (simple GLA; Lightning's constant decay has none)
-  // the direct path (lean_direct): dq, dk and dg written by the gradient kernel, null where not asked
+  // the direct path (lean_plan.h): dq, dk and dg written by the gradient kernel, null where not asked
   void *dq, *dk, *dg;
   int dq_dt, dk_dt, dg_dt;
 };
 
-inline int elem_bytes(int dt) { return dt == CULA_FLOAT32 ? 4 : 2; }
+__host__ __device__ inline int elem_bytes(int dt) { return dt == CULA_FLOAT32 ? 4 : 2; }
 
 // G_t = a_0 + ... + a_t for the chunk's 64 tokens (a = 0 past the chunk's end, so G_63 = g), by one
 // warp: lane l holds tokens l and l + 32. Returns g; G0, G1 are the lane's two values.
@@ -95,6 +95,32 @@ __device__ __forceinline__ float chunk_cumsum(float a0, float a1, int lane, floa
   const float half = __shfl_sync(0xffffffffu, a0, 31);
   G0 = a0, G1 = a1 + half;
   return __shfl_sync(0xffffffffu, G1, 31);
+}
+
+// The gradient kernels' token vectors, by one warp from its lanes' log-decays (tokens lane and lane +
+// 32, zero past Lc): G, e^G and e^{g - G} (zeros past Lc). Returns g.
+__device__ __forceinline__ float chunk_decays(float a0, float a1, int lane, int Lc, float* Gs, float* eG, float* eK) {
+  float G0, G1;
+  const float g = chunk_cumsum(a0, a1, lane, G0, G1);
+  Gs[lane] = G0, Gs[lane + 32] = G1;
+  eG[lane] = lane < Lc ? fast_exp(G0) : 0.0f;
+  eG[lane + 32] = lane + 32 < Lc ? fast_exp(G1) : 0.0f;
+  eK[lane] = lane < Lc ? fast_exp(g - G0) : 0.0f;
+  eK[lane + 32] = lane + 32 < Lc ? fast_exp(g - G1) : 0.0f;
+  return g;
+}
+
+// Rows [0, valid) of a C x COLS bf16 matrix (16-byte aligned rows, row t at src + t row_stride) into a
+// bf16 tile (pitch ld) by cp.async, as they lie (the caller commits); rows past valid zeroed.
+template <int COLS, int THREADS>
+__device__ __forceinline__ void bf16_rows_async(__nv_bfloat16* dst, int ld, const __nv_bfloat16* src, int64_t row_stride,
+                                                int valid) {
+  constexpr int P = COLS / 8;
+  for (int i = threadIdx.x; i < C * P; i += THREADS) {
+    const int t = i / P, c = (i % P) * 8;
+    if (t < valid) mma::cp_async16(dst + t * ld + c, src + t * row_stride + c);
+    else *reinterpret_cast<uint4*>(dst + t * ld + c) = make_uint4(0u, 0u, 0u, 0u);
+  }
 }
 
 // A token's log-decay (one per token: channel 0 of the repeated row).
@@ -150,7 +176,7 @@ __device__ __forceinline__ void lean_scan(const LeanParams& bp, float* sm, const
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, hv = tk.hv, v0 = tk.v0, nch = tk.nchunks;
   const int h = hv / (p.HV / p.H);
   const void* in = GRAD ? bp.io.dO : p.v;
-  const int dt = GRAD ? bp.io.dO_dt : p.v_dt, es = dt == CULA_FLOAT32 ? 4 : 2;
+  const int dt = GRAD ? bp.io.dO_dt : p.v_dt, es = elem_bytes(dt);
   const int64_t* s4 = GRAD ? bp.io.dO_s : p.v_s;
   const float* tok = GRAD ? bp.x.qh : bp.x.kh;
   const int64_t qk_ld = static_cast<int64_t>(p.H) * K;
@@ -242,20 +268,11 @@ __device__ __forceinline__ void lean_direct_scan(const LeanParams& bp, unsigned 
   float* const arow = reinterpret_cast<float*>(sm + Ly::a);
   auto load = [&](int ci, int buf) {
     const ChunkAt ch = bwd::chunk_in(p, tk.sq, ci);
-    bf* X = reinterpret_cast<bf*>(sm + Ly::X) + buf * C * LK;
-    const bf* x0 = xsrc + ch.b_row * xs[0] + ch.t0 * xs[1] + hv * xs[2];  // (one value head per q/k head)
-    for (int i = tid; i < C * (K / 8); i += ST) {
-      const int t = i / (K / 8), c = (i % (K / 8)) * 8;
-      if (t < ch.Lc) mma::cp_async16(X + t * LK + c, x0 + t * xs[1] + c);
-      else *reinterpret_cast<uint4*>(X + t * LK + c) = make_uint4(0u, 0u, 0u, 0u);
-    }
-    bf* R = reinterpret_cast<bf*>(sm + Ly::R) + buf * C * VS;
-    const bf* r0 = rsrc + ch.b_row * rs[0] + ch.t0 * rs[1] + hv * rs[2] + v0;
-    for (int i = tid; i < C * (VS / 8); i += ST) {
-      const int t = i / (VS / 8), c = (i % (VS / 8)) * 8;
-      if (t < ch.Lc) mma::cp_async16(R + t * VS + c, r0 + t * rs[1] + c);
-      else *reinterpret_cast<uint4*>(R + t * VS + c) = make_uint4(0u, 0u, 0u, 0u);
-    }
+    // (one value head per q/k head)
+    bf16_rows_async<K, ST>(reinterpret_cast<bf*>(sm + Ly::X) + buf * C * LK, LK,
+                           xsrc + ch.b_row * xs[0] + ch.t0 * xs[1] + hv * xs[2], xs[1], ch.Lc);
+    bf16_rows_async<VS, ST>(reinterpret_cast<bf*>(sm + Ly::R) + buf * C * VS, VS,
+                            rsrc + ch.b_row * rs[0] + ch.t0 * rs[1] + hv * rs[2] + v0, rs[1], ch.Lc);
     mma::cp_async_commit();
     return tid < ch.Lc ? input_log_decay(p, ch.b_row, ch.t0 + tid, hv) : 0.0f;  // (threads below C keep it)
   };
@@ -373,17 +390,10 @@ __global__ void __launch_bounds__(NT, 1) lean_grads_kernel(const LeanParams bp) 
   };
   rows_async<C, K>(qs, LK, bp.x.qh + (ch.f0 * p.H + h) * K, qk_ld, Lc);
   rows_async<C, K>(ks, LK, bp.x.kh + (ch.f0 * p.H + h) * K, qk_ld, Lc);
-  float g = 0.0f;  // (warp 0's)
   if (warp == 0) {
     const float a0 = lane < Lc ? *decay_row(bp, ch.f0 + lane, hv) : 0.0f;
     const float a1 = lane + 32 < Lc ? *decay_row(bp, ch.f0 + lane + 32, hv) : 0.0f;
-    float G0, G1;
-    g = chunk_cumsum(a0, a1, lane, G0, G1);
-    Gs[lane] = G0, Gs[lane + 32] = G1;
-    eG[lane] = lane < Lc ? fast_exp(G0) : 0.0f;
-    eG[lane + 32] = lane + 32 < Lc ? fast_exp(G1) : 0.0f;
-    eK[lane] = lane < Lc ? fast_exp(g - G0) : 0.0f;
-    eK[lane + 32] = lane + 32 < Lc ? fast_exp(g - G1) : 0.0f;
+    const float g = chunk_decays(a0, a1, lane, Lc, Gs, eG, eK);
     if (lane == 0) last[0] = g;  // (read into a register below, before last is written)
   }
   load_slice(0);
@@ -643,21 +653,11 @@ __global__ void __launch_bounds__(NT, 1) lean_grads_bf16_kernel(const LeanParams
       a0 = lane < Lc ? *decay_row(bp, ch.f0 + lane, hv) : 0.0f;
       a1 = lane + 32 < Lc ? *decay_row(bp, ch.f0 + lane + 32, hv) : 0.0f;
     }
-    float G0, G1;
-    const float g = chunk_cumsum(a0, a1, lane, G0, G1);
-    Gs[lane] = G0, Gs[lane + 32] = G1;
-    eG[lane] = lane < Lc ? fast_exp(G0) : 0.0f;
-    eG[lane + 32] = lane + 32 < Lc ? fast_exp(G1) : 0.0f;
-    eK[lane] = lane < Lc ? fast_exp(g - G0) : 0.0f;
-    eK[lane + 32] = lane + 32 < Lc ? fast_exp(g - G1) : 0.0f;
+    const float g = chunk_decays(a0, a1, lane, Lc, Gs, eG, eK);
     if (lane == 0) last[0] = g;  // (read into a register below, before last is written)
   }
   if constexpr (DIRECT) {
-    for (int x = tid; x < C * (K / 8); x += NT) {
-      const int t = x / (K / 8), c = (x % (K / 8)) * 8;
-      if (t < Lc) mma::cp_async16(kb + t * LK + c, kr + t * p.k_s[1] + c);
-      else *reinterpret_cast<uint4*>(kb + t * LK + c) = make_uint4(0u, 0u, 0u, 0u);
-    }
+    bf16_rows_async<K, NT>(kb, LK, kr, p.k_s[1], Lc);
     mma::cp_async_commit();  // (a group of its own, before the slices')
   }
   load_slice(0);
@@ -948,15 +948,9 @@ void cuda_lean_bwd(const Recurrence& r, const cula_chunk_bwd_args& a) {
       direct ? 0 : align256(BT * HV * bwd::part_width(K) * 4),  // part
       direct ? 0 : bwd::chain_bytes(r),                        // chain
   };
-  constexpr int kParts = sizeof(sizes) / sizeof(sizes[0]);
-  int64_t total = 0;
-  for (int64_t s : sizes) total += s;
-  chunk::Workspace ws(total, device, stream, op);
-  char* at[kParts];
-  {
-    char* w = static_cast<char*>(ws.get());
-    for (int i = 0; i < kParts; ++i) at[i] = w, w += sizes[i];
-  }
+  chunk::Workspace ws(bwd::total_bytes(sizes), device, stream, op);
+  char* at[sizeof(sizes) / sizeof(sizes[0])];
+  bwd::carve(ws.get(), sizes, at);
   bp.chunk_base = a.cu_seqlens ? reinterpret_cast<int32_t*>(at[0]) : nullptr;
   if (!direct) bp.x = bwd::token_inputs_at(at[1], r);
   bp.S0 = at[2];

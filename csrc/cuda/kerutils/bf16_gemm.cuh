@@ -108,19 +108,8 @@ struct Acc {
 
   // every element once, as pairs: epi(i, j, x_ij, x_i,j+1) (j even)
   template <class Epi>
-  __device__ __forceinline__ void drain(Epi&& epi) const {
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int u = 0; u < TPW; ++u) {
-      int m0, n0;
-      origin(u, m0, n0);
-#pragma unroll
-      for (int nb = 0; nb < NB; ++nb) {
-        const int j = n0 + 8 * nb + 2 * t;
-        epi(m0 + g, j, v[u][nb][0], v[u][nb][1]);
-        epi(m0 + g + 8, j, v[u][nb][2], v[u][nb][3]);
-      }
-    }
+  __device__ __forceinline__ void drain(Epi&& epi) {
+    each([&](int i, int j, float& x0, float& x1) { epi(i, j, x0, x1); });
   }
 };
 
